@@ -1,0 +1,1 @@
+"""Load testing: locust scenarios and reports."""

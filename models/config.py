@@ -1,0 +1,152 @@
+"""Encoder configuration: one dataclass for the BERT family, read from a Hugging Face ``config.json``.
+
+``EncoderConfig.from_hf_dict(json.load(...))`` maps BERT, RoBERTa and DistilBERT configs (and
+their ``*ForQuestionAnswering`` variants) onto the one set of fields the plain encoder in
+``models/encoder.py`` needs. Unsupported architectures or inconsistent numbers raise
+``ModelConfigError`` naming the offending values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Arch = Literal["bert", "roberta", "distilbert"]
+SUPPORTED_ARCHS: tuple[str, ...] = ("bert", "roberta", "distilbert")
+_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+
+class ModelConfigError(ValueError):
+    """A model config is unsupported or inconsistent; the message names the file and numbers."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Shape and numerics of a post-LayerNorm BERT-family encoder with a span (QA) head."""
+
+    arch: Arch
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2  # 0: no token-type embedding (DistilBERT)
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    sinusoidal_positions: bool = False
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ModelConfigError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{name}={getattr(self, name)} must be positive")
+        if self.hidden_size % self.num_heads:
+            raise ModelConfigError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_heads}"
+            )
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ModelConfigError(f"hidden_act={self.hidden_act!r} unsupported; supported: {_ACTIVATIONS}")
+        if self.arch == "roberta" and self.max_position_embeddings <= self.pad_token_id + 1:
+            raise ModelConfigError(
+                f"roberta max_position_embeddings={self.max_position_embeddings} must exceed "
+                f"pad_token_id+1={self.pad_token_id + 1}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest input the position table allows (RoBERTa reserves pad_token_id+1 slots)."""
+        if self.arch == "roberta":
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], *, source: str = "config") -> EncoderConfig:
+        """Map a Hugging Face config dict (BERT / RoBERTa / DistilBERT) onto an EncoderConfig."""
+        model_type = cfg.get("model_type")
+        try:
+            if model_type in ("bert", "roberta"):
+                if cfg.get("position_embedding_type", "absolute") != "absolute":
+                    raise ModelConfigError(
+                        f"{source}: position_embedding_type={cfg['position_embedding_type']!r} unsupported "
+                        "(only 'absolute')"
+                    )
+                return cls(
+                    arch=model_type,
+                    vocab_size=int(cfg["vocab_size"]),
+                    hidden_size=int(cfg["hidden_size"]),
+                    num_layers=int(cfg["num_hidden_layers"]),
+                    num_heads=int(cfg["num_attention_heads"]),
+                    intermediate_size=int(cfg["intermediate_size"]),
+                    max_position_embeddings=int(cfg["max_position_embeddings"]),
+                    type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+                    layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                    hidden_act=str(cfg.get("hidden_act", "gelu")),
+                    pad_token_id=int(cfg.get("pad_token_id", 1 if model_type == "roberta" else 0) or 0),
+                    initializer_range=float(cfg.get("initializer_range", 0.02)),
+                    hidden_dropout=float(cfg.get("hidden_dropout_prob", 0.1)),
+                    attention_dropout=float(cfg.get("attention_probs_dropout_prob", 0.1)),
+                )
+            if model_type == "distilbert":
+                return cls(
+                    arch="distilbert",
+                    vocab_size=int(cfg["vocab_size"]),
+                    hidden_size=int(cfg["dim"]),
+                    num_layers=int(cfg["n_layers"]),
+                    num_heads=int(cfg["n_heads"]),
+                    intermediate_size=int(cfg["hidden_dim"]),
+                    max_position_embeddings=int(cfg["max_position_embeddings"]),
+                    type_vocab_size=0,
+                    layer_norm_eps=1e-12,
+                    hidden_act=str(cfg.get("activation", "gelu")),
+                    pad_token_id=int(cfg.get("pad_token_id", 0) or 0),
+                    initializer_range=float(cfg.get("initializer_range", 0.02)),
+                    hidden_dropout=float(cfg.get("dropout", 0.1)),
+                    attention_dropout=float(cfg.get("attention_dropout", 0.1)),
+                    sinusoidal_positions=bool(cfg.get("sinusoidal_pos_embds", False)),
+                )
+        except KeyError as exc:
+            raise ModelConfigError(
+                f"{source}: missing field {exc.args[0]!r} for model_type={model_type!r}"
+            ) from exc
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"{source}: {exc}") from None
+        raise ModelConfigError(
+            f"{source}: unsupported model_type={model_type!r} (architectures={cfg.get('architectures')}); "
+            f"supported: {SUPPORTED_ARCHS}"
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> EncoderConfig:
+        """Read ``config.json`` from a local Hugging Face model directory."""
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ModelConfigError(f"{cfg_path}: no config.json in the model directory")
+        try:
+            data = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelConfigError(f"{cfg_path}: unreadable config ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ModelConfigError(f"{cfg_path}: expected a JSON object, got {type(data).__name__}")
+        return cls.from_hf_dict(data, source=str(cfg_path))

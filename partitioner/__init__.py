@@ -1,0 +1,1 @@
+"""Partitioning: pipeline stages and Megatron tensor parallelism, shard loading, the gang runtime."""

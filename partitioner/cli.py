@@ -1,0 +1,165 @@
+"""``shardserve plan`` and ``shardserve verify``: inspect a partition, check it against the reference.
+
+shardserve plan --model minilm --pp 2 --tp 2 --batch-size 8 --seq-len 384
+shardserve plan --model tiny-bert --pp 3 --json
+shardserve verify --model tiny-roberta --pp 2 --tp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from models.config import ModelConfigError
+from models.hf_weights import CheckpointError
+from models.registry import MODEL_NAMES, resolve_model
+from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
+from partitioner.plan import ParallelDims, make_plan
+
+
+def _parse_boundaries(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--boundaries expects comma-separated layer indices, got {text!r}"
+        ) from exc
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="default",
+        help=f"registry name {MODEL_NAMES} or a local Hugging Face model directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel degree: number of stages (default: %(default)s)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: ranks per stage sharing heads and MLP (default: %(default)s)",
+    )
+    p.add_argument(
+        "--boundaries",
+        type=_parse_boundaries,
+        default=None,
+        help="manual split: first layer of stages 1..pp-1, e.g. '2,4' (default: balanced by the cost model)",
+    )
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show how a model is split across ranks",
+        description="Print the partition plan: stages, ranks, layers, parameters per rank, "
+        "memory estimates for serving and training, and each stage's cost share.",
+    )
+    _add_common(p)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="micro-batch size for memory estimates (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=384,
+        help="sequence length for costs and memory estimates (default: %(default)s)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="measure per-layer cost with a short CPU profile instead of computing it from shapes",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.set_defaults(func=cmd_plan)
+
+    v = sub.add_parser(
+        "verify",
+        help="check partitioned logits against the transformers reference",
+        description="Run sample inputs (several lengths, padded batches) through a gang of pp x tp "
+        "worker processes and through transformers' unpartitioned model; print the max "
+        "absolute difference of start/end logits; exit 1 above the tolerance.",
+    )
+    _add_common(v)
+    v.add_argument(
+        "--tolerance", type=float, default=1e-4, help="max allowed |difference| (default: %(default)s)"
+    )
+    v.add_argument(
+        "--threads-per-rank", type=int, default=1, help="torch threads per worker rank (default: %(default)s)"
+    )
+    v.set_defaults(func=cmd_verify)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    source = resolve_model(args.model)
+    cfg = source.config
+    if args.profile:
+        costs, how = profile_costs(cfg, batch_size=args.batch_size, seq_len=args.seq_len), "profile"
+    else:
+        costs, how = analytic_costs(cfg, seq_len=args.seq_len), "analytic"
+    plan = make_plan(
+        cfg, ParallelDims(pp=args.pp, tp=args.tp), boundaries=args.boundaries, costs=costs, cost_source=how
+    )
+    mem = plan.memory_estimates(cfg, batch_size=args.batch_size, seq_len=args.seq_len)
+    if args.json:
+        out = plan.to_dict()
+        out["model"] = source.describe()
+        for s, m in zip(out["stages"], mem, strict=True):
+            s.update(m)
+        print(json.dumps(out, indent=2))
+        return 0
+    print(
+        f"model {source.name}: {cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} heads; pp={args.pp} tp={args.tp} ({plan.dims.world_size} ranks); "
+        f"cost: {plan.cost_source}; memory at batch {args.batch_size} x seq {args.seq_len}, fp32"
+    )
+    header = f"{'stage':>5}  {'ranks':<12} {'layers':<9} {'params/rank':>12} {'serve MB':>9} {'train MB':>9} {'cost':>6}"
+    print(header)
+    print("-" * len(header))
+    for s, m in zip(plan.stages, mem, strict=True):
+        parts = (
+            (["emb"] if s.has_embeddings else [])
+            + [f"{s.layer_start}-{s.layer_end - 1}"]
+            + (["head"] if s.has_head else [])
+        )
+        print(
+            f"{s.index:>5}  {','.join(map(str, s.ranks)):<12} {'+'.join(parts):<9} {s.params_per_rank:>12,} "
+            f"{m['serving_bytes'] / 2**20:>9.1f} {m['training_bytes'] / 2**20:>9.1f} {s.cost_share:>6.1%}"
+        )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from partitioner.verify import verify_partitioned
+
+    source = resolve_model(args.model)
+    result = verify_partitioned(
+        source,
+        ParallelDims(pp=args.pp, tp=args.tp),
+        tolerance=args.tolerance,
+        threads_per_rank=args.threads_per_rank,
+        boundaries=args.boundaries,
+    )
+    verdict = "PASS" if result.passed else "FAIL"
+    print(
+        f"{verdict} model={source.name} pp={args.pp} tp={args.tp} batches={result.batch_shapes} "
+        f"max|d start|={result.max_abs_start:.3g} max|d end|={result.max_abs_end:.3g} "
+        f"tolerance={result.tolerance:g}"
+    )
+    return 0 if result.passed else 1
+
+
+USER_ERRORS = (ModelConfigError, CheckpointError, InfeasiblePlanError)
+
+
+def main_guard(func, args: argparse.Namespace) -> int:
+    try:
+        return func(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,242 @@
+"""Cost model for splitting an encoder into pipeline stages, and per-rank memory estimates.
+
+The model is a chain of units: ``embeddings``, ``layer 0 … layer L-1``, ``qa_head``. Each unit has
+a cost (relative forward time) and parameter bytes. Costs come from shapes (``analytic_costs``:
+matmul FLOPs plus an elementwise term, so the embeddings and the head count for what they do) or
+from a short measurement on the target device (``profile_costs``).
+
+``balanced_split`` cuts the chain into ``pp`` contiguous stages minimising the slowest stage
+(a min-max linear partition, solved exactly by dynamic programming). Embeddings always sit in
+stage 0 and the head in the last stage; every stage owns at least one layer.
+
+Memory (``serving_memory_bytes`` / ``training_memory_bytes``) follows the usual accounting:
+weights / tp for sharded matrices, plus activations of the micro-batches in flight; training adds
+gradients and Adam moments (the 16·N-bytes rule for mixed precision: 2 weights + 2 grads + 4 fp32
+master + 4 + 4 moments; fp32 training is 4 + 4 + 4 + 4 = 16 as well).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from models.config import EncoderConfig
+
+
+class InfeasiblePlanError(ValueError):
+    """No split satisfies the constraints; the message prints the numbers."""
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Cost of one unit of the layer chain."""
+
+    name: str  # "embeddings", "layer.3", "qa_head"
+    cost: float  # relative forward time (FLOPs-equivalent or seconds)
+    params: int  # parameter count of the whole (unsharded) unit
+    sharded_params: int  # the part of ``params`` split across tensor-parallel ranks
+    shard_row: int = 1  # parameters per indivisible row of the sharded part (a vocabulary row)
+
+
+def _layer_params(c: EncoderConfig) -> tuple[int, int]:
+    h, i = c.hidden_size, c.intermediate_size
+    matrices = 4 * h * h + 2 * h * i  # q, k, v, out, up, down weights (all tp-sharded)
+    sharded_bias = 3 * h + i  # q, k, v, up biases are column-parallel (sharded)
+    replicated = 2 * h + 4 * h  # out/down biases, two LayerNorms
+    return matrices + sharded_bias + replicated, matrices + sharded_bias
+
+
+def _embedding_params(c: EncoderConfig) -> tuple[int, int]:
+    word = c.vocab_size * c.hidden_size  # vocab-parallel
+    other = (c.max_position_embeddings + c.type_vocab_size) * c.hidden_size + 2 * c.hidden_size
+    return word + other, word
+
+
+def analytic_costs(config: EncoderConfig, *, seq_len: int) -> list[UnitCost]:
+    """Per-token forward cost of each unit from shapes (FLOPs, elementwise ops weighted 1)."""
+    h, i, s = config.hidden_size, config.intermediate_size, seq_len
+    layer_flops = 2 * (4 * h * h + 2 * h * i) + 4 * s * h  # projections + QK^T and AV
+    layer_elementwise = 12 * h + i + 5 * config.num_heads * s  # norms, residuals, act, softmax
+    units = [UnitCost("embeddings", 10.0 * h, *_embedding_params(config), shard_row=h)]
+    lp, ls = _layer_params(config)
+    units += [
+        UnitCost(f"layer.{k}", float(layer_flops + layer_elementwise), lp, ls)
+        for k in range(config.num_layers)
+    ]
+    units.append(UnitCost("qa_head", float(4 * h + 2), 2 * h + 2, 0))
+    return units
+
+
+@torch.no_grad()
+def profile_costs(
+    config: EncoderConfig,
+    *,
+    batch_size: int = 4,
+    seq_len: int = 128,
+    device: str = "cpu",
+    repeats: int = 3,
+) -> list[UnitCost]:
+    """Measure each unit's forward time (seconds, median of ``repeats``) on random weights."""
+    from models.encoder import EncoderForQA, expand_mask
+
+    model = EncoderForQA(config).to(device).eval()
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
+    mask = expand_mask(torch.ones(batch_size, seq_len, dtype=torch.long, device=device))
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        samples = []
+        for _ in range(repeats):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return sorted(samples)[len(samples) // 2]
+
+    analytic = analytic_costs(config, seq_len=seq_len)
+    assert model.embeddings is not None and model.qa_outputs is not None
+    hidden = model.embeddings(ids)
+    layer0 = model.layers["0"]
+    head = model.qa_outputs
+    t_emb = timed(lambda: model.embeddings(ids))
+    t_layer = timed(lambda: layer0(hidden, mask))  # layers are identical in shape
+    t_head = timed(lambda: head(hidden))
+    measured = [t_emb] + [t_layer] * config.num_layers + [t_head]
+    return [
+        UnitCost(u.name, t, u.params, u.sharded_params, u.shard_row)
+        for u, t in zip(analytic, measured, strict=True)
+    ]
+
+
+def balanced_split(costs: list[UnitCost], pp: int) -> list[tuple[int, int]]:
+    """Split layers into ``pp`` contiguous stages minimising the most expensive stage.
+
+    ``costs`` is [embeddings, layer 0..L-1, qa_head]. Returns per stage the layer range
+    ``(start, end)`` (end exclusive). Embeddings count towards stage 0, the head to the last.
+    """
+    n_layers = len(costs) - 2
+    if pp < 1 or pp > n_layers:
+        raise InfeasiblePlanError(f"pp={pp} stages need 1 <= pp <= num_layers={n_layers}")
+    emb, head = costs[0].cost, costs[-1].cost
+    layer = [u.cost for u in costs[1:-1]]
+    prefix = [0.0]
+    for c in layer:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(a: int, b: int, first: bool, last: bool) -> float:
+        return prefix[b] - prefix[a] + (emb if first else 0.0) + (head if last else 0.0)
+
+    inf = float("inf")
+    # best[k][j]: minimal max-stage cost covering layers [0, j) with k stages; cut[k][j]: last start.
+    best = [[inf] * (n_layers + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pp + 1):
+        for j in range(k, n_layers + 1):
+            for a in range(k - 1, j):
+                if best[k - 1][a] == inf:
+                    continue
+                cand = max(best[k - 1][a], stage_cost(a, j, a == 0, k == pp and j == n_layers))
+                if cand < best[k][j] - 1e-12:
+                    best[k][j], cut[k][j] = cand, a
+    bounds = []
+    j = n_layers
+    for k in range(pp, 0, -1):
+        a = cut[k][j]
+        bounds.append((a, j))
+        j = a
+    return bounds[::-1]
+
+
+def stage_costs(costs: list[UnitCost], bounds: list[tuple[int, int]]) -> list[float]:
+    """Cost of each stage for given layer ranges (embeddings in the first, head in the last)."""
+    out = []
+    for k, (a, b) in enumerate(bounds):
+        c = sum(u.cost for u in costs[1 + a : 1 + b])
+        c += costs[0].cost if k == 0 else 0.0
+        c += costs[-1].cost if k == len(bounds) - 1 else 0.0
+        out.append(c)
+    return out
+
+
+def stage_param_counts(costs: list[UnitCost], bounds: list[tuple[int, int]], tp: int) -> list[int]:
+    """Parameters held by the largest rank of each stage (sharded part / tp rounded up + replicated part)."""
+    out = []
+    for k, (a, b) in enumerate(bounds):
+        units = list(costs[1 + a : 1 + b])
+        if k == 0:
+            units.append(costs[0])
+        if k == len(bounds) - 1:
+            units.append(costs[-1])
+        rows = [-(-u.sharded_params // u.shard_row) for u in units]
+        out.append(
+            sum(
+                -(-r // tp) * u.shard_row + u.params - u.sharded_params
+                for r, u in zip(rows, units, strict=True)
+            )
+        )
+    return out
+
+
+def activation_bytes_per_layer(
+    config: EncoderConfig, *, batch_size: int, seq_len: int, tp: int, dtype_bytes: int, training: bool
+) -> int:
+    """Activation bytes for one layer and one micro-batch on one tensor-parallel rank.
+
+    Training keeps what backward needs (Korthikanti et al. 2022, without sequence parallelism):
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at 2-byte precision, scaled to ``dtype_bytes``.
+    Inference keeps only the working set of one layer: the residual stream, the q/k/v and MLP
+    intermediates of this rank, and one attention score matrix.
+    """
+    b, s, h, a, t = batch_size, seq_len, config.hidden_size, config.num_heads, tp
+    if training:
+        two_byte = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        return int(two_byte * dtype_bytes / 2)
+    elems = b * s * (2 * h + 3 * h // t + config.intermediate_size // t) + b * (a // t) * s * s
+    return elems * dtype_bytes
+
+
+def serving_memory_bytes(
+    params: int,
+    config: EncoderConfig,
+    *,
+    n_layers: int,
+    batch_size: int,
+    seq_len: int,
+    tp: int,
+    dtype_bytes: int = 4,
+    inflight: int = 2,
+) -> int:
+    """One rank serving: weights + one layer's working set + ``inflight`` boundary activations."""
+    act = activation_bytes_per_layer(
+        config, batch_size=batch_size, seq_len=seq_len, tp=tp, dtype_bytes=dtype_bytes, training=False
+    )
+    boundary = inflight * batch_size * seq_len * config.hidden_size * dtype_bytes
+    return params * dtype_bytes + (act if n_layers else 0) + boundary
+
+
+def training_memory_bytes(
+    params: int,
+    config: EncoderConfig,
+    *,
+    n_layers: int,
+    batch_size: int,
+    seq_len: int,
+    tp: int,
+    stage_index: int,
+    pp: int,
+    dtype_bytes: int = 4,
+) -> int:
+    """One rank training with Adam under 1F1B: 16 bytes/param + stored activations.
+
+    1F1B keeps at most ``pp - stage_index`` micro-batches' activations alive on a stage.
+    """
+    per_layer = activation_bytes_per_layer(
+        config, batch_size=batch_size, seq_len=seq_len, tp=tp, dtype_bytes=dtype_bytes, training=True
+    )
+    return 16 * params + per_layer * n_layers * (pp - stage_index)

@@ -1,0 +1,417 @@
+"""The gang runtime: ``pp * tp`` worker processes that start, serve, fail and stop as one unit.
+
+The caller (driver) is not a rank: it hands micro-batches to stage 0 through queues and receives
+span logits from the last stage, while activations travel rank-to-rank over torch.distributed
+(gloo on CPU, NCCL on CUDA). A monitor thread turns any rank failure into a ``GangError`` that
+names the rank (with its traceback or exit signal) and fails every pending future at once:
+
+- a rank that raises reports its traceback and exits;
+- a rank that dies (``kill -9``) is seen through its process sentinel within ``poll_s``;
+- a rank that stalls is detected when no micro-batch completes for ``stall_timeout_s`` while work
+  is in flight; the per-rank progress counters name the ranks that are behind.
+
+After a failure the remaining ranks are killed; ``stop()`` drains in-flight work, sends a stop
+message down the pipeline and joins the processes (the rendezvous store lives in the driver, so
+no port outlives the gang).
+
+    with Gang(GangSpec(source, plan)) as gang:
+        logits = gang.submit(input_ids, attention_mask).result()   # (B, S, 2) float32 tensor
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from partitioner.worker import GangSpec, worker_main
+
+logger = logging.getLogger(__name__)
+
+
+class GangError(RuntimeError):
+    """A rank of the gang failed; ``rank`` names it (None when several or unknown)."""
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class _Pending:
+    future: Future
+    submitted: float
+    batch_size: int
+
+
+@dataclass
+class GangStats:
+    submitted: int = 0
+    completed: int = 0
+    ready_info: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def _as_numpy(t: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
+    if t is None or isinstance(t, np.ndarray):
+        return t
+    return t.detach().cpu().numpy()
+
+
+class Gang:
+    """Driver-side handle on one gang of worker processes."""
+
+    def __init__(
+        self,
+        spec: GangSpec,
+        *,
+        name: str = "gang",
+        start_timeout_s: float = 300.0,
+        stall_timeout_s: float = 60.0,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.spec = spec
+        self.name = name
+        self.start_timeout_s = start_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.poll_s = poll_s
+        self.stats = GangStats()
+        self.error: GangError | None = None
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._stopping = False
+        self._monitor: threading.Thread | None = None
+        self._last_progress = time.monotonic()
+        self._store: dist.TCPStore | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def world_size(self) -> int:
+        return self.spec.plan.dims.world_size
+
+    def describe_rank(self, rank: int) -> str:
+        stage, tp_rank = self.spec.plan.dims.coords(rank)
+        return f"rank {rank} (stage {stage}, tp {tp_rank})"
+
+    def start(self) -> Gang:
+        """Spawn every rank and wait until all report ready; raises GangError on any failure."""
+        dims = self.spec.plan.dims
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            dims.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.start_timeout_s),
+        )
+        base_env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self._store.port),
+            "WORLD_SIZE": str(dims.world_size),
+            "SHARDSERVE_DRIVER_STORE": "1",
+            "SHARDSERVE_PARENT_PID": str(os.getpid()),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
+        }
+        self._ctrl = self._ctx.Queue()
+        self._out = self._ctx.Queue()
+        self._in = [self._ctx.Queue() for _ in range(dims.tp)]  # one per stage-0 rank
+        self._progress = self._ctx.Array("q", dims.world_size, lock=False)
+        self._busy_since = self._ctx.Array("d", dims.world_size, lock=False)
+        for rank in range(dims.world_size):
+            env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            stage, tp_rank = dims.coords(rank)
+            queues = {"ctrl": self._ctrl, "out": self._out, "in": self._in[tp_rank] if stage == 0 else None}
+            proc = self._ctx.Process(
+                target=worker_main,
+                args=(rank, self.spec, env, queues, self._progress, self._busy_since),
+                name=f"{self.name}-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._kill_all()
+            raise
+        self._last_progress = time.monotonic()
+        if self.spec.program == GangSpec.program:  # the streaming server answers through submit()
+            self._monitor = threading.Thread(
+                target=self._monitor_loop, name=f"{self.name}-monitor", daemon=True
+            )
+            self._monitor.start()
+        logger.info("%s ready: %d ranks", self.name, dims.world_size)
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        ready: set[int] = set()
+
+        def on_ready(kind: str, rank: int, info: Any) -> None:
+            if kind == "ready":
+                ready.add(rank)
+                self.stats.ready_info[rank] = info
+
+        while len(ready) < self.world_size:
+            try:
+                kind, rank, info = self._ctrl.get(timeout=self.poll_s)
+            except queue.Empty:
+                kind, rank, info = None, -1, None
+            if kind == "ready":
+                on_ready(kind, rank, info)
+                continue
+            err = self._diagnose(
+                phase="while starting", first=(rank, info) if kind == "error" else None, on_other=on_ready
+            )
+            if err is not None:
+                raise err
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - ready)
+                raise GangError(
+                    f"{self.name}: ranks {missing} not ready after {self.start_timeout_s:.0f}s",
+                    rank=missing[0] if len(missing) == 1 else None,
+                )
+
+    def stop(self, *, timeout_s: float = 30.0) -> None:
+        """Drain in-flight micro-batches, stop every rank, release the rendezvous port."""
+        if not self._procs:
+            return
+        if self.error is None:
+            deadline = time.monotonic() + timeout_s
+            while self._pending and self.error is None and time.monotonic() < deadline:
+                time.sleep(self.poll_s)
+        self._stopping = True
+        if self.error is None:
+            for q in self._in:
+                q.put(("stop",))
+            for proc in self._procs:
+                proc.join(timeout=max(0.1, timeout_s))
+        self._kill_all()
+        self._fail_pending(self.error or GangError(f"{self.name}: gang stopped"))
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        for q in (self._ctrl, self._out, *self._in):
+            q.cancel_join_thread()
+            q.close()
+        self._procs = []
+        self._store = None
+
+    def __enter__(self) -> Gang:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and bool(self._procs) and not self._stopping
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ------------------------------------------------------------------ work
+    def submit(
+        self,
+        input_ids: torch.Tensor | np.ndarray,
+        attention_mask: torch.Tensor | np.ndarray,
+        token_type_ids: torch.Tensor | np.ndarray | None = None,
+    ) -> Future:
+        """Queue one micro-batch ((B, S) each); the future resolves to (B, S, 2) float32 logits."""
+        if self.error is not None:
+            raise self.error
+        if not self.healthy:
+            raise GangError(f"{self.name}: not running")
+        ids, mask, types = _as_numpy(input_ids), _as_numpy(attention_mask), _as_numpy(token_type_ids)
+        fut: Future = Future()
+        with self._lock:
+            mb_id = self._next_id
+            self._next_id += 1
+            if not self._pending:
+                self._last_progress = time.monotonic()
+            self._pending[mb_id] = _Pending(fut, time.monotonic(), int(ids.shape[0]))
+            self.stats.submitted += 1
+        for q in self._in:
+            q.put(("batch", mb_id, ids, mask, types))
+        return fut
+
+    def run(self, batches: list[tuple], *, timeout_s: float | None = None) -> list[torch.Tensor]:
+        """Submit every micro-batch (streamed through the pipeline), return logits in order."""
+        futures = [self.submit(*b) for b in batches]
+        return [f.result(timeout=timeout_s) for f in futures]
+
+    def join(self, *, on_message=None, timeout_s: float | None = None) -> None:
+        """For programs that run to completion (training): wait until every rank has finished.
+
+        Messages a program puts on the control queue other than ready/stopped/error, as
+        ``(kind, rank, payload)``, are handed to ``on_message``. Any failure raises GangError.
+        """
+        if self._monitor is not None:
+            raise RuntimeError("join() is for programs that do not use submit(); the monitor is running")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stopped: set[int] = set()
+
+        def handle(kind: str, rank: int, info: Any) -> None:
+            if kind == "stopped":
+                stopped.add(rank)
+            elif on_message is not None:
+                on_message(kind, rank, info)
+
+        while len(stopped) < self.world_size:
+            try:
+                kind, rank, info = self._ctrl.get(timeout=self.poll_s)
+            except queue.Empty:
+                kind, rank, info = None, -1, None
+            if kind is None or kind == "error":
+                err = self._diagnose(
+                    phase="",
+                    first=(rank, info) if kind == "error" else None,
+                    finished=stopped,
+                    on_other=handle,
+                )
+                if err is None and deadline is not None and time.monotonic() > deadline:
+                    err = GangError(f"{self.name}: not finished after {timeout_s:.0f}s")
+                if err is not None:
+                    self.error = err
+                    self._kill_all()
+                    raise err
+                continue
+            handle(kind, rank, info)
+        self._stopping = True
+        for proc in self._procs:
+            proc.join(timeout=30)
+
+    # ------------------------------------------------------------------ monitoring
+    def _monitor_loop(self) -> None:
+        while not self._stopping and self.error is None:
+            try:
+                _kind, mb_id, payload = self._out.get(timeout=self.poll_s)
+                with self._lock:
+                    pending = self._pending.pop(mb_id, None)
+                    self._last_progress = time.monotonic()
+                    self.stats.completed += 1
+                if pending is not None:
+                    pending.future.set_result(torch.from_numpy(payload))
+                continue
+            except queue.Empty:
+                pass
+            except (EOFError, OSError):
+                if self._stopping:
+                    return
+                raise
+            self._check_health()
+
+    def _check_health(self) -> None:
+        err = self._diagnose(phase="")
+        if err is not None:
+            self._fail(err)
+            return
+        if self._pending and time.monotonic() - self._last_progress > self.stall_timeout_s:
+            counts = list(self._progress)
+            now = time.time()
+            # Ranks stuck inside a micro-batch are the culprits; else those furthest behind.
+            # Ranks stuck inside a micro-batch, longest first (upstream ranks blocked sending to a
+            # hung rank started later); with none, the ranks furthest behind.
+            since = list(self._busy_since)
+            stuck = sorted(
+                (r for r, t in enumerate(since) if t and now - t > self.stall_timeout_s),
+                key=lambda r: since[r],
+            )
+            behind = stuck or [r for r, c in enumerate(counts) if c == min(counts)]
+            names = ", ".join(self.describe_rank(r) for r in behind)
+            self._fail(
+                GangError(
+                    f"{self.name}: stalled: no micro-batch completed for {self.stall_timeout_s:.0f}s with "
+                    f"{len(self._pending)} in flight; stuck (longest first): {names}; "
+                    f"micro-batches done per rank: {counts}",
+                    rank=behind[0] if stuck or len(behind) == 1 else None,
+                )
+            )
+
+    def _diagnose(
+        self,
+        *,
+        phase: str,
+        first: tuple[int, str] | None = None,
+        finished: set[int] | frozenset[int] = frozenset(),
+        on_other: Callable[[str, int, Any], None] | None = None,
+    ) -> GangError | None:
+        """Turn error reports and dead processes into one GangError naming the culprit, or None.
+
+        A rank that died without reporting (killed, or exited hard) is blamed first: its peers
+        then fail with connection errors that only echo its death. Otherwise the first rank that
+        reported an error is blamed, with its traceback. Other control messages met on the way go
+        to ``on_other``.
+        """
+        reports: dict[int, str] = dict([first]) if first else {}
+
+        def survey() -> list[int]:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    kind, rank, info = self._ctrl.get_nowait()
+                    if kind == "error":
+                        reports.setdefault(rank, info)
+                    elif on_other is not None:
+                        on_other(kind, rank, info)
+            return [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in finished]
+
+        dead = survey()
+        if self._stopping or (not reports and not dead):
+            return None
+        settle = time.monotonic() + 0.3  # a raiser's traceback or a killed peer's exit may lag a little
+        while time.monotonic() < settle:
+            time.sleep(0.02)
+            dead = survey()
+        silent = [r for r in dead if r not in reports]
+        where = f" {phase}" if phase else ""
+        if silent:
+            rank = min(silent, key=lambda r: (self._procs[r].exitcode or 0) >= 0)  # signals first
+            code = self._procs[rank].exitcode or 0
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            msg = f"{self.name}: {self.describe_rank(rank)} {how}{where}"
+        else:
+            rank = next(iter(reports))
+            msg = f"{self.name}: {self.describe_rank(rank)} failed{where}:\n{reports[rank]}"
+        others = sorted(set(reports) | set(dead) - {rank})
+        if others:
+            msg += f"\n(then also down: {', '.join(self.describe_rank(r) for r in others)})"
+        return GangError(msg, rank=rank)
+
+    def _fail(self, err: GangError) -> None:
+        logger.error("%s", err)
+        self.error = err
+        self._kill_all()
+        self._fail_pending(err)
+
+    def _fail_pending(self, err: GangError) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(err)
+
+    def _kill_all(self) -> None:
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5)

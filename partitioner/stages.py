@@ -1,0 +1,59 @@
+"""Pipeline stages built from a ``PartitionPlan``, each rank loading only its own shard.
+
+``build_stage`` creates the whole ``EncoderForQA`` on the ``meta`` device (no memory), deletes
+what the stage does not own (embeddings before stage 0, layers outside its range, the head before
+the last stage), applies tensor parallelism, materialises the remainder on the rank's device, and
+reads exactly the rank's slices from the checkpoint (safetensors mmap + slice).
+
+    stage = build_stage(source, plan, rank=3, tp_group=group)   # eval mode
+    out = stage(x, attention_mask)   # ids (B, S) or hidden (B, S, H) -> hidden (B, S, H) or logits (B, S, 2)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from models.encoder import EncoderForQA
+from models.hf_weights import load_weights
+from models.registry import ModelSource
+from partitioner.plan import PartitionPlan
+from partitioner.tensor_parallel import apply_tensor_parallel
+
+logger = logging.getLogger(__name__)
+
+
+def slice_stage(model: EncoderForQA, plan: PartitionPlan, stage_index: int) -> EncoderForQA:
+    """Drop the parts of ``model`` that stage ``stage_index`` does not own (in place)."""
+    spec = plan.stages[stage_index]
+    if not spec.has_embeddings:
+        model.embeddings = None
+    if not spec.has_head:
+        model.qa_outputs = None
+    for key in list(model.layers.keys()):
+        if int(key) not in spec.layers:
+            del model.layers[key]
+    return model
+
+
+def build_stage(
+    source: ModelSource,
+    plan: PartitionPlan,
+    *,
+    rank: int,
+    tp_group: dist.ProcessGroup | None,
+    dtype: torch.dtype = torch.float32,
+    head_seed: int = 0,
+) -> EncoderForQA:
+    """The stage module of global ``rank``, with its shard of the weights loaded."""
+    stage_index, tp_rank = plan.dims.coords(rank)
+    with torch.device("meta"):
+        model = EncoderForQA(source.config)
+    slice_stage(model, plan, stage_index)
+    apply_tensor_parallel(model, tp_rank=tp_rank, tp_size=plan.dims.tp, group=tp_group)
+    model = model.to_empty(device=plan.devices[rank]).to(dtype)
+    report = load_weights(model, source.weights(), source.config, head_seed=head_seed)
+    logger.debug("rank %d loaded %.1f MB of weights", rank, report.bytes_read / 1e6)
+    return model.eval()

@@ -1,0 +1,127 @@
+"""Megatron-style tensor-parallel layers.
+
+With ``t`` ranks and a linear map ``Y = X A + b`` (A: in x out):
+
+ColumnParallelLinear splits A by columns, ``A = [A_1 … A_t]``; rank i computes
+``Y_i = X A_i + b_i`` and keeps its slice of the output (for attention: its heads; for the MLP:
+its slice of the intermediate). Input enters through ``copy_to_tp``.
+
+RowParallelLinear splits A by rows, ``A = [A_1; …; A_t]``, and takes the matching input slice
+``X_i``; ``Y = Σ_i X_i A_i + b`` needs one all-reduce (``reduce_from_tp``), after which the
+(replicated) bias is added once.
+
+VocabParallelEmbedding splits the vocabulary; each rank looks up the ids in its range, zeroes the
+rest, and an all-reduce sums the partial embeddings.
+
+Weights use ``nn.Linear``'s (out, in) layout; ``shard_specs`` tells the shard loader which slice
+of the full checkpoint tensor each parameter holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.hf_weights import ShardSlice
+from partitioner.collectives import copy_to_tp, reduce_from_tp
+
+
+def shard_range(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(start, length) of rank ``tp_rank``'s contiguous part of ``size`` items (last part may be short)."""
+    per = -(-size // tp_size)
+    start = min(size, tp_rank * per)
+    return start, max(0, min(per, size - start))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i + b_i; output stays sharded along the last dimension."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        group: dist.ProcessGroup | None,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if out_features % tp_size:
+            raise ValueError(f"out_features={out_features} not divisible by tp={tp_size}")
+        self.group = group
+        self.out_local = out_features // tp_size
+        start = tp_rank * self.out_local
+        self.weight = nn.Parameter(torch.empty(self.out_local, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_local, device=device, dtype=dtype)) if bias else None
+        self.shard_specs = {
+            "weight": ShardSlice(0, start, self.out_local),
+            "bias": ShardSlice(0, start, self.out_local),
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., in) replicated -> (..., out / tp)
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = all_reduce(X_i A_i) + b; input arrives sharded along its last dimension."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        group: dist.ProcessGroup | None,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if in_features % tp_size:
+            raise ValueError(f"in_features={in_features} not divisible by tp={tp_size}")
+        self.group = group
+        self.in_local = in_features // tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.shard_specs = {"weight": ShardSlice(1, tp_rank * self.in_local, self.in_local)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., in / tp) -> (..., out) replicated
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows across the tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        group: dist.ProcessGroup | None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.vocab_start, length = shard_range(num_embeddings, tp_rank, tp_size)
+        self.vocab_end = self.vocab_start + length
+        self.weight = nn.Parameter(torch.empty(length, embedding_dim, device=device, dtype=dtype))
+        self.shard_specs = {"weight": ShardSlice(0, self.vocab_start, length)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: (B, S) -> (B, S, H)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        emb = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(emb, self.group)

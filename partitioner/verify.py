@@ -1,0 +1,164 @@
+"""Parity check: the partitioned gang against the unpartitioned ``transformers`` reference.
+
+Runs sample question/context pairs of several lengths as padded micro-batches through a gang at
+the requested (pp, tp) and through ``AutoModelForQuestionAnswering`` on the same weights, and
+reports the largest absolute difference of start/end logits over real (unpadded) tokens.
+
+A checkpoint without a QA head (the bundled MiniLM) or with overlays (the default model) is first
+merged into a temporary full ``*ForQuestionAnswering`` directory for the reference; the gang still
+loads from the original source, so the overlay and head-initialisation paths are checked too.
+
+    shardserve verify --model tiny-bert --pp 2 --tp 2
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.build import build_model
+from models.registry import ModelSource
+from partitioner.gang import Gang
+from partitioner.plan import ParallelDims, make_plan
+from partitioner.worker import GangSpec
+
+logger = logging.getLogger(__name__)
+
+_CONTEXT = (
+    "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy, "
+    "a region in France. They were descended from Norse raiders and pirates from Denmark, Iceland "
+    "and Norway who, under their leader Rollo, agreed to swear fealty to King Charles III of West "
+    "Francia. Through generations of assimilation and mixing with the native Frankish and "
+    "Roman-Gaulish populations, their descendants would gradually merge with the Carolingian-based "
+    "cultures of West Francia. "
+)
+SAMPLES: list[tuple[str, str]] = [
+    ("In what country is Normandy located?", _CONTEXT),
+    ("Who was the Norse leader?", "Rollo led the Norse raiders."),
+    ("What is the capital?", "Paris."),
+    (
+        "From which countries did the Norse originate, and when did the Normans give their name to Normandy?",
+        _CONTEXT * 4,
+    ),
+]
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of a parity run."""
+
+    max_abs_start: float
+    max_abs_end: float
+    tolerance: float
+    batch_shapes: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def max_abs(self) -> float:
+        return max(self.max_abs_start, self.max_abs_end)
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs <= self.tolerance
+
+
+def sample_batches(source: ModelSource, *, max_seq_len: int = 256) -> list[dict[str, torch.Tensor]]:
+    """Padded micro-batches of mixed lengths: all samples together, one short one, the long pair."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    max_len = min(max_seq_len, source.config.max_seq_len)
+
+    def encode(pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+        enc = tok(
+            [q for q, _ in pairs],
+            [c for _, c in pairs],
+            padding=True,
+            truncation="only_second",
+            max_length=max_len,
+            return_tensors="pt",
+        )
+        batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        if source.config.type_vocab_size >= 2 and "token_type_ids" in enc:
+            batch["token_type_ids"] = enc["token_type_ids"]
+        return batch
+
+    return [encode(SAMPLES), encode(SAMPLES[2:3]), encode([SAMPLES[0], SAMPLES[3]])]
+
+
+def reference_dir(source: ModelSource, workdir: Path) -> Path:
+    """A full HF QA checkpoint with the same weights the gang will load."""
+    from models.hf_weights import WeightSource, save_hf_checkpoint
+
+    weights: WeightSource = source.weights()
+    if not source.overlays and weights.locate("qa_outputs.weight") is not None:
+        return source.checkpoint
+    model = build_model(source)
+    return save_hf_checkpoint(
+        model.state_dict(),
+        source.config,
+        workdir / "reference",
+        base_config=source.checkpoint / "config.json",
+    )
+
+
+@torch.no_grad()
+def reference_logits(ref_dir: Path, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForQuestionAnswering
+
+    ref = AutoModelForQuestionAnswering.from_pretrained(ref_dir).eval()
+    outs = []
+    for b in batches:
+        r = ref(**b)
+        outs.append(torch.stack([r.start_logits, r.end_logits], dim=-1))  # (B, S, 2)
+    return outs
+
+
+def compare(
+    got: list[torch.Tensor],
+    want: list[torch.Tensor],
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    tolerance: float,
+) -> VerifyResult:
+    """Largest |got - want| over unpadded tokens, per logit kind."""
+    d_start = d_end = 0.0
+    for g, w, b in zip(got, want, batches, strict=True):
+        mask = b["attention_mask"].bool()  # (B, S)
+        diff = (g - w).abs()  # (B, S, 2)
+        d_start = max(d_start, diff[..., 0][mask].max().item())
+        d_end = max(d_end, diff[..., 1][mask].max().item())
+    return VerifyResult(d_start, d_end, tolerance, [tuple(b["input_ids"].shape) for b in batches])
+
+
+def verify_partitioned(
+    source: ModelSource,
+    dims: ParallelDims,
+    *,
+    tolerance: float = 1e-4,
+    threads_per_rank: int = 1,
+    boundaries: list[int] | None = None,
+) -> VerifyResult:
+    """Run the gang and the reference on the sample batches and compare."""
+    plan = make_plan(source.config, dims, boundaries=boundaries)
+    batches = sample_batches(source)
+    with tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp:
+        want = reference_logits(reference_dir(source, Path(tmp)), batches)
+    with Gang(
+        GangSpec(source, plan, threads_per_rank=threads_per_rank), name=f"verify-pp{dims.pp}-tp{dims.tp}"
+    ) as gang:
+        got = gang.run(
+            [(b["input_ids"], b["attention_mask"], b.get("token_type_ids")) for b in batches], timeout_s=300
+        )
+    result = compare(got, want, batches, tolerance=tolerance)
+    logger.info(
+        "verify pp=%d tp=%d: max |diff| start=%.3g end=%.3g",
+        dims.pp,
+        dims.tp,
+        result.max_abs_start,
+        result.max_abs_end,
+    )
+    return result

@@ -1,0 +1,1 @@
+"""Serving: HTTP question answering over partitioned replica gangs."""

@@ -1,0 +1,564 @@
+"""Serving scheduler: bounded admission, length-bucketed dynamic batching and replica dispatch.
+
+Owns the request queue of the HTTP process as PURE LOGIC: no threads, no asyncio, no clock reads.
+Every time-dependent method takes ``now`` (seconds, one monotonic clock for all calls), so the
+whole policy is unit-tested with a fake clock (``tests/serving/test_scheduler.py``).
+
+Work items are *windows* (token sequences of one question, ``n_tokens <= max(length_buckets)``).
+A request completes when all its windows completed. Windows are batched only with windows of the
+same length bucket; a micro-batch goes to the least-loaded accepting replica that has fewer than
+``max_inflight_per_replica`` batches in flight.
+
+How a driver (asyncio/thread code, written elsewhere; one thread or event loop at a time,
+the scheduler holds no lock) uses it::
+
+    adm = sched.submit(rid, [len(w) for w in windows], now=clock())
+    if not adm.accepted: answer 429 + Retry-After (adm.retry_after_s) or 413 (too_large)
+    # on every wake-up:
+    for rid in sched.expire(now): answer 504
+    while (d := sched.next_batch(now, replicas)) is not None: send d.items to d.replica_id
+    sleep until sched.next_wakeup(now), or earlier on a submit / completion / replica change
+    # on results:   out = sched.batch_done(d.batch_id, now=now, ok=True); answer out.completed
+    # on gang death: out = sched.replica_failed(replica_id); answer 503 for out.failed
+    # client gone:  sched.cancel(rid)
+
+Release rule for a bucket's candidate batch (its first live windows, FIFO, greedily up to
+``max_batch_size`` windows and ``max_batch_tokens`` padded tokens = size * longest window):
+``full`` (a limit stopped it) > ``deadline`` (earliest request deadline in it is within
+``deadline_margin_ms``) > ``timeout`` (its oldest window waited ``max_queue_delay_ms``).
+Among releasable buckets the one whose oldest window is oldest goes first (FIFO across buckets:
+a busy bucket cannot starve a quiet one).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_MIN_S = 1  # Retry-After floor (integer seconds, as the HTTP header wants)
+RETRY_AFTER_MAX_S = 60  # Retry-After ceiling
+RATE_EWMA_TAU_S = 10.0  # time constant of the service-rate EWMA (busy seconds)
+MAX_WINDOW_ATTEMPTS = 2  # a window is dispatched at most twice: first try + one retry
+_COMPACT_MIN_DEAD = 64  # lazily deleted queue entries tolerated before a compaction
+
+AdmissionReason = Literal["accepted", "queue_full", "too_large"]
+ReleaseReason = Literal["full", "deadline", "timeout"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batcher and queue knobs (Triton names); validated once, errors print the numbers."""
+
+    max_queue_size: int = 256  # requests with windows still waiting for dispatch
+    max_batch_size: int = 32  # windows per micro-batch
+    max_batch_tokens: int = 8192  # padded tokens per micro-batch: batch_size * longest window
+    max_queue_delay_ms: float = 5.0  # oldest window may wait this long for a fuller batch
+    length_buckets: tuple[int, ...] = (64, 128, 256, 384)  # sorted bucket upper bounds (tokens)
+    max_inflight_per_replica: int = 2  # micro-batches in flight per replica
+    default_deadline_s: float = 30.0  # request deadline when submit() gets none
+    deadline_margin_ms: float = 50.0  # release a partial batch once a deadline is this near
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("max_queue_size", "max_batch_size", "max_batch_tokens", "max_inflight_per_replica"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+        for name in ("max_queue_delay_ms", "deadline_margin_ms"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
+        if self.default_deadline_s <= 0:
+            problems.append(f"default_deadline_s={self.default_deadline_s!r} must be > 0")
+        buckets = tuple(self.length_buckets)
+        object.__setattr__(self, "length_buckets", buckets)
+        if not buckets or buckets[0] < 1 or any(a >= b for a, b in itertools.pairwise(buckets)):
+            problems.append(f"length_buckets={buckets} must be non-empty, >= 1 and strictly increasing")
+        elif isinstance(self.max_batch_tokens, int) and self.max_batch_tokens < buckets[-1]:
+            problems.append(
+                f"max_batch_tokens={self.max_batch_tokens} is below the largest length bucket "
+                f"{buckets[-1]}: windows of that bucket could never be batched"
+            )
+        if problems:
+            raise ValueError("invalid SchedulerConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the driver knows of one replica when it asks for a batch."""
+
+    replica_id: str
+    inflight: int = 0  # batches in flight as the driver counts them
+    accepting: bool = True  # healthy, ready and not draining
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Result of submit(): accepted, or rejected with a reason (429 queue_full / 413 too_large)."""
+
+    accepted: bool
+    reason: AdmissionReason
+    retry_after_s: int | None = None  # set for queue_full: the Retry-After header value
+    deadline: float | None = None  # absolute deadline of an accepted request
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One micro-batch to send: windows as (request_id, window_index), padded to padded_len."""
+
+    batch_id: int
+    replica_id: str
+    items: list[tuple[str, int]]
+    padded_len: int  # longest window in the batch (tokens)
+    bucket: int  # the length bucket's upper bound (tokens)
+    reason: ReleaseReason
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Requests finished by batch_done() / replica_failed(): completed (200) and failed (503)."""
+
+    completed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    retried_windows: int = 0  # windows re-queued (at the front) for their one retry
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Observability snapshot (copied; safe to export as metrics)."""
+
+    queued_requests: int
+    queued_windows: int
+    inflight_batches: dict[str, int]  # replica_id -> batches in flight (replicas with > 0)
+    batches_by_reason: dict[str, int]  # full / deadline / timeout
+    padding_ratio: float  # padding tokens / padded tokens over all dispatched batches
+    service_rate: float | None  # EWMA of completed windows per busy second; None before any
+    completed: int
+    expired: int
+    cancelled: int
+    failed: int
+    rejected: dict[str, int]  # queue_full / too_large
+    retried_windows: int
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    n_windows: int
+    deadline: float
+    queued: int = 0  # windows waiting in a bucket
+    remaining: int = 0  # windows not yet completed
+    failures: dict[int, int] = field(default_factory=dict)  # window index -> failed attempts
+    alive: bool = True  # False once completed / expired / cancelled / failed
+
+
+@dataclass(eq=False)
+class _Window:
+    req: _Request
+    index: int
+    n_tokens: int
+    bucket: int  # index into length_buckets
+    enqueued_at: float  # first submission time (kept on retry, so retries go out first)
+
+
+@dataclass(eq=False)
+class _Batch:
+    replica_id: str
+    windows: list[_Window]
+
+
+@dataclass(eq=False)
+class _Candidate:
+    bucket: int
+    windows: list[_Window]
+    padded_len: int
+    oldest: float
+    reason: ReleaseReason | None  # None: not releasable yet
+    release_at: float  # when it becomes releasable by timeout or deadline
+
+
+class Scheduler:
+    """Bounded queue -> length-bucketed micro-batches -> least-loaded replica (see module doc)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._delay_s = config.max_queue_delay_ms / 1000.0
+        self._margin_s = config.deadline_margin_ms / 1000.0
+        self._buckets: list[deque[_Window]] = [deque() for _ in config.length_buckets]
+        self._requests: dict[str, _Request] = {}  # live requests (queued or in flight)
+        self._deadlines: list[tuple[float, int, _Request]] = []  # heap; lazily deleted
+        self._seq = itertools.count()
+        self._batch_ids = itertools.count(1)
+        self._inflight: dict[int, _Batch] = {}
+        self._inflight_per_replica: dict[str, int] = {}
+        self._expired_outbox: list[str] = []
+        self._queued_requests = 0
+        self._queued_windows = 0
+        self._dead_entries = 0  # bucket entries of dead requests not yet removed
+        # service rate: ratio of decayed completed windows to decayed busy seconds
+        self._rate_windows = 0.0
+        self._rate_seconds = 0.0
+        self._busy_mark: float | None = None  # last rate update while batches are in flight
+        # counters
+        self._batches_by_reason = {"full": 0, "deadline": 0, "timeout": 0}
+        self._rejected = {"queue_full": 0, "too_large": 0}
+        self._padded_tokens = 0
+        self._real_tokens = 0
+        self._completed = self._expired = self._cancelled = self._failed = self._retried = 0
+
+    # ------------------------------------------------------------------ admission
+    def submit(
+        self,
+        request_id: str,
+        windows_token_counts: Sequence[int],
+        *,
+        now: float,
+        deadline: float | None = None,
+    ) -> Admission:
+        """Queue a request's windows, or reject it (too_large before queue_full).
+
+        ``deadline`` is absolute (same clock as ``now``); default ``now + default_deadline_s``.
+        Raises ValueError for caller bugs: no windows, a window < 1 token, a duplicate live id.
+        """
+        cfg = self.config
+        if not windows_token_counts:
+            raise ValueError(f"request {request_id!r} has no windows")
+        if min(windows_token_counts) < 1:
+            raise ValueError(f"request {request_id!r} has a window of {min(windows_token_counts)} tokens")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already queued or in flight")
+        longest = max(windows_token_counts)
+        if longest > cfg.length_buckets[-1]:
+            self._rejected["too_large"] += 1
+            return Admission(
+                accepted=False,
+                reason="too_large",
+                detail=(
+                    f"window of {longest} tokens exceeds the largest length bucket "
+                    f"{cfg.length_buckets[-1]} (max_batch_tokens={cfg.max_batch_tokens})"
+                ),
+            )
+        if self._queued_requests >= cfg.max_queue_size:
+            self._rejected["queue_full"] += 1
+            retry_after = self._retry_after_s()
+            return Admission(
+                accepted=False,
+                reason="queue_full",
+                retry_after_s=retry_after,
+                detail=(
+                    f"{self._queued_requests} requests ({self._queued_windows} windows) queued, "
+                    f"max_queue_size={cfg.max_queue_size}; retry in {retry_after} s"
+                ),
+            )
+        deadline = now + cfg.default_deadline_s if deadline is None else deadline
+        req = _Request(request_id, len(windows_token_counts), deadline, remaining=len(windows_token_counts))
+        for index, n_tokens in enumerate(windows_token_counts):
+            bucket = bisect.bisect_left(cfg.length_buckets, n_tokens)
+            self._buckets[bucket].append(_Window(req, index, n_tokens, bucket, now))
+        self._requests[request_id] = req
+        req.queued = req.n_windows
+        self._queued_requests += 1
+        self._queued_windows += req.n_windows
+        heapq.heappush(self._deadlines, (deadline, next(self._seq), req))
+        return Admission(accepted=True, reason="accepted", deadline=deadline)
+
+    def _retry_after_s(self) -> int:
+        """Seconds until the queue should have drained: queued windows / service rate, clamped.
+
+        Before any batch completed there is no rate: answer the floor. A rate of 0 (only
+        failures seen) answers the ceiling.
+        """
+        rate = self.service_rate()
+        if rate is None:
+            return RETRY_AFTER_MIN_S
+        if rate <= 0:
+            return RETRY_AFTER_MAX_S
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(self._queued_windows / rate)))
+
+    def service_rate(self) -> float | None:
+        """EWMA of completed windows per busy second (idle time excluded); None before any."""
+        return self._rate_windows / self._rate_seconds if self._rate_seconds > 0 else None
+
+    # ------------------------------------------------------------------ removal
+    def cancel(self, request_id: str) -> bool:
+        """Client went away: drop its queued windows; its in-flight results will be ignored."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._drop(req)
+        self._cancelled += 1
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Requests whose deadline passed (<= now) with windows still undispatched (answer 504).
+
+        Also returns those that next_batch() expired since the previous call. A request whose
+        windows are all in flight is not expired here: its results are awaited.
+        """
+        self._expire(now)
+        out, self._expired_outbox = self._expired_outbox, []
+        return out
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, req = heapq.heappop(self._deadlines)
+            if req.alive and req.queued > 0:
+                logger.info(
+                    "request %s expired: deadline %.3f <= now %.3f with %d of %d windows undispatched",
+                    req.request_id,
+                    req.deadline,
+                    now,
+                    req.queued,
+                    req.n_windows,
+                )
+                self._drop(req)
+                self._expired += 1
+                self._expired_outbox.append(req.request_id)
+
+    def _drop(self, req: _Request) -> None:
+        """Forget a request; its queue entries become dead (lazy deletion) and are compacted."""
+        req.alive = False
+        del self._requests[req.request_id]
+        if req.queued:
+            self._queued_requests -= 1
+            self._queued_windows -= req.queued
+            self._dead_entries += req.queued
+            req.queued = 0
+        if self._dead_entries > max(_COMPACT_MIN_DEAD, self._queued_windows):
+            for i, dq in enumerate(self._buckets):
+                self._buckets[i] = deque(w for w in dq if w.req.alive)
+            self._dead_entries = 0
+
+    # ------------------------------------------------------------------ dispatch
+    def next_batch(self, now: float, replicas: Sequence[ReplicaView]) -> Dispatch | None:
+        """Form and assign one releasable micro-batch, or None (nothing due / no replica free).
+
+        Expires overdue requests first (fetch them with expire()), so an expired window is never
+        dispatched. Replica load = max(view.inflight, batches this scheduler has in flight there).
+        """
+        self._expire(now)
+        replica = self._pick_replica(replicas)
+        if replica is None:
+            return None
+        best: _Candidate | None = None
+        for b in range(len(self._buckets)):
+            cand = self._candidate(b, now)
+            if cand is not None and cand.reason is not None and (best is None or cand.oldest < best.oldest):
+                best = cand
+        if best is None or best.reason is None:
+            return None
+        # pop the candidate's windows: the first len(windows) live entries of the bucket
+        dq = self._buckets[best.bucket]
+        need = len(best.windows)
+        while need:
+            w = dq.popleft()
+            if w.req.alive:
+                need -= 1
+                w.req.queued -= 1
+                if w.req.queued == 0:
+                    self._queued_requests -= 1
+            else:
+                self._dead_entries -= 1
+        self._queued_windows -= len(best.windows)
+
+        batch_id = next(self._batch_ids)
+        if not self._inflight:
+            self._busy_mark = now
+        self._inflight[batch_id] = _Batch(replica.replica_id, best.windows)
+        self._inflight_per_replica[replica.replica_id] = (
+            self._inflight_per_replica.get(replica.replica_id, 0) + 1
+        )
+        self._batches_by_reason[best.reason] += 1
+        self._padded_tokens += len(best.windows) * best.padded_len
+        self._real_tokens += sum(w.n_tokens for w in best.windows)
+        logger.debug(
+            "batch %d -> replica %s: %d windows x %d tokens (bucket %d, %s)",
+            batch_id,
+            replica.replica_id,
+            len(best.windows),
+            best.padded_len,
+            self.config.length_buckets[best.bucket],
+            best.reason,
+        )
+        return Dispatch(
+            batch_id=batch_id,
+            replica_id=replica.replica_id,
+            items=[(w.req.request_id, w.index) for w in best.windows],
+            padded_len=best.padded_len,
+            bucket=self.config.length_buckets[best.bucket],
+            reason=best.reason,
+        )
+
+    def next_wakeup(self, now: float) -> float | None:
+        """Earliest time a timer can change anything: a batch's delay/deadline release or a
+        request expiry; None when nothing is queued. Call it after next_batch() returned None:
+        batches already releasable are then waiting for replica capacity, which arrives as an
+        event (batch_done / replica change), not a timer, so they are not counted. A value
+        <= now means "poll now".
+        """
+        while self._deadlines and not (self._deadlines[0][2].alive and self._deadlines[0][2].queued > 0):
+            heapq.heappop(self._deadlines)  # stale entry; a retry pushes a fresh one
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        for b in range(len(self._buckets)):
+            cand = self._candidate(b, now)
+            if cand is not None and cand.reason is None:
+                times.append(cand.release_at)
+        return min(times) if times else None
+
+    def _pick_replica(self, replicas: Sequence[ReplicaView]) -> ReplicaView | None:
+        """Least-loaded accepting replica below max_inflight_per_replica; ties: first listed."""
+        best, best_load = None, 0
+        for r in replicas:
+            load = max(r.inflight, self._inflight_per_replica.get(r.replica_id, 0))
+            if (
+                r.accepting
+                and load < self.config.max_inflight_per_replica
+                and (best is None or load < best_load)
+            ):
+                best, best_load = r, load
+        return best
+
+    def _candidate(self, b: int, now: float) -> _Candidate | None:
+        """The batch bucket b would release now (FIFO, greedy under both limits), and when."""
+        cfg = self.config
+        dq = self._buckets[b]
+        while dq and not dq[0].req.alive:
+            dq.popleft()
+            self._dead_entries -= 1
+        if not dq:
+            return None
+        taken: list[_Window] = []
+        longest = 0
+        full = False
+        for w in dq:
+            if not w.req.alive:
+                continue
+            grown = max(longest, w.n_tokens)
+            if (len(taken) + 1) * grown > cfg.max_batch_tokens:
+                full = True
+                break
+            taken.append(w)
+            longest = grown
+            if len(taken) == cfg.max_batch_size:
+                full = True
+                break
+        oldest = min(w.enqueued_at for w in taken)
+        deadline_at = min(w.req.deadline for w in taken) - self._margin_s
+        timeout_at = oldest + self._delay_s
+        reason: ReleaseReason | None = None
+        if full:
+            reason = "full"
+        elif now >= deadline_at:
+            reason = "deadline"
+        elif now >= timeout_at:
+            reason = "timeout"
+        return _Candidate(b, taken, longest, oldest, reason, min(deadline_at, timeout_at))
+
+    # ------------------------------------------------------------------ results
+    def batch_done(self, batch_id: int, *, now: float, ok: bool) -> Outcome:
+        """A batch came back. ok: its windows complete; not ok: they fail (retried once).
+
+        Unknown ids (already failed with their replica) are ignored; windows of dead requests
+        (cancelled / expired / failed) are ignored.
+        """
+        batch = self._inflight.pop(batch_id, None)
+        if batch is None:
+            logger.debug("ignoring result of unknown or already failed batch %d", batch_id)
+            return Outcome()
+        self._release_slot(batch.replica_id)
+        self._account_service(now, len(batch.windows) if ok else 0)
+        if not ok:
+            return self._fail_windows(batch.windows)
+        completed = []
+        for w in batch.windows:
+            req = w.req
+            if not req.alive:
+                continue
+            req.remaining -= 1
+            if req.remaining == 0:
+                self._drop(req)
+                self._completed += 1
+                completed.append(req.request_id)
+        return Outcome(completed=completed)
+
+    def replica_failed(self, replica_id: str) -> Outcome:
+        """A gang died: its in-flight windows are re-queued at the front once, else fail."""
+        batch_ids = sorted(bid for bid, batch in self._inflight.items() if batch.replica_id == replica_id)
+        windows = [w for bid in batch_ids for w in self._inflight.pop(bid).windows]
+        self._inflight_per_replica.pop(replica_id, None)
+        if not self._inflight:
+            self._busy_mark = None
+        if batch_ids:
+            logger.warning("replica %s failed with %d batches in flight", replica_id, len(batch_ids))
+        return self._fail_windows(windows)
+
+    def _fail_windows(self, windows: list[_Window]) -> Outcome:
+        failed = []
+        retry = []
+        for w in windows:
+            req = w.req
+            if not req.alive:
+                continue
+            req.failures[w.index] = req.failures.get(w.index, 0) + 1
+            if req.failures[w.index] >= MAX_WINDOW_ATTEMPTS:
+                logger.warning("request %s failed: window %d failed twice", req.request_id, w.index)
+                self._drop(req)
+                self._failed += 1
+                failed.append(req.request_id)
+            else:
+                retry.append(w)
+        retry = [w for w in retry if w.req.alive]  # a sibling window may have failed the request
+        for w in reversed(retry):  # appendleft in reverse keeps their order at the front
+            self._buckets[w.bucket].appendleft(w)
+            req = w.req
+            req.queued += 1
+            if req.queued == 1:
+                self._queued_requests += 1
+                heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
+        self._queued_windows += len(retry)
+        self._retried += len(retry)
+        return Outcome(failed=failed, retried_windows=len(retry))
+
+    def _release_slot(self, replica_id: str) -> None:
+        left = self._inflight_per_replica.get(replica_id, 0) - 1
+        if left > 0:
+            self._inflight_per_replica[replica_id] = left
+        else:
+            self._inflight_per_replica.pop(replica_id, None)
+
+    def _account_service(self, now: float, windows_done: int) -> None:
+        """Fold one completion into the rate EWMA over busy time since the previous event."""
+        if self._busy_mark is not None:
+            dt = max(0.0, now - self._busy_mark)
+            decay = math.exp(-dt / RATE_EWMA_TAU_S)
+            self._rate_windows = self._rate_windows * decay + windows_done
+            self._rate_seconds = self._rate_seconds * decay + dt
+        self._busy_mark = now if self._inflight else None
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> SchedulerStats:
+        """A copy of the counters."""
+        padded = self._padded_tokens
+        return SchedulerStats(
+            queued_requests=self._queued_requests,
+            queued_windows=self._queued_windows,
+            inflight_batches=dict(self._inflight_per_replica),
+            batches_by_reason=dict(self._batches_by_reason),
+            padding_ratio=(padded - self._real_tokens) / padded if padded else 0.0,
+            service_rate=self.service_rate(),
+            completed=self._completed,
+            expired=self._expired,
+            cancelled=self._cancelled,
+            failed=self._failed,
+            rejected=dict(self._rejected),
+            retried_windows=self._retried,
+        )

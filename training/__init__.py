@@ -1,0 +1,1 @@
+"""Training: fine-tune QA checkpoints on the same partitions that serve them."""

@@ -15,7 +15,7 @@ from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
-from partitioner.plan import ParallelDims, make_plan
+from partitioner.plan import ParallelDims, default_devices, make_plan
 
 
 def _parse_boundaries(text: str) -> list[int]:
@@ -41,6 +41,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="tensor-parallel degree: ranks per stage sharing heads and MLP (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where ranks run: cpu (gloo), or cuda (one GPU per rank round-robin; NCCL when every rank has "
+        "its own GPU, gloo through host memory when ranks share one) (default: %(default)s)",
     )
     p.add_argument(
         "--boundaries",
@@ -99,11 +106,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     cfg = source.config
     if args.profile:
-        costs, how = profile_costs(cfg, batch_size=args.batch_size, seq_len=args.seq_len), "profile"
+        costs = profile_costs(
+            cfg,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            device="cuda" if args.device == "cuda" else "cpu",
+        )
+        how = "profile"
     else:
         costs, how = analytic_costs(cfg, seq_len=args.seq_len), "analytic"
+    dims = ParallelDims(pp=args.pp, tp=args.tp)
     plan = make_plan(
-        cfg, ParallelDims(pp=args.pp, tp=args.tp), boundaries=args.boundaries, costs=costs, cost_source=how
+        cfg,
+        dims,
+        boundaries=args.boundaries,
+        costs=costs,
+        cost_source=how,
+        devices=default_devices(dims.world_size, device=args.device),
     )
     mem = plan.memory_estimates(cfg, batch_size=args.batch_size, seq_len=args.seq_len)
     if args.json:
@@ -144,6 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         threads_per_rank=args.threads_per_rank,
         boundaries=args.boundaries,
+        device=args.device,
     )
     verdict = "PASS" if result.passed else "FAIL"
     print(

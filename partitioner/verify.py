@@ -23,7 +23,7 @@ import torch
 from models.build import build_model
 from models.registry import ModelSource
 from partitioner.gang import Gang
-from partitioner.plan import ParallelDims, make_plan
+from partitioner.plan import ParallelDims, default_devices, make_plan
 from partitioner.worker import GangSpec
 
 logger = logging.getLogger(__name__)
@@ -141,9 +141,12 @@ def verify_partitioned(
     tolerance: float = 1e-4,
     threads_per_rank: int = 1,
     boundaries: list[int] | None = None,
+    device: str = "cpu",
 ) -> VerifyResult:
-    """Run the gang and the reference on the sample batches and compare."""
-    plan = make_plan(source.config, dims, boundaries=boundaries)
+    """Run the gang (ranks on ``device``) and the CPU reference on the sample batches and compare."""
+    plan = make_plan(
+        source.config, dims, boundaries=boundaries, devices=default_devices(dims.world_size, device=device)
+    )
     batches = sample_batches(source)
     with tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp:
         want = reference_logits(reference_dir(source, Path(tmp)), batches)

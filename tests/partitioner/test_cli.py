@@ -1,0 +1,47 @@
+"""`shardserve plan` and `shardserve verify` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+
+from serving.cli import main
+
+
+def test_plan_table(capsys):
+    assert main(["plan", "--model", "minilm", "--pp", "2", "--tp", "2", "--batch-size", "4", "--seq-len", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "pp=2 tp=2 (4 ranks)" in out
+    lines = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [(row[0], row[1], row[2]) for row in lines] == [("0", "0,1", "emb+0-2"), ("1", "2,3", "3-5+head")]
+
+
+def test_plan_json_has_memory_and_ranks(capsys):
+    assert main(["plan", "--model", "tiny-bert", "--pp", "3", "--tp", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["world_size"] == 6 and plan["model"]["name"] == "tiny-bert"
+    assert [s["ranks"] for s in plan["stages"]] == [[0, 1], [2, 3], [4, 5]]
+    assert all(s["training_bytes"] > s["serving_bytes"] > 0 for s in plan["stages"])
+
+
+def test_plan_manual_boundaries(capsys):
+    assert main(["plan", "--model", "tiny-bert", "--pp", "2", "--boundaries", "1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [(s["layer_start"], s["layer_end"]) for s in plan["stages"]] == [(0, 1), (1, 6)]
+    assert plan["cost_source"] == "manual"
+
+
+def test_plan_infeasible_prints_numbers_and_exits_2(capsys):
+    assert main(["plan", "--model", "minilm", "--tp", "5"]) == 2
+    assert "tp=5 does not divide num_attention_heads=12" in capsys.readouterr().err
+
+
+def test_unknown_model_exits_2(capsys):
+    assert main(["plan", "--model", "/nonexistent/model"]) == 2
+    assert "neither a known name" in capsys.readouterr().err
+
+
+def test_verify_fails_above_tolerance(capsys):
+    """A tolerance no float computation meets makes verify fail with exit code 1 and say so."""
+    assert main(["verify", "--model", "tiny-bert", "--pp", "2", "--tp", "1", "--tolerance", "0"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL model=tiny-bert pp=2 tp=1")

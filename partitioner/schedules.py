@@ -41,6 +41,7 @@ def forward_stream(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[
         {
             "param_bytes": param_bytes,
             "layer_param_bytes": sum(p.numel() * p.element_size() for p in stage.layers.parameters()),
+            "checkpoint_bytes_read": stage.load_report.bytes_read,
             "load_s": time.perf_counter() - t0,
             "layers": [int(k) for k in stage.layers],
         }

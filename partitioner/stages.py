@@ -56,4 +56,5 @@ def build_stage(
     model = model.to_empty(device=plan.devices[rank]).to(dtype)
     report = load_weights(model, source.weights(), source.config, head_seed=head_seed)
     logger.debug("rank %d loaded %.1f MB of weights", rank, report.bytes_read / 1e6)
+    model.load_report = report  # what was read from disk / initialised, for the gang's ready info
     return model.eval()

@@ -8,7 +8,10 @@ from serving.cli import main
 
 
 def test_plan_table(capsys):
-    assert main(["plan", "--model", "minilm", "--pp", "2", "--tp", "2", "--batch-size", "4", "--seq-len", "128"]) == 0
+    assert (
+        main(["plan", "--model", "minilm", "--pp", "2", "--tp", "2", "--batch-size", "4", "--seq-len", "128"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pp=2 tp=2 (4 ranks)" in out
     lines = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]

@@ -250,8 +250,9 @@ class Gang:
                 self._last_progress = time.monotonic()
             self._pending[mb_id] = _Pending(fut, time.monotonic(), int(ids.shape[0]))
             self.stats.submitted += 1
-        for q in self._in:
-            q.put(("batch", mb_id, ids, mask, types))
+            # under the lock: every stage-0 tp rank must see micro-batches in the same order
+            for q in self._in:
+                q.put(("batch", mb_id, ids, mask, types))
         return fut
 
     def run(self, batches: list[tuple], *, timeout_s: float | None = None) -> list[torch.Tensor]:

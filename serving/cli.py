@@ -12,7 +12,10 @@ import logging
 import os
 import sys
 
+from loadtest import cli as loadtest_cli
 from partitioner import cli as partitioner_cli
+from serving import serve_cli
+from training import cli as training_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level: DEBUG, INFO, WARNING, ERROR (default: %(default)s)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_cli.add_subcommands(sub)
     partitioner_cli.add_subcommands(sub)
+    training_cli.add_subcommands(sub)
+    loadtest_cli.add_subcommands(sub)
     return parser
 
 

@@ -5,7 +5,8 @@ replicas and SLO attainment.
 
     shardserve loadtest --scenario step --host http://127.0.0.1:8000 --duration 40 --users 6
 
-Modules: ``scenarios`` (pure load-shape logic), ``data`` (questions), ``locustfile`` (the locust
-user and shape), ``prom`` (metrics scraping), ``runner`` (one bounded run), ``report``, ``cli``.
+Modules: ``scenarios`` (pure load-shape logic), ``data`` (questions), ``checks`` (answer offsets,
+loopback rule), ``locustfile`` (the locust user and shape), ``prom`` (metrics scraping), ``runner``
+(one bounded run), ``report``, ``cli``.
 Tests: ``tests/loadtest/``.
 """

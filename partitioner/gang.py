@@ -229,6 +229,11 @@ class Gang:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
+    def busy_ranks(self) -> list[bool]:
+        """Per rank: inside a micro-batch right now? (for sampling busy time; empty when not started)."""
+        since = getattr(self, "_busy_since", None)
+        return [bool(t) for t in since] if since is not None and self._procs else []
+
     # ------------------------------------------------------------------ work
     def submit(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -156,6 +157,9 @@ def worker_main(
 ) -> None:
     """Process entry point of one rank."""
     os.environ.update(env)
+    # Ctrl-C in a terminal signals the whole process group: let the driver drain and stop the gang
+    # rather than every rank dying mid-micro-batch (ranks exit on their own when the driver is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,254 @@
+"""Run one load test end to end: check the target is loopback and ready, run locust headless in a
+subprocess (gevent never enters this process), scrape ``/metrics`` meanwhile, then build the report.
+
+    from loadtest.runner import LoadTestConfig, run_loadtest
+    summary = run_loadtest(LoadTestConfig(host="http://127.0.0.1:8000", out_dir="lt-out",
+                                          scenario=ScenarioConfig(name="step", duration_s=40)))
+
+or ``shardserve loadtest --scenario step --host http://127.0.0.1:8000`` (``loadtest/cli.py``).
+Every run is bounded: locust stops at the scenario's duration, and is killed (its whole process
+group) ``kill_grace_s`` later if it has not exited. Tests: ``tests/loadtest/test_runner.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.checks import is_loopback_host
+from loadtest.prom import MetricSelector, MetricsScraper
+from loadtest.report import build_report
+from loadtest.scenarios import Scenario, ScenarioConfig
+
+logger = logging.getLogger(__name__)
+
+LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
+DEFAULT_QUEUE_METRIC = "shardserve_queue_depth_requests"
+DEFAULT_REPLICAS_METRIC = 'shardserve_replicas{state="ready"}'
+
+
+class LoadTestError(RuntimeError):
+    """The load test could not run (bad target, server never ready, locust crashed)."""
+
+
+@dataclass(frozen=True)
+class LoadTestConfig:
+    """Everything one run needs; validated once, errors print the numbers."""
+
+    host: str = "http://127.0.0.1:8000"
+    out_dir: str = "loadtest-report"
+    scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
+    slo_ms: float = 500.0
+    bin_s: float = 2.0
+    scrape_interval_s: float = 1.0
+    queue_metric: str = DEFAULT_QUEUE_METRIC
+    replicas_metric: str = DEFAULT_REPLICAS_METRIC
+    data: str | None = None  # SQuAD JSON; None: the shared pool or generated questions
+    top_k: int = 1
+    max_answer_length: int = 30
+    ready_timeout_s: float = 60.0
+    cooldown_s: float = 0.0  # keep scraping this long after the load ends (watch the drain)
+    stop_timeout_s: float = 5.0  # at the end, in-flight requests get this long; then logged as failed
+    kill_grace_s: float = 30.0
+    allow_remote: bool = False
+    command: str = ""  # the command line that reproduces the run, for the report
+
+    def __post_init__(self) -> None:
+        problems = []
+        parts = urllib.parse.urlsplit(self.host)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            problems.append(f"host={self.host!r} must be an http(s) URL like http://127.0.0.1:8000")
+        elif not self.allow_remote and not is_loopback_host(self.host):
+            problems.append(
+                f"host={self.host!r} is not a loopback address (127.0.0.0/8, ::1, localhost); "
+                "pass allow_remote / --allow-remote to load-test another machine you own"
+            )
+        for name in (
+            "slo_ms",
+            "bin_s",
+            "scrape_interval_s",
+            "ready_timeout_s",
+            "kill_grace_s",
+            "stop_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.cooldown_s < 0:
+            problems.append(f"cooldown_s={self.cooldown_s!r} must be >= 0")
+        if self.top_k < 1 or self.max_answer_length < 1:
+            problems.append(f"top_k={self.top_k} and max_answer_length={self.max_answer_length} must be >= 1")
+        for name in ("queue_metric", "replicas_metric"):
+            try:
+                MetricSelector.parse(getattr(self, name))
+            except ValueError as exc:
+                problems.append(f"{name}: {exc}")
+        if self.data is not None and not Path(self.data).is_file():
+            problems.append(f"data={self.data!r} is not a file")
+        if problems:
+            raise ValueError("invalid LoadTestConfig: " + "; ".join(problems))
+
+    @property
+    def base_url(self) -> str:
+        return self.host.rstrip("/")
+
+
+def equivalent_command(config: LoadTestConfig) -> str:
+    """The ``shardserve loadtest`` command line that repeats this run (for the report)."""
+    sc = config.scenario
+    args = ["shardserve", "loadtest", "--scenario", sc.name, "--host", config.base_url,
+            "--duration", f"{sc.duration_s:g}", "--users", str(sc.peak_users), "--low-users", str(sc.low_users),
+            "--slo-ms", f"{config.slo_ms:g}", "--bin", f"{config.bin_s:g}"]  # fmt: skip
+    if sc.name == "bursty":
+        args += ["--rate", f"{sc.rate_rps:g}", "--cv", f"{sc.cv:g}", "--seed", str(sc.seed)]
+    if sc.name == "step":
+        args += ["--step-up-at", f"{sc.step_up_at:.4g}", "--step-down-at", f"{sc.step_down_at:.4g}"]
+    if sc.think_time_s:
+        args += ["--think-time", f"{sc.think_time_s:g}"]
+    if config.cooldown_s:
+        args += ["--cooldown", f"{config.cooldown_s:g}"]
+    if config.data:
+        args += ["--data", config.data]
+    if config.queue_metric != DEFAULT_QUEUE_METRIC:
+        args += ["--queue-metric", config.queue_metric]
+    if config.replicas_metric != DEFAULT_REPLICAS_METRIC:
+        args += ["--replicas-metric", config.replicas_metric]
+    if config.allow_remote:
+        args.append("--allow-remote")
+    return shlex.join([*args, "--out", config.out_dir])
+
+
+def wait_ready(base_url: str, *, timeout_s: float) -> None:
+    """Poll ``/readyz`` until it answers 200; LoadTestError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base_url + "/readyz", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    raise LoadTestError(f"{base_url}/readyz not ready after {timeout_s:g} s (last: {last})")
+
+
+def locust_command(config: LoadTestConfig, out: Path) -> list[str]:
+    """The headless locust command line (the scenario's shape sets users and stops the run)."""
+    return [
+        sys.executable, "-m", "locust",
+        "-f", str(LOCUSTFILE),
+        "--headless",
+        "--host", config.base_url,
+        "--csv", str(out / "locust"),
+        "--only-summary",
+        "--loglevel", "WARNING",
+        "--stop-timeout", f"{config.stop_timeout_s:g}",
+        "--exit-code-on-error", "0",
+    ]  # fmt: skip
+
+
+def _stop_process_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGINT, 10), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_loadtest(config: LoadTestConfig) -> dict:
+    """Run the scenario against ``config.host``; write the report into ``out_dir``; return the summary."""
+    missing = [m for m in ("locust", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:  # found without importing: locust would monkey-patch this process with gevent
+        raise LoadTestError(f"{' and '.join(missing)} not installed: pip install -e '.[loadtest]'")
+    out = Path(config.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    scenario = Scenario(config.scenario)
+    wait_ready(config.base_url, timeout_s=config.ready_timeout_s)
+
+    run_config = {
+        "host": config.base_url,
+        "scenario": config.scenario.to_dict(),
+        "phase_times": scenario.phase_times(),
+        "slo_ms": config.slo_ms,
+        "bin_s": config.bin_s,
+        "requests_csv": str(out / "requests.csv"),
+        "data": config.data,
+        "top_k": config.top_k,
+        "max_answer_length": config.max_answer_length,
+        "queue_metric": config.queue_metric,
+        "replicas_metric": config.replicas_metric,
+        "command": config.command or equivalent_command(config),
+        "allow_remote": config.allow_remote,
+        "started_at": None,
+        "finished_at": None,
+    }
+    config_path = out / "run_config.json"
+    config_path.write_text(json.dumps(run_config, indent=2), encoding="utf-8")
+
+    scraper = MetricsScraper(
+        url=config.base_url + "/metrics",
+        selectors={
+            "queue_depth": MetricSelector.parse(config.queue_metric),
+            "replicas": MetricSelector.parse(config.replicas_metric),
+        },
+        out_csv=out / "metrics.csv",
+        interval_s=config.scrape_interval_s,
+    )
+    cmd = locust_command(config, out)
+    env = dict(os.environ)
+    env["SHARDSERVE_LOADTEST_CONFIG"] = str(config_path)
+    repo_root = str(LOCUSTFILE.parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+    logger.info("running: %s", shlex.join(cmd))
+
+    scraper.start()
+    started_at = time.time()
+    log_path = out / "locust.log"
+    try:
+        with open(log_path, "w", encoding="utf-8") as log_fh:
+            proc = subprocess.Popen(
+                cmd, env=env, cwd=str(out), stdout=log_fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                proc.wait(
+                    timeout=config.scenario.duration_s + config.stop_timeout_s + config.kill_grace_s + 20
+                )
+            except subprocess.TimeoutExpired:
+                logger.warning("locust still running past its bound: stopping it")
+            finally:
+                _stop_process_group(proc)
+        finished_at = time.time()
+        if config.cooldown_s > 0:
+            time.sleep(config.cooldown_s)
+    finally:
+        scraper.stop()
+
+    if proc.returncode not in (0, None) or not (out / "requests.csv").is_file():
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+        raise LoadTestError(f"locust exited with {proc.returncode}; log tail:\n{tail}")
+    run_config["started_at"] = started_at
+    run_config["finished_at"] = finished_at
+    config_path.write_text(json.dumps(run_config, indent=2), encoding="utf-8")
+    return build_report(out)

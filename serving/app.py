@@ -1,0 +1,233 @@
+"""The FastAPI application factory: ``build_app(settings)`` + lifespan + ``app.state`` (vLLM style).
+
+Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model, loads the
+tokenizer, creates the replica manager, the engine and the supervisor, and starts the gangs in
+the background (so /healthz answers at once and /readyz turns 200 when a gang is warm). On
+shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops the gangs.
+
+``RequestGuard`` (a pure ASGI middleware) checks every request body BEFORE FastAPI parses it:
+``Content-Length`` / streamed size over ``max_body_bytes`` -> 413, invalid UTF-8 -> 400.
+
+    uvicorn.run(build_app(ServeSettings(model="tiny-bert")))        # or: shardserve serve
+    build_app(settings, backend_factory=fake)                        # tests: fake gangs in-process
+
+``app.state``: settings, metrics, and after startup model (ModelGeneration), manager, engine,
+supervisor; ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import AutoTokenizer
+
+from models.registry import ModelSource, resolve_model
+from partitioner.plan import ParallelDims
+from serving.engine import Engine
+from serving.metrics import ServingMetrics
+from serving.replicas import BackendFactory, DevicePool, ModelGeneration, ReplicaManager, gang_factory
+from serving.routes import admin_router, api_router, health_router
+from serving.settings import ServeSettings
+from serving.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
+
+
+def load_generation(settings: ServeSettings, name: str, *, generation: int) -> ModelGeneration:
+    """Resolve a model, load its fast tokenizer, validate the partition; raises ValueError on misfit."""
+    source: ModelSource = resolve_model(name)
+    if settings.max_seq_len > source.config.max_seq_len:
+        raise ValueError(
+            f"max_seq_len={settings.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{source.tokenizer_dir} has no fast tokenizer (offsets are required)")
+    model = ModelGeneration(generation, source, ParallelDims(pp=settings.pp, tp=settings.tp), tokenizer)
+    model.plan()  # raises InfeasiblePlanError (a ValueError) with the numbers
+    return model
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: ServeSettings = app.state.settings
+    metrics: ServingMetrics = app.state.metrics
+    model = load_generation(settings, settings.model, generation=0)
+    pool = DevicePool.for_device(settings.device, cpu_slots=settings.pool_slots)
+    if pool.gangs_that_fit(settings.world_size) < 1:
+        raise ValueError(f"the device pool has {pool.capacity} slots, a gang needs {settings.world_size}")
+    factory: BackendFactory = app.state.backend_factory or gang_factory(
+        threads_per_rank=settings.threads_per_rank,
+        stall_timeout_s=settings.stall_timeout_s,
+        start_timeout_s=settings.gang_start_timeout_s,
+    )
+    manager = ReplicaManager(
+        factory=factory,
+        pool=pool,
+        model=model,
+        metrics=metrics,
+        drain_timeout_s=settings.drain_timeout_s,
+        restart_backoff_s=settings.restart_backoff_s,
+    )
+    engine = Engine(
+        scheduler_config=settings.scheduler_config(),
+        manager=manager,
+        metrics=metrics,
+        max_seq_len=settings.max_seq_len,
+        doc_stride=settings.doc_stride,
+        max_question_len=settings.max_question_len,
+        null_threshold=settings.null_threshold,
+        max_request_timeout_s=settings.max_request_timeout_s,
+        stall_timeout_s=settings.stall_timeout_s,
+    )
+    supervisor = Supervisor(
+        engine=engine,
+        manager=manager,
+        metrics=metrics,
+        config=settings.autoscaling_config(),
+        interval_s=settings.autoscale_interval_s,
+    )
+    app.state.manager, app.state.engine, app.state.supervisor = manager, engine, supervisor
+    await engine.start()
+    await supervisor.start()
+    logger.info(
+        "serving %s (pp=%d, tp=%d), replicas %s, pool %d slots",
+        model.source.name,
+        settings.pp,
+        settings.tp,
+        settings.replica_bounds,
+        pool.capacity,
+    )
+    try:
+        yield
+    finally:
+        app.state.shutting_down = True
+        engine.begin_drain()
+        await engine.stop(timeout_s=settings.drain_timeout_s)
+        await supervisor.stop()
+        await manager.close(timeout_s=settings.drain_timeout_s)
+        logger.info("shut down")
+
+
+class RequestGuard:
+    """Reject oversized (413) and non-UTF-8 (400) bodies before any parsing; replay the rest."""
+
+    def __init__(self, app: Any, *, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                n = int(declared)
+            except ValueError:
+                await _send_error(
+                    send, 400, "invalid_content_length", f"Content-Length {declared!r} is not a number"
+                )
+                return
+            if n > limit:
+                await _send_error(
+                    send, 413, "body_too_large", f"body of {n} bytes exceeds max_body_bytes={limit}"
+                )
+                return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _send_error(send, 413, "body_too_large", f"body over {limit} bytes (max_body_bytes)")
+                return
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as err:
+            await _send_error(
+                send, 400, "invalid_utf8", f"body is not valid UTF-8: {err.reason} at byte {err.start}"
+            )
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: http.disconnect (the engine watches for it)
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(send: Any, status: int, code: str, detail: str) -> None:
+    payload = json.dumps({"error": code, "detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+        for e in exc.errors()
+    ]
+    return JSONResponse({"error": "invalid_request", "detail": errors}, status_code=422)
+
+
+def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    detail = exc.detail
+    code = "http_error"
+    if isinstance(detail, dict) and "error" in detail:
+        code, detail = detail["error"], detail.get("detail")
+    return JSONResponse(
+        {"error": code, "detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None)
+    )
+
+
+def build_app(
+    settings: ServeSettings | None = None, *, backend_factory: BackendFactory | None = None
+) -> FastAPI:
+    """The server application; ``backend_factory`` replaces real gangs (tests)."""
+    settings = settings or ServeSettings()
+    app = FastAPI(
+        title="shardserve",
+        version="0.1.0",
+        description="Model-parallel extractive question answering. Errors are JSON: {error, detail}.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = ServingMetrics()
+    app.state.backend_factory = backend_factory
+    app.state.shutting_down = False
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
+    app.include_router(api_router)
+    app.include_router(health_router)
+    app.include_router(admin_router)
+    return app

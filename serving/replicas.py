@@ -1,0 +1,518 @@
+"""Replica gangs: the device pool, and a manager that starts, warms, routes, drains and restarts them.
+
+A replica is ONE gang of ``pp * tp`` worker processes (``partitioner.gang.Gang``) holding one model
+generation. Its life: STARTING (processes spawn, weights load, then one warm-up micro-batch) ->
+READY (routable) -> DRAINING (no new work; in-flight micro-batches finish) -> STOPPED; or FAILED
+the moment a rank dies, raises or stalls (the engine then retries its in-flight work elsewhere)
+and, after a back-off, a fresh gang replaces it.
+
+The manager runs on the server's event loop; blocking gang calls (start, warm-up, stop) run in
+threads. ``reconcile()`` moves the set of gangs toward ``target`` (set by ``--replicas``, the
+autoscaler or POST /admin/replicas); ``reload()`` rolls every gang onto another checkpoint. The
+device pool bounds how many gangs fit: CPU slots (one per rank, ``--cpu-slots``) or CUDA devices.
+
+    pool = DevicePool.for_settings(settings)
+    manager = ReplicaManager(factory=gang_factory(settings), pool=pool, model=generation, ...)
+    manager.set_target(2)          # starts gangs in the background; manager.routable() lists READY ones
+
+Tests use a fake backend with the Gang's interface (``tests/serving/fakes.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from models.registry import ModelSource
+from partitioner.plan import ParallelDims, PartitionPlan, make_plan
+from serving.metrics import ServingMetrics
+from serving.qa_processing import encode_qa, pad_windows
+
+logger = logging.getLogger(__name__)
+
+WARMUP_QUESTION = "What does the warm-up check?"
+WARMUP_CONTEXT = "The warm-up checks that every stage of a new gang answers before traffic is routed to it."
+MAX_RESTART_BACKOFF_S = 30.0
+
+
+class Backend(Protocol):
+    """What the server needs of a gang (``partitioner.gang.Gang`` satisfies it)."""
+
+    def start(self) -> Any: ...
+    def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future: ...
+    def stop(self, *, timeout_s: float = 30.0) -> None: ...
+    def pids(self) -> list[int]: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+
+BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
+
+
+def gang_factory(*, threads_per_rank: int, stall_timeout_s: float, start_timeout_s: float) -> BackendFactory:
+    """A factory of real gangs (worker processes) with these settings."""
+    from partitioner.gang import Gang
+    from partitioner.worker import GangSpec
+
+    def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
+        spec = GangSpec(source, plan, threads_per_rank=threads_per_rank)
+        return Gang(spec, name=name, stall_timeout_s=stall_timeout_s, start_timeout_s=start_timeout_s)
+
+    return make
+
+
+def busy_ranks(backend: Backend) -> list[bool] | None:
+    """Per rank: inside a micro-batch right now? (None when the backend cannot tell)."""
+    probe = getattr(backend, "busy_ranks", None)
+    if probe is None:
+        return None
+    try:
+        return probe() or None
+    except (TypeError, ValueError, OSError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# device pool
+# ------------------------------------------------------------------------------------------------
+
+
+class DevicePool:
+    """Slots a gang's ranks occupy: ``cpu`` slots (a count) or one CUDA device per rank."""
+
+    def __init__(self, labels: list[str]) -> None:
+        if not labels:
+            raise ValueError("a device pool needs at least one slot, got 0")
+        self.labels = list(labels)
+        self._free = set(range(len(labels)))
+
+    @classmethod
+    def for_device(cls, device: str, *, cpu_slots: int) -> DevicePool:
+        if device == "cuda":
+            n = torch.cuda.device_count()
+            if n == 0:
+                raise ValueError("device=cuda but torch.cuda.device_count() is 0")
+            return cls([f"cuda:{i}" for i in range(n)])
+        return cls(["cpu"] * cpu_slots)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.labels)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def gangs_that_fit(self, world_size: int) -> int:
+        """Gangs of ``world_size`` ranks the whole pool holds (the autoscaler's upper bound)."""
+        return self.capacity // world_size
+
+    def acquire(self, n: int) -> list[int] | None:
+        """Take ``n`` slots (lowest first), or None when fewer are free."""
+        if n > len(self._free):
+            return None
+        got = sorted(self._free)[:n]
+        self._free.difference_update(got)
+        return got
+
+    def release(self, slots: list[int]) -> None:
+        self._free.update(slots)
+
+    def devices(self, slots: list[int]) -> tuple[str, ...]:
+        return tuple(self.labels[s] for s in slots)
+
+
+# ------------------------------------------------------------------------------------------------
+# replicas
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelGeneration:
+    """One loaded model: source, base plan, tokenizer (shared by every gang of the generation)."""
+
+    generation: int
+    source: ModelSource
+    dims: ParallelDims
+    tokenizer: Any
+
+    @property
+    def pass_token_types(self) -> bool:
+        return self.source.config.type_vocab_size >= 2
+
+    def plan(self, devices: tuple[str, ...] | None = None) -> PartitionPlan:
+        return make_plan(self.source.config, self.dims, devices=devices)
+
+
+class ReplicaState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(eq=False)
+class Replica:
+    """One gang and what the server tracks about it."""
+
+    replica_id: str
+    model: ModelGeneration
+    slots: list[int]
+    state: ReplicaState = ReplicaState.STARTING
+    backend: Backend | None = None
+    inflight_batches: int = 0  # maintained by the engine
+    error: str | None = None
+    created_at: float = field(default_factory=time.monotonic)
+    stage_busy_s: list[float] = field(default_factory=list)
+    active_s: float = 0.0
+    start_task: asyncio.Task | None = None
+
+    @property
+    def routable(self) -> bool:
+        return self.state is ReplicaState.READY and self.backend is not None and self.backend.healthy
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.replica_id,
+            "state": self.state.value,
+            "model": self.model.source.name,
+            "generation": self.model.generation,
+            "inflight_batches": self.inflight_batches,
+            "pids": self.backend.pids()
+            if self.backend is not None and self.state is not ReplicaState.STOPPED
+            else [],
+            "error": self.error,
+        }
+
+
+class ReloadError(RuntimeError):
+    """The new checkpoint's gangs could not be started; the old ones keep serving."""
+
+
+class ReplicaManager:
+    """Keeps ``target`` READY gangs of the current model generation (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        factory: BackendFactory,
+        pool: DevicePool,
+        model: ModelGeneration,
+        metrics: ServingMetrics,
+        drain_timeout_s: float = 30.0,
+        restart_backoff_s: float = 1.0,
+        warmup_timeout_s: float = 120.0,
+    ) -> None:
+        self.factory = factory
+        self.pool = pool
+        self.model = model
+        self.metrics = metrics
+        self.drain_timeout_s = drain_timeout_s
+        self.restart_backoff_s = restart_backoff_s
+        self.warmup_timeout_s = warmup_timeout_s
+        self.target = 0
+        self.replicas: dict[str, Replica] = {}
+        self.on_change: Callable[[], None] = lambda: None  # the engine wakes its loop
+        self.on_failed: Callable[[Replica], None] = lambda r: None  # the engine fails over
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._reloading = False
+        self._closed = False
+        self._consecutive_failures = 0
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ views
+    def routable(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.routable]
+
+    def count(self, *states: ReplicaState) -> int:
+        return sum(1 for r in self.replicas.values() if r.state in states)
+
+    @property
+    def ready(self) -> int:
+        return len(self.routable())
+
+    @property
+    def starting(self) -> int:
+        return self.count(ReplicaState.STARTING)
+
+    def pool_limit(self) -> int:
+        return self.pool.gangs_that_fit(self.model.dims.world_size)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [r.describe() for r in self.replicas.values()]
+
+    def _changed(self) -> None:
+        for state in ReplicaState:
+            self.metrics.replicas.labels(state=state.value).set(self.count(state))
+        self.on_change()
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ control
+    def set_target(self, n: int) -> int:
+        """Ask for ``n`` gangs (clamped to the device pool); returns the target applied."""
+        limit = self.pool_limit()
+        if n > limit:
+            logger.warning("asked for %d replicas, the device pool fits %d: using %d", n, limit, limit)
+        self.target = max(0, min(n, limit))
+        self.reconcile()
+        return self.target
+
+    def reconcile(self) -> None:
+        """Start or drain gangs of the current generation until target are live (non-blocking)."""
+        if self._reloading or self._closed:
+            return
+        live = [
+            r
+            for r in self.replicas.values()
+            if r.state in (ReplicaState.STARTING, ReplicaState.READY) and r.model is self.model
+        ]
+        missing = self.target - len(live)
+        for _ in range(missing):
+            if self._launch(self.model) is None:
+                break
+        for r in list(self.replicas.values()):  # gangs of an older generation (after a reload)
+            if r.model is not self.model and r.state is ReplicaState.READY:
+                self._spawn(self.drain(r))
+        if missing < 0:
+            ready = sorted(
+                (r for r in live if r.state is ReplicaState.READY),
+                key=lambda r: (r.inflight_batches, -r.created_at),
+            )
+            for r in ready[:-missing]:
+                self._spawn(self.drain(r))
+
+    def _launch(self, model: ModelGeneration) -> Replica | None:
+        """Take pool slots and start a gang in the background; None when the pool is full."""
+        slots = self.pool.acquire(model.dims.world_size)
+        if slots is None:
+            logger.warning(
+                "device pool full: %d of %d slots free, a gang needs %d",
+                self.pool.free,
+                self.pool.capacity,
+                model.dims.world_size,
+            )
+            return None
+        replica = Replica(f"r{next(self._ids)}", model, slots)
+        self.replicas[replica.replica_id] = replica
+        self._changed()
+        replica.start_task = self._spawn(self._start(replica))
+        return replica
+
+    async def _start(self, replica: Replica) -> bool:
+        model = replica.model
+        t0 = time.monotonic()
+        try:
+            plan = model.plan(self.pool.devices(replica.slots))
+            replica.backend = self.factory(model.source, plan, f"{model.source.name}-{replica.replica_id}")
+            replica.stage_busy_s = [0.0] * model.dims.pp
+            await asyncio.to_thread(replica.backend.start)
+            await asyncio.to_thread(warm_up, replica.backend, model, timeout_s=self.warmup_timeout_s)
+        except Exception as err:  # a start failure: retried after a back-off by reconcile()
+            self._consecutive_failures += 1
+            replica.error = f"start failed: {err}"
+            logger.error("replica %s failed to start: %s", replica.replica_id, err)
+            await self._retire(replica, ReplicaState.FAILED)
+            await asyncio.sleep(self._backoff())
+            self.reconcile()
+            return False
+        if self._closed or replica.state is not ReplicaState.STARTING:
+            await self._retire(replica, ReplicaState.STOPPED)
+            return False
+        self._consecutive_failures = 0
+        replica.state = ReplicaState.READY
+        logger.info(
+            "replica %s ready (%s, generation %d, %.1f s, pids %s)",
+            replica.replica_id,
+            model.source.name,
+            model.generation,
+            time.monotonic() - t0,
+            replica.backend.pids(),
+        )
+        self._changed()
+        self.reconcile()
+        return True
+
+    def _backoff(self) -> float:
+        n = max(0, self._consecutive_failures - 1)
+        return min(MAX_RESTART_BACKOFF_S, self.restart_backoff_s * (2**n))
+
+    async def drain(self, replica: Replica, *, timeout_s: float | None = None) -> None:
+        """Stop routing to the replica, wait for its in-flight micro-batches, stop the gang."""
+        if replica.state is ReplicaState.STARTING:  # _start() stops it once its start returns
+            replica.state = ReplicaState.DRAINING
+            self._changed()
+            return
+        if replica.state is not ReplicaState.READY:
+            return
+        replica.state = ReplicaState.DRAINING
+        self._changed()
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while replica.inflight_batches > 0 and time.monotonic() < deadline:
+            if replica.state is not ReplicaState.DRAINING:  # it failed meanwhile
+                return
+            await asyncio.sleep(0.02)
+        if replica.state is not ReplicaState.DRAINING:
+            return
+        logger.info("replica %s drained (%d batches left)", replica.replica_id, replica.inflight_batches)
+        await self._retire(replica, ReplicaState.STOPPED)
+
+    async def _retire(self, replica: Replica, state: ReplicaState) -> None:
+        """Stop the gang (drains what is left in it), free its slots, forget it."""
+        replica.state = state
+        self._changed()
+        if replica.backend is not None:
+            try:
+                await asyncio.to_thread(replica.backend.stop, timeout_s=self.drain_timeout_s)
+            except Exception as err:
+                logger.warning("stopping replica %s: %s", replica.replica_id, err)
+        self.pool.release(replica.slots)
+        replica.slots = []
+        self.replicas.pop(replica.replica_id, None)
+        self._changed()
+
+    def mark_failed(self, replica: Replica, reason: str) -> None:
+        """A rank died / raised / stalled: unroutable at once, engine fails over, gang restarted."""
+        if replica.state not in (ReplicaState.READY, ReplicaState.DRAINING):
+            return
+        was_draining = replica.state is ReplicaState.DRAINING
+        replica.state = ReplicaState.FAILED
+        replica.error = reason
+        logger.error("replica %s failed: %s", replica.replica_id, reason)
+        self.metrics.replica_failures.inc()
+        self._changed()
+        self.on_failed(replica)
+        self._spawn(self._restart(replica, replace=not was_draining))
+
+    async def _restart(self, replica: Replica, *, replace: bool) -> None:
+        await self._retire(replica, ReplicaState.FAILED)
+        if not replace or self._closed:
+            return
+        self._consecutive_failures += 1
+        await asyncio.sleep(self._backoff())
+        self.restarts += 1
+        self.metrics.replica_restarts.inc()
+        self.reconcile()
+
+    def check_health(self) -> None:
+        """Fail replicas whose gang reports unhealthy (a rank died while idle)."""
+        for r in list(self.replicas.values()):
+            if r.state in (ReplicaState.READY, ReplicaState.DRAINING) and r.backend is not None:
+                if not r.backend.healthy:
+                    err = getattr(r.backend, "error", None)
+                    self.mark_failed(r, str(err) if err else "gang unhealthy")
+
+    def sample_busy(self, dt: float) -> None:
+        """Statistical sample of per-stage busy time (see serving.metrics)."""
+        for r in self.replicas.values():
+            if r.backend is None or r.state is not ReplicaState.READY or r.inflight_batches == 0:
+                continue
+            busy = busy_ranks(r.backend)
+            r.active_s += dt
+            if busy is None:
+                continue
+            tp = r.model.dims.tp
+            for stage in range(r.model.dims.pp):
+                if busy[stage * tp]:
+                    r.stage_busy_s[stage] += dt
+                    self.metrics.stage_busy.labels(replica=r.replica_id, stage=str(stage)).inc(dt)
+            pp = r.model.dims.pp
+            frac = 1.0 - sum(r.stage_busy_s) / (pp * r.active_s)
+            self.metrics.bubble.labels(replica=r.replica_id).set(max(0.0, frac))
+
+    # ------------------------------------------------------------------ reload / shutdown
+    async def reload(self, model: ModelGeneration) -> None:
+        """Roll every gang onto ``model``: start a new gang, route to it, drain an old one; repeat.
+
+        Raises ReloadError (old gangs keep serving) when a new gang fails to start.
+        """
+        if self._reloading:
+            raise ReloadError("a reload is already in progress")
+        self._reloading = True
+        try:
+            old = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
+            want = max(1, self.target)
+            started: list[Replica] = []
+            for i in range(want):
+                if self.pool.free < model.dims.world_size and old:
+                    # no room for a new gang next to the old ones: give one old gang back first
+                    await self.drain(old.pop(0))
+                replica = self._launch(model)
+                if replica is None:
+                    raise ReloadError(
+                        f"device pool has {self.pool.free} free slots, a gang of {model.source.name} needs "
+                        f"{model.dims.world_size}"
+                    )
+                started.append(replica)
+                if replica.start_task is None or not await replica.start_task:
+                    raise ReloadError(f"gang {i} of {model.source.name} failed to start: {replica.error}")
+                if old:
+                    await self.drain(old.pop(0))
+            for r in old:
+                await self.drain(r)
+            self.model = model
+            logger.info("reloaded: %s generation %d on %d gangs", model.source.name, model.generation, want)
+        except BaseException:
+            for r in started:
+                if r.state in (ReplicaState.READY, ReplicaState.STARTING):
+                    await self.drain(r, timeout_s=self.drain_timeout_s)
+            raise
+        finally:
+            self._reloading = False
+            self.reconcile()
+
+    async def close(self, *, timeout_s: float) -> None:
+        """Drain and stop every gang (server shutdown)."""
+        self._closed = True
+        starts = {r.start_task for r in self.replicas.values() if r.start_task is not None}
+        for task in list(self._tasks):
+            if task not in starts and not task.done():
+                task.cancel()  # restart back-offs, drains (redone below)
+        pending = [t for t in starts if not t.done()]
+        if pending:  # a gang being started cannot be interrupted: let it finish, it then stops itself
+            await asyncio.wait(pending, timeout=timeout_s + 60)
+        await asyncio.gather(
+            *(self.drain(r, timeout_s=timeout_s) for r in list(self.replicas.values())),
+            return_exceptions=True,
+        )
+        for r in list(self.replicas.values()):  # failed / starting ones
+            await self._retire(r, ReplicaState.STOPPED)
+
+
+def warm_up(backend: Backend, model: ModelGeneration, *, timeout_s: float) -> None:
+    """Send one real micro-batch through every stage; raises if the gang cannot answer."""
+    enc = encode_qa(
+        model.tokenizer,
+        [WARMUP_QUESTION],
+        [WARMUP_CONTEXT],
+        max_seq_len=64,
+        doc_stride=8,
+        max_question_len=16,
+    )
+    batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
+    types = batch.token_type_ids if model.pass_token_types else None
+    out = backend.submit(batch.input_ids, batch.attention_mask, types).result(timeout=timeout_s)
+    if tuple(out.shape[:2]) != tuple(batch.input_ids.shape):
+        raise RuntimeError(
+            f"warm-up logits have shape {tuple(out.shape)} for inputs {tuple(batch.input_ids.shape)}"
+        )

@@ -1,0 +1,298 @@
+"""HTTP routes: QA (/v1/qa, /v1/qa/batch, /v1/models), health (/healthz, /readyz, /metrics), admin.
+
+Handlers are thin: validate settings-dependent limits (``validate_qa_inputs``), hand the pairs to
+the engine, turn ``EngineError`` into a JSON error with its status (429 carries ``Retry-After``),
+and watch for the client disconnecting so its queued work is cancelled. Every error body is
+``{"error": code, "detail": reason}``. Admin routes need ``Authorization: Bearer <admin_token>``
+(401 otherwise, and always 401 when no token is configured).
+
+Status codes: 200; 400 invalid UTF-8; 401 admin auth; 409 reload conflict; 413 body too large;
+422 invalid input (types, missing fields, empty text, limits, top_k range); 429 queue full;
+503 not ready / shutting down / replica failed; 504 deadline passed before compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from serving.engine import ClientGone, EngineError, PairResult, QAPair
+from serving.qa_processing import QAInputError, validate_qa_inputs
+from serving.schemas import (
+    AnswerOut,
+    ErrorResponse,
+    ModelInfo,
+    QABatchRequest,
+    QABatchResponse,
+    QAItem,
+    QARequest,
+    QAResponse,
+    QAResult,
+    ReloadRequest,
+    ReplicasRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": why}
+    for code, why in [
+        (400, "body is not valid UTF-8"),
+        (413, "body larger than max_body_bytes"),
+        (422, "invalid input"),
+        (429, "queue full (see Retry-After)"),
+        (503, "not ready, shutting down or replica failed"),
+        (504, "deadline passed before the request was computed"),
+    ]
+}
+
+api_router = APIRouter(tags=["question answering"])
+health_router = APIRouter(tags=["health"])
+admin_router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+def _error(status: int, code: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+def _disconnect_watcher(request: Request) -> Callable[[], Awaitable[None]]:
+    async def disconnected() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+            await asyncio.sleep(0.05)  # a server that keeps sending empty chunks: do not spin
+
+    return disconnected
+
+
+def _result(pr: PairResult) -> QAResult:
+    p = pr.prediction
+    answers = (
+        []
+        if p.no_answer
+        else [AnswerOut(text=a.text, score=a.score, start=a.start, end=a.end) for a in p.answers]
+    )
+    diff = p.null_score_diff
+    return QAResult(
+        answers=answers,
+        no_answer=p.no_answer,
+        null_score_diff=diff if diff not in (float("inf"), float("-inf")) else None,
+        windows=pr.windows,
+    )
+
+
+async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_s: float | None) -> Any:
+    """Shared path of /v1/qa and /v1/qa/batch: (results, model name, request id) or an error response."""
+    state = request.app.state
+    settings = state.settings
+    try:
+        for i, it in enumerate(items):
+            try:
+                validate_qa_inputs(
+                    it.question,
+                    it.context,
+                    top_k=it.top_k,
+                    max_answer_length=it.max_answer_length,
+                    max_context_chars=settings.max_context_chars,
+                    max_question_chars=settings.max_question_chars,
+                )
+            except QAInputError as err:
+                loc = f"items[{i}].{err.field}" if endpoint == "batch" else err.field
+                return _error(422, "invalid_input", f"{loc}: {err.reason}")
+        if state.shutting_down or not hasattr(state, "engine"):
+            return _error(
+                503, "shutting_down" if state.shutting_down else "starting", "the server is not serving"
+            )
+        engine = state.engine
+        pairs = [QAPair(it.question, it.context, it.top_k, it.max_answer_length) for it in items]
+        try:
+            job = engine.submit(pairs, timeout_s=timeout_s)
+        except QAInputError as err:
+            return _error(422, "invalid_input", f"{err.field}: {err.reason}")
+        except (TypeError, ValueError) as err:  # the tokenizer refused the text
+            logger.info("tokenizer rejected a request: %s", err)
+            return _error(422, "invalid_input", f"the text cannot be tokenized: {err}")
+        results = await engine.wait(job, disconnected=_disconnect_watcher(request))
+        return results, job.model_name, job.request_id
+    except EngineError as err:
+        headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+        return _error(err.status, err.code, err.detail, headers)
+    except ClientGone:
+        return _error(499, "client_closed_request", "the client disconnected")
+
+
+def _observe(request: Request, endpoint: str, t0: float, status: int) -> None:
+    m = request.app.state.metrics
+    m.requests.labels(endpoint=endpoint, status=str(status)).inc()
+    m.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+
+
+@api_router.post("/v1/qa", response_model=QAResponse, responses=_ERRORS)
+async def qa(body: QARequest, request: Request) -> Any:
+    """Answer one question about one context (best ``top_k`` spans; ``context[start:end] == text``)."""
+    t0 = time.perf_counter()
+    out = await _answer(request, "qa", [body], body.timeout_s)
+    if isinstance(out, Response):
+        _observe(request, "qa", t0, out.status_code)
+        return out
+    results, model, rid = out
+    _observe(request, "qa", t0, 200)
+    r = _result(results[0])
+    return QAResponse(
+        **r.model_dump(), model=model, request_id=rid, latency_ms=1000 * (time.perf_counter() - t0)
+    )
+
+
+@api_router.post("/v1/qa/batch", response_model=QABatchResponse, responses=_ERRORS)
+async def qa_batch(body: QABatchRequest, request: Request) -> Any:
+    """Answer many (question, context) pairs in one call; results in item order."""
+    t0 = time.perf_counter()
+    limit = request.app.state.settings.max_batch_items
+    if len(body.items) > limit:
+        out: Any = _error(422, "too_many_items", f"{len(body.items)} items, max_batch_items={limit}")
+    else:
+        out = await _answer(request, "batch", body.items, body.timeout_s)
+    if isinstance(out, Response):
+        _observe(request, "batch", t0, out.status_code)
+        return out
+    results, model, rid = out
+    _observe(request, "batch", t0, 200)
+    return QABatchResponse(
+        results=[_result(r) for r in results],
+        model=model,
+        request_id=rid,
+        latency_ms=1000 * (time.perf_counter() - t0),
+    )
+
+
+@api_router.get("/v1/models", response_model=list[ModelInfo])
+async def models(request: Request) -> Any:
+    """The served model: name, checkpoint, partition plan, generation, replica gangs."""
+    state = request.app.state
+    if not hasattr(state, "manager"):
+        return _error(503, "starting", "the server is starting")
+    model = state.manager.model
+    return [
+        ModelInfo(
+            model=model.source.name,
+            checkpoint=model.source.describe(),
+            plan=model.plan().to_dict(),
+            generation=model.generation,
+            replicas=state.manager.describe(),
+        )
+    ]
+
+
+@health_router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is alive (says nothing about replicas)."""
+    return {"status": "alive"}
+
+
+@health_router.get("/readyz", responses={503: {"model": ErrorResponse}})
+async def readyz(request: Request) -> Any:
+    """200 only while at least one replica gang is loaded, warm and healthy, and not shutting down."""
+    state = request.app.state
+    manager = getattr(state, "manager", None)
+    ready = manager.ready if manager is not None else 0
+    if state.shutting_down:
+        return _error(503, "shutting_down", {"ready_replicas": ready})
+    if ready < 1:
+        starting = manager.starting if manager is not None else 0
+        return _error(503, "not_ready", {"ready_replicas": 0, "starting_replicas": starting})
+    return {"status": "ready", "ready_replicas": ready}
+
+
+@health_router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---------------------------------------------------------------------------------------- admin
+
+
+def require_admin(request: Request) -> None:
+    """Bearer-token check of every /admin route (401 when unset, missing or wrong)."""
+    token = request.app.state.settings.admin_token
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if not token:
+        raise HTTPException(
+            401, {"error": "admin_disabled", "detail": "no admin token is configured"}, challenge
+        )
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise HTTPException(
+            401, {"error": "unauthorized", "detail": "missing or wrong bearer token"}, challenge
+        )
+
+
+def _supervisor(request: Request) -> Any:
+    sup = getattr(request.app.state, "supervisor", None)
+    if sup is None:
+        raise HTTPException(503, {"error": "starting", "detail": "the server is starting"})
+    return sup
+
+
+@admin_router.get("/replicas", dependencies=[Depends(require_admin)])
+async def get_replicas(request: Request) -> dict[str, Any]:
+    """Replica gangs, target, autoscaling state and decision counts."""
+    return _supervisor(request).describe()
+
+
+@admin_router.post("/replicas", dependencies=[Depends(require_admin)])
+async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
+    """``{"replicas": n}`` pins the count (autoscaling pauses); ``{"min_replicas", "max_replicas"}`` resumes it."""
+    sup = _supervisor(request)
+    if body.replicas is not None:
+        if body.min_replicas is not None or body.max_replicas is not None:
+            return _error(422, "invalid_request", "give either replicas or min_replicas/max_replicas")
+        sup.pin(body.replicas)
+    elif body.min_replicas is not None or body.max_replicas is not None:
+        lo = body.min_replicas if body.min_replicas is not None else sup.config.min_replicas
+        hi = body.max_replicas if body.max_replicas is not None else max(lo, sup.config.max_replicas)
+        try:
+            sup.set_bounds(lo, hi)
+        except ValueError as err:
+            return _error(422, "invalid_request", str(err))
+    else:
+        return _error(422, "invalid_request", "give replicas, or min_replicas and/or max_replicas")
+    return sup.describe()
+
+
+@admin_router.post("/reload", dependencies=[Depends(require_admin)])
+async def reload(body: ReloadRequest, request: Request) -> Any:
+    """Load another checkpoint into fresh gangs, switch traffic to them, drain the old ones."""
+    from serving.app import load_generation
+    from serving.replicas import ReloadError
+
+    state = request.app.state
+    _supervisor(request)
+    manager = state.manager
+    current = manager.model
+    try:
+        model = await asyncio.to_thread(
+            load_generation, state.settings, body.model, generation=current.generation + 1
+        )
+    except (ValueError, OSError) as err:
+        return _error(422, "invalid_model", f"{body.model!r}: {err}")
+    if model.tokenizer.get_vocab() != current.tokenizer.get_vocab():
+        return _error(
+            409,
+            "tokenizer_mismatch",
+            f"{body.model!r} has another tokenizer than {current.source.name!r}; restart instead",
+        )
+    try:
+        await manager.reload(model)
+    except ReloadError as err:
+        return _error(422, "reload_failed", str(err))
+    return {"model": model.source.name, "generation": model.generation, "replicas": manager.describe()}

@@ -1,0 +1,204 @@
+"""Server settings: one pydantic-settings model read from CLI flags and ``SHARDSERVE_*`` variables.
+
+Every field is a flag of ``shardserve serve`` (``--max-queue-size`` <-> ``max_queue_size``) and an
+environment variable (``SHARDSERVE_MAX_QUEUE_SIZE``); a flag given on the command line wins over
+the environment, the environment over the default. The field descriptions below ARE the
+``--help`` texts (``serving/serve_cli.py`` builds the parser from them).
+
+    from serving.settings import ServeSettings
+    s = ServeSettings(model="tiny-bert", pp=2)        # validated once, errors print the numbers
+    s.scheduler_config(), s.autoscaling_config()      # the pure-logic configs built from it
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from serving.autoscaler import AutoscalingConfig
+from serving.scheduler import SchedulerConfig
+
+
+class ServeSettings(BaseSettings):
+    """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars)."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDSERVE_", extra="ignore", frozen=True)
+
+    # ---- network
+    host: str = Field("0.0.0.0", description="interface to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
+
+    # ---- model and partition
+    model: str = Field(
+        "default",
+        description="model: default (embedded MiniLM QA model), minilm, tiny-bert, tiny-roberta, "
+        "tiny-distilbert, or a local Hugging Face directory",
+    )
+    pp: int = Field(1, ge=1, description="pipeline-parallel stages per replica gang")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage")
+    threads_per_rank: int = Field(1, ge=1, description="torch intra-op threads of each worker rank")
+
+    # ---- replicas, device pool, autoscaling (Ray Serve names)
+    replicas: int | None = Field(
+        None, ge=1, description="fixed number of replica gangs (sets min and max replicas; default 1)"
+    )
+    min_replicas: int | None = Field(None, ge=1, description="autoscaling lower bound (default 1)")
+    max_replicas: int | None = Field(None, ge=1, description="autoscaling upper bound (default min)")
+    cpu_slots: int | None = Field(
+        None,
+        ge=1,
+        description="CPU device pool: worker processes (ranks) that may run at once; a gang takes pp*tp "
+        "slots. Default: pp*tp*(max_replicas+1), room for one spare gang used by restarts and reloads",
+    )
+    device: str = Field(
+        "cpu", description="cpu, or cuda: one CUDA device per rank; the pool is then the visible GPUs"
+    )
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="autoscaler: queued + in-flight requests wanted per replica"
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="autoscaler: a scale-up wish must last this long")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="autoscaler: a scale-down wish must last this long"
+    )
+    look_back_period_s: float = Field(30.0, gt=0, description="autoscaler: load averaging window")
+    autoscale_interval_s: float = Field(0.5, gt=0, description="autoscaler: seconds between decisions")
+
+    # ---- scheduler (Triton names)
+    max_queue_size: int = Field(256, ge=1, description="requests waiting for dispatch; beyond: 429")
+    max_batch_size: int = Field(32, ge=1, description="windows per micro-batch")
+    max_batch_tokens: int = Field(8192, ge=1, description="padded tokens per micro-batch")
+    max_queue_delay_ms: float = Field(
+        5.0, ge=0, description="the oldest queued window may wait this long for a fuller batch"
+    )
+    length_buckets: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [64, 96, 128, 160, 192, 256, 320, 384],
+        description="comma-separated window length buckets (tokens); the last must be >= max_seq_len",
+    )
+    max_inflight_per_replica: int = Field(
+        0, ge=0, description="micro-batches in flight per replica (0: pp + 1, one per stage plus one queued)"
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="default request deadline; a request not computed by then gets 504"
+    )
+    max_request_timeout_s: float = Field(300.0, gt=0, description="largest deadline a request may ask for")
+
+    # ---- question answering
+    max_seq_len: int = Field(384, ge=16, description="tokens per window (special tokens included)")
+    doc_stride: int = Field(128, ge=0, description="context tokens shared by consecutive windows")
+    max_question_len: int = Field(64, ge=1, description="question tokens kept (longer ones are truncated)")
+    null_threshold: float | None = Field(
+        None,
+        description="SQuAD 2.0 no-answer threshold: answer 'no answer' when null_score - best_span "
+        "> threshold (unset: always answer)",
+    )
+
+    # ---- limits on input
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body (bytes); beyond: 413")
+    max_context_chars: int = Field(100_000, ge=1, description="longest context (characters); beyond: 422")
+    max_question_chars: int = Field(2_000, ge=1, description="longest question (characters); beyond: 422")
+    max_batch_items: int = Field(64, ge=1, description="pairs per /v1/qa/batch call; beyond: 422")
+
+    # ---- lifecycle, health
+    admin_token: str | None = Field(
+        None, description="bearer token of the /admin endpoints (unset: admin endpoints answer 401)"
+    )
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM / scale-down: wait this long for work")
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="a replica with work in flight and no progress this long is failed"
+    )
+    gang_start_timeout_s: float = Field(300.0, gt=0, description="a gang not ready after this is failed")
+    restart_backoff_s: float = Field(1.0, ge=0, description="pause before restarting a failed gang")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_buckets(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("length_buckets"), str):
+            raw = data["length_buckets"].strip().strip("[]")
+            data = {**data, "length_buckets": [int(x) for x in raw.split(",") if x.strip()]}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeSettings:
+        problems = []
+        if self.replicas is not None and (self.min_replicas is not None or self.max_replicas is not None):
+            problems.append(
+                f"replicas={self.replicas} cannot be combined with min_replicas={self.min_replicas} / "
+                f"max_replicas={self.max_replicas}"
+            )
+        lo, hi = self.replica_bounds
+        if lo > hi:
+            problems.append(f"min_replicas={lo} > max_replicas={hi}")
+        if self.length_buckets and self.length_buckets[-1] < self.max_seq_len:
+            problems.append(
+                f"largest length bucket {self.length_buckets[-1]} < max_seq_len={self.max_seq_len}: "
+                "full windows could never be scheduled"
+            )
+        if self.doc_stride + self.max_question_len + 4 >= self.max_seq_len:
+            problems.append(
+                f"doc_stride={self.doc_stride} + max_question_len={self.max_question_len} leaves no room in "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        if self.request_timeout_s > self.max_request_timeout_s:
+            problems.append(
+                f"request_timeout_s={self.request_timeout_s} > max_request_timeout_s={self.max_request_timeout_s}"
+            )
+        if self.device not in ("cpu", "cuda"):
+            problems.append(f"device={self.device!r} must be cpu or cuda")
+        if problems:
+            raise ValueError("invalid settings: " + "; ".join(problems))
+        self.scheduler_config()  # raises with the numbers
+        self.autoscaling_config()
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        """(min_replicas, max_replicas) after applying ``replicas`` and the defaults."""
+        if self.replicas is not None:
+            return self.replicas, self.replicas
+        lo = self.min_replicas if self.min_replicas is not None else 1
+        hi = self.max_replicas if self.max_replicas is not None else max(lo, 1)
+        return lo, hi
+
+    @property
+    def autoscaling(self) -> bool:
+        lo, hi = self.replica_bounds
+        return hi > lo
+
+    @property
+    def pool_slots(self) -> int:
+        """Rank slots of the CPU device pool (see ``cpu_slots``)."""
+        if self.cpu_slots is not None:
+            return self.cpu_slots
+        return self.world_size * (self.replica_bounds[1] + 1)
+
+    @property
+    def inflight_per_replica(self) -> int:
+        return self.max_inflight_per_replica or self.pp + 1
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_queue_size=self.max_queue_size,
+            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            max_queue_delay_ms=self.max_queue_delay_ms,
+            length_buckets=tuple(self.length_buckets),
+            max_inflight_per_replica=self.inflight_per_replica,
+            default_deadline_s=self.request_timeout_s,
+        )
+
+    def autoscaling_config(self) -> AutoscalingConfig:
+        lo, hi = self.replica_bounds
+        return AutoscalingConfig(
+            min_replicas=lo,
+            max_replicas=hi,
+            target_ongoing_requests=self.target_ongoing_requests,
+            upscale_delay_s=self.upscale_delay_s,
+            downscale_delay_s=self.downscale_delay_s,
+            look_back_period_s=self.look_back_period_s,
+        )

@@ -1,0 +1,148 @@
+"""Periodic control of the replica set: health checks, busy-time sampling, autoscaling.
+
+One asyncio task ticks every ``TICK_S``: it fails replicas whose gang went unhealthy while idle
+(``ReplicaManager.check_health``; a gang with work in flight fails through its futures first),
+samples per-stage busy time for the metrics, and every ``autoscale_interval_s`` feeds the pure
+``Autoscaler`` (ongoing requests = queued + in flight) and applies its target by starting or
+draining whole gangs. Every applied decision is logged and counted
+(``shardserve_autoscale_decisions_total{direction}``). ``pin(n)`` (POST /admin/replicas) fixes the
+count and pauses autoscaling; ``set_bounds(lo, hi)`` resumes it with new bounds.
+
+    sup = Supervisor(engine=engine, manager=manager, metrics=metrics, config=settings.autoscaling_config())
+    await sup.start(); ...; await sup.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from serving.autoscaler import Autoscaler, AutoscalingConfig
+from serving.engine import Engine
+from serving.metrics import ServingMetrics
+from serving.replicas import ReplicaManager
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.02  # busy-time sampling period; health checks every HEALTH_EVERY ticks
+HEALTH_EVERY = 5
+
+
+class Supervisor:
+    """Health + autoscaling loop over a ReplicaManager (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        manager: ReplicaManager,
+        metrics: ServingMetrics,
+        config: AutoscalingConfig,
+        interval_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.manager = manager
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.clock = clock
+        self.autoscaler = Autoscaler(config)
+        self.pinned: int | None = None if config.max_replicas > config.min_replicas else config.min_replicas
+        self.last_decision: str = "none yet"
+        self._task: asyncio.Task | None = None
+
+    @property
+    def config(self) -> AutoscalingConfig:
+        return self.autoscaler.config
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.pinned is None
+
+    async def start(self) -> None:
+        first = self.pinned if self.pinned is not None else self.config.min_replicas
+        self.metrics.autoscale_target.set(self.manager.set_target(first))
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="shardserve-supervisor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def pin(self, n: int) -> int:
+        """Run exactly ``n`` gangs (clamped to the pool); autoscaling pauses."""
+        self.pinned = n
+        applied = self.manager.set_target(n)
+        self.metrics.autoscale_target.set(applied)
+        logger.info("replicas pinned to %d (asked %d)", applied, n)
+        return applied
+
+    def set_bounds(self, lo: int, hi: int) -> None:
+        """New autoscaling bounds (validated by AutoscalingConfig); autoscaling resumes."""
+        config = dataclasses.replace(self.config, min_replicas=lo, max_replicas=hi)
+        counts = self.autoscaler.counts
+        self.autoscaler = Autoscaler(config)
+        self.autoscaler.counts = counts
+        self.pinned = None
+        logger.info("autoscaling bounds set to [%d, %d]", lo, hi)
+
+    def describe(self) -> dict[str, Any]:
+        lo, hi = self.config.min_replicas, self.config.max_replicas
+        return {
+            "target": self.manager.target,
+            "ready": self.manager.ready,
+            "starting": self.manager.starting,
+            "autoscaling": self.autoscaling,
+            "pinned": self.pinned,
+            "min_replicas": lo,
+            "max_replicas": hi,
+            "pool_limit": self.manager.pool_limit(),
+            "decisions": dict(self.autoscaler.counts),
+            "last_decision": self.last_decision,
+            "replicas": self.manager.describe(),
+        }
+
+    async def _run(self) -> None:
+        tick = 0
+        next_scale = self.clock()
+        last = self.clock()
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = self.clock()
+            try:
+                self.manager.sample_busy(now - last)
+                last = now
+                tick += 1
+                if tick % HEALTH_EVERY == 0:
+                    self.manager.check_health()
+                if self.autoscaling and now >= next_scale:
+                    next_scale = now + self.interval_s
+                    self.scale_step(now)
+            except Exception:  # never let the control loop die
+                logger.exception("supervisor tick failed")
+
+    def scale_step(self, now: float) -> None:
+        """One autoscaler observation + decision, applied to the manager."""
+        m = self.manager
+        self.autoscaler.observe(
+            now,
+            ongoing_requests=self.engine.ongoing,
+            current_replicas=m.ready,
+            pending_replicas=m.starting,
+            max_replicas_allowed_by_device_pool=m.pool_limit(),
+        )
+        before = dict(self.autoscaler.counts)
+        decision = self.autoscaler.decide(now)
+        for direction, n in self.autoscaler.counts.items():
+            if n > before.get(direction, 0):
+                self.metrics.autoscale.labels(direction=direction).inc(n - before.get(direction, 0))
+        if decision.target != m.target:
+            self.last_decision = decision.reason
+            logger.info("autoscaler: target %d -> %d (%s)", m.target, decision.target, decision.reason)
+            self.metrics.autoscale_target.set(m.set_target(decision.target))

@@ -1,0 +1,152 @@
+"""Kubernetes manifests in deploy/: schema-validated offline (kubernetes-validate bundles the
+OpenAPI schemas, strict mode rejects unknown fields) plus the invariants the design relies on.
+
+python -m pytest tests/deploy/test_manifests.py -q
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is in the test extra: pip install -e '.[test]'"
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+# oldest version with everything used here (pod-index labels, Indexed Jobs) .. the newest bundled
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+
+
+def _docs() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out.append((path.name, doc))
+    return out
+
+
+def _one(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for _, d in _docs() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_every_manifest_passes_the_schema() -> None:
+    docs = _docs()
+    assert {d["kind"] for _, d in docs} >= {
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "ConfigMap",
+        "Job",
+    }
+    for version in K8S_VERSIONS:
+        for filename, doc in docs:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{filename} {doc['kind']}/{doc['metadata']['name']} (k8s {version}): {exc}")
+
+
+def test_the_validator_rejects_a_broken_manifest() -> None:
+    doc = _one("Deployment")
+    broken = yaml.safe_load(yaml.safe_dump(doc))
+    broken["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "eight thousand"
+    with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'integer'"):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
+    unknown = yaml.safe_load(yaml.safe_dump(doc))
+    unknown["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(unknown, K8S_VERSIONS[-1], strict=True)
+
+
+def test_deployment_probes_drain_and_grace_period() -> None:
+    dep = _one("Deployment", "shardserve")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    env = _env(c)
+    prestop_s, drain_s = float(env["PRESTOP_S"]), float(env["SHARDSERVE_DRAIN_TIMEOUT_S"])
+    assert "PRESTOP_S" in " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace > prestop_s + drain_s, f"grace {grace} s <= preStop {prestop_s} s + drain {drain_s} s"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == _dockerfile_uid()
+    assert (
+        dep["spec"]["selector"]["matchLabels"].items()
+        <= dep["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_service_selects_the_deployment_pods_on_the_named_port() -> None:
+    dep, svc = _one("Deployment", "shardserve"), _one("Service", "shardserve")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    port_names = {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= port_names
+
+
+def _exported_metric_names() -> set[str]:
+    source = (REPO / "serving" / "metrics.py").read_text()
+    return set(re.findall(r'"(shardserve_[a-z_]+)"', source))
+
+
+def test_hpa_scales_the_deployment_on_an_exported_queue_metric_served_by_the_adapter() -> None:
+    hpa, dep = _one("HorizontalPodAutoscaler", "shardserve"), _one("Deployment", "shardserve")
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["kind"], ref["name"]) == ("Deployment", dep["metadata"]["name"])
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    assert name == "shardserve_queue_depth_requests"
+    assert name in _exported_metric_names(), f"{name} is not defined in serving/metrics.py"
+    adapter = yaml.safe_load(_one("ConfigMap", "prometheus-adapter-shardserve")["data"]["config.yaml"])
+    exposed = {rule["name"]["as"] for rule in adapter["rules"]}
+    assert name in exposed
+    for rule in adapter["rules"]:
+        series = rule["seriesQuery"].split("{")[0].strip("'")
+        assert series in _exported_metric_names(), series
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] == "/metrics" and annotations["prometheus.io/port"] == "8000"
+
+
+def test_gang_example_spans_two_hosts_with_torchrun_variables() -> None:
+    job, svc = _one("Job", "shardserve-gang"), _one("Service", "shardserve-gang")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = _env(c)
+    world = int(env["WORLD_SIZE"])
+    assert world == spec["completions"] == spec["parallelism"] == 2
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimit"] == 0
+    rank_ref = next(e for e in c["env"] if e["name"] == "RANK")["valueFrom"]["fieldRef"]["fieldPath"]
+    assert "job-completion-index" in rank_ref
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert pod["subdomain"] == svc["metadata"]["name"]
+    assert env["MASTER_ADDR"].startswith(f"{job['metadata']['name']}-0.{svc['metadata']['name']}.")
+    assert int(env["MASTER_PORT"]) == svc["spec"]["ports"][0]["port"]
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert c["command"][-1] == "/opt/shardserve/gang_probe.py"
+    assert "COPY deploy/gang_probe.py /opt/shardserve/gang_probe.py" in (REPO / "Dockerfile").read_text()
+
+
+def _dockerfile_uid() -> int:
+    users = re.findall(r"^USER\s+(\d+)", (REPO / "Dockerfile").read_text(), flags=re.M)
+    assert users, "Dockerfile has no numeric USER"
+    return int(users[-1].split(":")[0])

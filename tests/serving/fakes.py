@@ -1,0 +1,153 @@
+"""In-process fake gangs for the API / engine tests (no worker processes, starts in milliseconds).
+
+``FakeGang`` has the interface of ``partitioner.gang.Gang`` the server uses (start, submit ->
+concurrent Future of (B, S, 2) logits, healthy, inflight, stop, pids). One worker thread answers
+micro-batches in order, like a pipeline; ``gate`` (a threading.Event shared by the factory) holds
+every batch but the warm-up (micro-batch 0) until set, so tests can fill queues deterministically. ``kill()`` fails every pending
+future with GangError at once, as a real gang does when a rank dies.
+
+    factory = FakeFactory()
+    app = build_app(settings, backend_factory=factory)
+    factory.gangs[0].kill()
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from partitioner.gang import GangError
+
+_pids = itertools.count(100000)
+
+
+def fake_logits(input_ids: torch.Tensor) -> torch.Tensor:
+    """Deterministic (B, S, 2) logits from the token ids (any span decoding works on them)."""
+    ids = torch.as_tensor(input_ids).long()
+    start = ((ids * 7919) % 13).float() / 3.0
+    end = ((ids * 104729) % 11).float() / 3.0
+    return torch.stack([start, end], dim=-1)  # (B, S, 2)
+
+
+class FakeGang:
+    """A gang lookalike (see module doc)."""
+
+    def __init__(
+        self, name: str, *, gate: threading.Event, start_s: float = 0.0, fail_start: bool = False
+    ) -> None:
+        self.name = name
+        self.gate = gate
+        self.start_s = start_s
+        self.fail_start = fail_start
+        self.error: GangError | None = None
+        self.batches: list[tuple[int, int]] = []  # (batch size, padded length) of every batch after warm-up
+        self.token_types_seen: list[bool] = []
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._q: queue.Queue = queue.Queue()
+        self._running = False
+        self._stopped = False
+        self._pids = [next(_pids)]
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> FakeGang:
+        time.sleep(self.start_s)
+        if self.fail_start:
+            raise GangError(f"{self.name}: injected start failure", rank=0)
+        self._running = True
+        self._thread = threading.Thread(target=self._work, daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._running and not self._stopped
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    def pids(self) -> list[int]:
+        return list(self._pids)
+
+    def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future:
+        if self.error is not None:
+            raise self.error
+        if not self.healthy:
+            raise GangError(f"{self.name}: not running")
+        fut: Future = Future()
+        with self._lock:
+            mb = next(self._ids)
+            self._pending[mb] = fut
+        self.token_types_seen.append(token_type_ids is not None)
+        self._q.put((mb, torch.as_tensor(input_ids)))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            mb, ids = item
+            while mb > 0 and not self.gate.wait(0.01):  # micro-batch 0 is the warm-up: never held
+                if self.error is not None or self._stopped:
+                    break
+            if self.error is not None:
+                continue
+            with self._lock:
+                fut = self._pending.pop(mb, None)
+            if fut is not None:
+                if mb > 0:
+                    self.batches.append((int(ids.shape[0]), int(ids.shape[1])))
+                fut.set_result(fake_logits(ids))
+
+    def kill(self, rank: int = 0) -> None:
+        """As if ``kill -9`` hit a rank: every pending future fails at once, the gang is down."""
+        self.error = GangError(f"{self.name}: rank {rank} was killed by signal 9", rank=rank)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(self.error)
+
+    def stop(self, *, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._pending and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stopped = True
+        self._q.put(None)
+        if self.error is None:
+            self.error = GangError(f"{self.name}: gang stopped")
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(self.error)
+
+
+class FakeFactory:
+    """backend_factory for build_app: records every gang it made (``gangs``) and its model."""
+
+    def __init__(self, *, start_s: float = 0.0) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.start_s = start_s
+        self.fail_start_models: set[str] = set()
+        self.gangs: list[FakeGang] = []
+        self.models: list[str] = []
+
+    def __call__(self, source: Any, plan: Any, name: str) -> FakeGang:
+        gang = FakeGang(
+            name, gate=self.gate, start_s=self.start_s, fail_start=source.name in self.fail_start_models
+        )
+        self.gangs.append(gang)
+        self.models.append(source.name)
+        return gang
+
+    def batches(self) -> list[tuple[int, int]]:
+        return [b for g in self.gangs for b in g.batches]

@@ -1,0 +1,584 @@
+"""HTTP API contract over fake in-process gangs (``tests/serving/fakes.py``): answers, limits, every
+bad-input class, 429 / 504, readiness, metrics, admin auth, replica failure, autoscaling, reload.
+
+Run: python -m pytest tests/serving/test_api.py -q      (no worker processes; a few seconds)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from serving.app import build_app
+from serving.replicas import ReplicaState
+from serving.serve_cli import DrainingServer
+from serving.settings import ServeSettings
+from tests.serving.fakes import FakeFactory
+
+CONTEXT = (
+    "Super Bowl 50 was an American football game to determine the champion of the National Football "
+    "League (NFL) for the 2015 season. The Denver Broncos defeated the Carolina Panthers 24–10 to earn "
+    "their third Super Bowl title. The game was played on February 7, 2016, at Levi's Stadium."
+)
+QUESTION = "Which team won Super Bowl 50?"
+TOKEN = "s3cret-token"
+
+
+def wait_until(cond: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serving(factory: FakeFactory | None = None, **overrides: Any) -> Iterator[tuple[TestClient, FakeFactory]]:
+    """A started app on fake gangs, ready to answer."""
+    factory = factory or FakeFactory()
+    kw: dict[str, Any] = {
+        "model": "tiny-bert",
+        "max_queue_delay_ms": 1.0,
+        "restart_backoff_s": 0.05,
+        "drain_timeout_s": 5.0,
+        "admin_token": TOKEN,
+    }
+    kw.update(overrides)
+    app = build_app(ServeSettings(**kw), backend_factory=factory)
+    with TestClient(app) as client:
+        wait_until(lambda: client.get("/readyz").status_code == 200, what="readiness")
+        try:
+            yield client, factory
+        finally:
+            factory.gate.set()
+
+
+def ask(client: TestClient, question: str = QUESTION, context: str = CONTEXT, **extra: Any) -> Any:
+    return client.post("/v1/qa", json={"question": question, "context": context, **extra})
+
+
+def assert_offsets(answers: list[dict], context: str) -> None:
+    for a in answers:
+        assert context[a["start"] : a["end"]] == a["text"]
+        assert 0 <= a["start"] < a["end"] <= len(context)
+        assert 0.0 <= a["score"] <= 1.0
+
+
+# ------------------------------------------------------------------------------------- contract
+
+
+def test_qa_answers_with_exact_character_offsets() -> None:
+    with serving() as (client, _):
+        r = ask(client, top_k=3)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == "tiny-bert" and body["windows"] == 1 and body["no_answer"] is False
+        assert 1 <= len(body["answers"]) <= 3
+        assert_offsets(body["answers"], CONTEXT)
+        assert len({(a["start"], a["end"]) for a in body["answers"]}) == len(body["answers"])
+        scores = [a["score"] for a in body["answers"]]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_long_context_is_windowed_and_offsets_stay_exact() -> None:
+    long_context = " ".join([CONTEXT] * 6)
+    with serving(max_seq_len=64, doc_stride=16, max_question_len=16, length_buckets="32,64") as (client, _):
+        r = ask(client, context=long_context, top_k=2, max_answer_length=5)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["windows"] > 3
+        assert_offsets(body["answers"], long_context)
+
+
+def test_batch_endpoint_answers_each_pair_in_order() -> None:
+    contexts = [CONTEXT, "Ann met Bob in Paris in 1999.", "Water boils at 100 degrees Celsius at sea level."]
+    items = [{"question": "What?", "context": c, "top_k": 2} for c in contexts]
+    with serving() as (client, _):
+        r = client.post("/v1/qa/batch", json={"items": items})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert len(results) == 3
+        for res, c in zip(results, contexts, strict=True):
+            assert res["answers"]
+            assert_offsets(res["answers"], c)
+
+
+def test_no_answer_threshold_returns_empty_answers_with_flag() -> None:
+    with serving(null_threshold=-1e6) as (client, _):  # any null score beats the span: abstain
+        body = ask(client).json()
+        assert body["no_answer"] is True and body["answers"] == []
+        assert isinstance(body["null_score_diff"], float)
+
+
+def test_models_health_and_openapi() -> None:
+    with serving() as (client, _):
+        assert client.get("/healthz").json() == {"status": "alive"}
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["ready_replicas"] == 1
+        models = client.get("/v1/models").json()
+        assert models[0]["model"] == "tiny-bert" and models[0]["plan"]["pp"] == 1
+        assert models[0]["checkpoint"]["arch"] == "bert"
+        assert [r["state"] for r in models[0]["replicas"]] == ["ready"]
+        paths = client.get("/openapi.json").json()["paths"]
+        assert {"/v1/qa", "/v1/qa/batch", "/v1/models", "/readyz", "/admin/reload"} <= set(paths)
+
+
+def test_readyz_is_503_until_a_gang_is_warm() -> None:
+    factory = FakeFactory(start_s=0.5)
+    app = build_app(ServeSettings(model="tiny-bert"), backend_factory=factory)
+    with TestClient(app) as client:
+        first = client.get("/readyz")
+        assert first.status_code == 503 and first.json()["error"] == "not_ready"
+        assert client.get("/healthz").status_code == 200
+        r = ask(client)  # admitted while a gang starts: answered once it is ready
+        assert r.status_code == 200
+        assert client.get("/readyz").status_code == 200
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+BAD_JSON_BODIES = {
+    "empty question": {"question": "", "context": CONTEXT},
+    "whitespace question": {"question": "  \n\t", "context": CONTEXT},
+    "whitespace context": {"question": QUESTION, "context": "   "},
+    "question not a string": {"question": 42, "context": CONTEXT},
+    "context is a list": {"question": QUESTION, "context": ["a", "b"]},
+    "context null": {"question": QUESTION, "context": None},
+    "missing context": {"question": QUESTION},
+    "missing everything": {},
+    "top_k zero": {"question": QUESTION, "context": CONTEXT, "top_k": 0},
+    "top_k negative": {"question": QUESTION, "context": CONTEXT, "top_k": -3},
+    "top_k huge": {"question": QUESTION, "context": CONTEXT, "top_k": 10**12},
+    "top_k string": {"question": QUESTION, "context": CONTEXT, "top_k": "3"},
+    "top_k float": {"question": QUESTION, "context": CONTEXT, "top_k": 2.5},
+    "top_k bool": {"question": QUESTION, "context": CONTEXT, "top_k": True},
+    "max_answer_length zero": {"question": QUESTION, "context": CONTEXT, "max_answer_length": 0},
+    "unknown field": {"question": QUESTION, "context": CONTEXT, "topk": 2},
+    "timeout negative": {"question": QUESTION, "context": CONTEXT, "timeout_s": -1},
+    "timeout over max": {"question": QUESTION, "context": CONTEXT, "timeout_s": 10**6},
+    "body is a list": [QUESTION, CONTEXT],
+    "context over limit": {"question": QUESTION, "context": "word " * 500},
+    "question over limit": {"question": "why " * 100, "context": CONTEXT},
+}
+
+
+@pytest.fixture(scope="module")
+def limited_client() -> Iterator[tuple[TestClient, FakeFactory]]:
+    with serving(max_context_chars=2000, max_question_chars=200, max_body_bytes=4096, max_batch_items=4) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name", list(BAD_JSON_BODIES))
+def test_bad_json_input_is_a_4xx_with_a_reason(limited_client: Any, name: str) -> None:
+    client, _ = limited_client
+    r = client.post("/v1/qa", json=BAD_JSON_BODIES[name])
+    assert r.status_code == 422, (name, r.status_code, r.text)
+    body = r.json()
+    assert body["error"] in ("invalid_request", "invalid_input", "invalid_timeout") and body["detail"]
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "status", "code"),
+    [
+        ("invalid utf-8", b'{"question": "\xff\xfe", "context": "abc"}', 400, "invalid_utf8"),
+        ("truncated utf-8", b'{"question": "caf\xc3", "context": "abc"}', 400, "invalid_utf8"),
+        ("not json", b"question=what&context=that", 422, "invalid_request"),
+        ("truncated json", b'{"question": "a", "context": ', 422, "invalid_request"),
+        ("lone surrogate escape", b'{"question": "\\ud800 who", "context": "abc"}', 422, "invalid_request"),
+        (
+            "context of zero-width chars",
+            b'{"question": "who", "context": "\\u200b\\u200b"}',
+            422,
+            "invalid_input",
+        ),
+        ("empty body", b"", 422, "invalid_request"),
+        ("json null", b"null", 422, "invalid_request"),
+        ("timeout NaN", b'{"question": "a", "context": "b", "timeout_s": NaN}', 422, "invalid_request"),
+        ("top_k overflow", b'{"question": "a", "context": "b", "top_k": 1e400}', 422, "invalid_request"),
+        (
+            "oversized body",
+            json.dumps({"question": "q", "context": "x" * 10_000}).encode(),
+            413,
+            "body_too_large",
+        ),
+    ],
+)
+def test_bad_raw_body_is_a_4xx_with_a_reason(
+    limited_client: Any, name: str, raw: bytes, status: int, code: str
+) -> None:
+    client, _ = limited_client
+    r = client.post("/v1/qa", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, (name, r.text)
+    assert r.json()["error"] == code
+
+
+def test_oversized_streamed_body_without_content_length_is_413(limited_client: Any) -> None:
+    client, _ = limited_client
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"question": "q", "context": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    r = client.post("/v1/qa", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "body_too_large"
+
+
+def test_bad_batch_inputs(limited_client: Any) -> None:
+    client, _ = limited_client
+    good = {"question": QUESTION, "context": CONTEXT}
+    cases = [
+        ({"items": []}, "invalid_request"),
+        ({"items": [good] * 5}, "too_many_items"),
+        ({"items": [good, {"question": " ", "context": CONTEXT}]}, "invalid_request"),
+        ({"items": [good, {"question": QUESTION, "context": "w " * 1500}]}, "invalid_input"),
+        ({"items": good}, "invalid_request"),
+    ]
+    for body, code in cases:
+        r = client.post("/v1/qa/batch", json=body)
+        assert r.status_code == 422 and r.json()["error"] == code, (body, r.text)
+
+
+def test_server_still_answers_after_bad_inputs(limited_client: Any) -> None:
+    client, factory = limited_client
+    for body in BAD_JSON_BODIES.values():
+        client.post("/v1/qa", json=body)
+    r = ask(client)
+    assert r.status_code == 200 and r.json()["answers"]
+    assert all(g.healthy for g in factory.gangs)
+
+
+# ------------------------------------------------------------------------------------- queue, deadlines
+
+
+def _submit_async(client: TestClient, pool: ThreadPoolExecutor, n: int, **extra: Any) -> list:
+    return [pool.submit(ask, client, **extra) for _ in range(n)]
+
+
+def test_full_queue_answers_429_with_retry_after() -> None:
+    with serving(max_queue_size=2, max_inflight_per_replica=1, max_batch_size=1) as (client, factory):
+        engine = client.app.state.engine
+        factory.gate.clear()
+        with ThreadPoolExecutor(8) as pool:
+            held = _submit_async(client, pool, 3)  # 1 in flight (held by the gate) + 2 queued
+            wait_until(lambda: engine.scheduler.stats().queued_requests == 2, what="a full queue")
+            r = ask(client)
+            assert r.status_code == 429
+            assert r.json()["error"] == "queue_full"
+            assert int(r.headers["Retry-After"]) >= 1
+            factory.gate.set()
+            assert [f.result(timeout=10).status_code for f in held] == [200, 200, 200]
+        metrics = client.get("/metrics").text
+        assert 'shardserve_requests_total{endpoint="qa",status="429"} 1.0' in metrics
+
+
+def test_deadline_passed_before_compute_is_504_and_never_computed() -> None:
+    with serving(max_inflight_per_replica=1, max_batch_size=1) as (client, factory):
+        factory.gate.clear()
+        with ThreadPoolExecutor(4) as pool:
+            held = pool.submit(ask, client)
+            wait_until(
+                lambda: client.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
+            )
+            late = ask(client, question="Who lost?", timeout_s=0.2)  # queued behind the held batch
+            assert late.status_code == 504 and late.json()["error"] == "deadline_exceeded"
+            factory.gate.set()
+            assert held.result(timeout=10).status_code == 200
+        assert len(factory.batches()) == 1  # the expired request never reached a gang
+
+
+# ------------------------------------------------------------------------------------- metrics, admin
+
+
+def test_metrics_exports_requests_batches_queue_and_replicas() -> None:
+    with serving() as (client, _):
+        for _ in range(3):
+            assert ask(client).status_code == 200
+        text = client.get("/metrics").text
+    for needle in (
+        'shardserve_requests_total{endpoint="qa",status="200"} 3.0',
+        'shardserve_request_latency_seconds_count{endpoint="qa"} 3.0',
+        "shardserve_queue_wait_seconds_count 3.0",
+        "shardserve_batch_size_windows_count",
+        "shardserve_queue_depth_requests 0.0",
+        'shardserve_replicas{state="ready"} 1.0',
+        "shardserve_pipeline_bubble_fraction",
+        "shardserve_stage_busy_seconds_total",
+    ):
+        if "bubble" in needle or "stage_busy" in needle:
+            assert f"# HELP {needle}" in text
+        else:
+            assert needle in text, needle
+
+
+def test_admin_requires_the_bearer_token() -> None:
+    with serving(admin_token=None) as (client, _):
+        r = client.get("/admin/replicas", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 401 and r.json()["error"] == "admin_disabled"
+    with serving() as (client, _):
+        assert client.get("/admin/replicas").status_code == 401
+        wrong = client.get("/admin/replicas", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.headers["WWW-Authenticate"] == "Bearer"
+        assert client.post("/admin/replicas", json={"replicas": 2}).status_code == 401
+        assert client.post("/admin/reload", json={"model": "tiny-roberta"}).status_code == 401
+        ok = client.get("/admin/replicas", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200 and ok.json()["ready"] == 1
+
+
+def test_admin_sets_the_replica_count() -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serving(cpu_slots=3) as (client, factory):
+        r = client.post("/admin/replicas", json={"replicas": 3}, headers=auth)
+        assert r.status_code == 200 and r.json()["target"] == 3 and r.json()["autoscaling"] is False
+        wait_until(lambda: client.get("/admin/replicas", headers=auth).json()["ready"] == 3, what="3 ready")
+        r = client.post("/admin/replicas", json={"replicas": 5}, headers=auth)  # pool fits 3 gangs of 1 rank
+        assert r.json()["target"] == 3
+        client.post("/admin/replicas", json={"replicas": 1}, headers=auth)
+        wait_until(lambda: len(client.app.state.manager.replicas) == 1, what="scale down to 1")
+        assert sum(g.healthy for g in factory.gangs) == 1
+        bad = client.post("/admin/replicas", json={"min_replicas": 3, "max_replicas": 2}, headers=auth)
+        assert bad.status_code == 422 and "min_replicas=3 > max_replicas=2" in bad.json()["detail"]
+
+
+# ------------------------------------------------------------------------------------- failures
+
+
+def test_killed_replica_in_flight_work_is_retried_on_another() -> None:
+    with serving(replicas=2, max_batch_size=1) as (client, factory):
+        manager = client.app.state.manager
+        wait_until(lambda: manager.ready == 2, what="2 ready")
+        factory.gate.clear()
+        with ThreadPoolExecutor(8) as pool:
+            futures = _submit_async(client, pool, 6)
+            wait_until(lambda: all(r.inflight_batches for r in manager.routable()), what="both busy")
+            victim = manager.routable()[0]
+            victim.backend.kill(rank=1)
+            wait_until(lambda: victim.state is not ReplicaState.READY, what="victim marked failed")
+            factory.gate.set()
+            statuses = [f.result(timeout=10).status_code for f in futures]
+        assert statuses == [200] * 6
+        assert client.app.state.metrics.retried_windows._value.get() >= 1
+        wait_until(lambda: manager.ready == 2 and manager.restarts == 1, what="gang restarted")
+        assert client.get("/readyz").status_code == 200
+
+
+def test_last_replica_killed_answers_503_then_recovers() -> None:
+    with serving(restart_backoff_s=0.5) as (client, factory):
+        manager = client.app.state.manager
+        factory.gate.clear()
+        with ThreadPoolExecutor(4) as pool:
+            futures = _submit_async(client, pool, 3)
+            wait_until(lambda: manager.routable()[0].inflight_batches > 0, what="in flight")
+            manager.routable()[0].backend.kill()
+            statuses = sorted(f.result(timeout=10).status_code for f in futures)
+        assert set(statuses) <= {503} and statuses
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json()["error"] == "not_ready"
+        factory.gate.set()
+        wait_until(lambda: client.get("/readyz").status_code == 200, what="recovery")
+        assert ask(client).status_code == 200
+
+
+def test_idle_replica_death_is_noticed_without_traffic() -> None:
+    with serving() as (client, _):
+        manager = client.app.state.manager
+        manager.routable()[0].backend.kill()
+        wait_until(lambda: client.get("/readyz").status_code == 503 or manager.restarts, what="noticed")
+        wait_until(lambda: client.get("/readyz").status_code == 200 and manager.restarts == 1, what="restart")
+
+
+# ------------------------------------------------------------------------------------- autoscaling
+
+
+def test_autoscaler_scales_up_under_a_load_step_and_back_down() -> None:
+    kw = dict(
+        min_replicas=1,
+        max_replicas=3,
+        cpu_slots=4,
+        target_ongoing_requests=1.0,
+        upscale_delay_s=0.0,
+        downscale_delay_s=0.3,
+        look_back_period_s=0.3,
+        autoscale_interval_s=0.05,
+        max_batch_size=1,
+        max_inflight_per_replica=1,
+    )
+    with serving(**kw) as (client, factory):
+        manager = client.app.state.manager
+        factory.gate.clear()
+        with ThreadPoolExecutor(8) as pool:
+            futures = _submit_async(client, pool, 6)  # load step: 6 ongoing vs target 1 per replica
+            wait_until(lambda: manager.ready == 3, what="scale up to 3")
+            factory.gate.set()
+            assert [f.result(timeout=10).status_code for f in futures] == [200] * 6
+        wait_until(lambda: len(manager.replicas) == 1, timeout=10, what="scale down to 1")
+        sup = client.app.state.supervisor
+        assert sup.autoscaler.counts["up"] >= 1 and sup.autoscaler.counts["down"] >= 1
+        text = client.get("/metrics").text
+        assert 'shardserve_autoscale_decisions_total{direction="up"}' in text
+
+
+# ------------------------------------------------------------------------------------- reload, drain
+
+
+def test_hot_reload_switches_model_without_failed_requests() -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serving(replicas=1) as (client, factory):
+        stop = threading.Event()
+        statuses: list[int] = []
+
+        def load() -> None:
+            while not stop.is_set():
+                statuses.append(ask(client).status_code)
+
+        with ThreadPoolExecutor(4) as pool:
+            loaders = [pool.submit(load) for _ in range(3)]
+            wait_until(lambda: len(statuses) > 5, what="traffic")
+            r = client.post("/admin/reload", json={"model": "tiny-roberta"}, headers=auth)
+            n_at_switch = len(statuses)
+            wait_until(lambda: len(statuses) > n_at_switch + 5, what="traffic after reload")
+            stop.set()
+            for f in loaders:
+                f.result(timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny-roberta" and r.json()["generation"] == 1
+        assert set(statuses) == {200}
+        assert factory.models == ["tiny-bert", "tiny-roberta"]
+        assert factory.gangs[0].healthy is False and factory.gangs[1].healthy
+        assert factory.gangs[1].token_types_seen[-1] is False  # roberta: no token_type_ids
+        assert ask(client).json()["model"] == "tiny-roberta"
+        assert client.get("/v1/models").json()[0]["generation"] == 1
+
+
+def test_reload_to_a_broken_checkpoint_keeps_the_old_gangs() -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    factory = FakeFactory()
+    factory.fail_start_models.add("tiny-roberta")
+    with serving(factory) as (client, _):
+        r = client.post("/admin/reload", json={"model": "tiny-roberta"}, headers=auth)
+        assert r.status_code == 422 and r.json()["error"] == "reload_failed"
+        missing = client.post("/admin/reload", json={"model": "/no/such/dir"}, headers=auth)
+        assert missing.status_code == 422 and missing.json()["error"] == "invalid_model"
+        assert ask(client).json()["model"] == "tiny-bert"
+
+
+def test_sigterm_flips_readiness_and_refuses_new_work() -> None:
+    with serving() as (client, _):
+        app = client.app
+        server = DrainingServer(uvicorn.Config(app), app)
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.should_exit and not server._captured_signals  # exits 0, no re-raised signal
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json()["error"] == "shutting_down"
+        refused = ask(client)
+        assert refused.status_code == 503 and refused.json()["error"] == "shutting_down"
+
+
+def test_client_disconnect_over_real_http_cancels_queued_work() -> None:
+    """Through uvicorn (not the test transport): a client that hangs up frees its queue slot."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    factory = FakeFactory()
+    settings = ServeSettings(model="tiny-bert", max_inflight_per_replica=1, max_batch_size=1)
+    app = build_app(settings, backend_factory=factory)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{base}/readyz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, what="uvicorn ready")
+        engine = app.state.engine
+        factory.gate.clear()
+        with ThreadPoolExecutor(2) as pool:
+            body = {"question": QUESTION, "context": CONTEXT}
+            held = pool.submit(httpx.post, f"{base}/v1/qa", json=body, timeout=30)
+            wait_until(lambda: engine.ongoing == 1, what="held request admitted")
+            raw = json.dumps(body).encode()
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(
+                    b"POST /v1/qa HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
+                )
+                wait_until(lambda: engine.ongoing == 2, what="second request queued")
+            wait_until(lambda: engine.scheduler.stats().cancelled == 1, what="cancellation")
+            assert engine.ongoing == 1
+            factory.gate.set()
+            assert held.result(timeout=10).status_code == 200
+        assert len(factory.batches()) == 1  # the abandoned request was never computed
+    finally:
+        factory.gate.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+# ------------------------------------------------------------------------------------- settings / CLI
+
+
+def test_serve_flags_and_environment_map_onto_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.cli import build_parser
+    from serving.serve_cli import settings_from_args
+
+    monkeypatch.setenv("SHARDSERVE_MAX_QUEUE_SIZE", "7")
+    monkeypatch.setenv("SHARDSERVE_PORT", "1234")
+    monkeypatch.setenv("SHARDSERVE_LENGTH_BUCKETS", "64,512")
+    args = build_parser().parse_args(
+        ["serve", "--port", "9001", "--pp", "2", "--min-replicas", "1", "--max-replicas", "3"]
+    )
+    s = settings_from_args(args)
+    assert (s.port, s.max_queue_size, s.pp, s.length_buckets) == (9001, 7, 2, [64, 512])  # flag beats env
+    assert s.replica_bounds == (1, 3) and s.autoscaling and s.pool_slots == 2 * (3 + 1)
+    monkeypatch.delenv("SHARDSERVE_PORT")
+    monkeypatch.delenv("SHARDSERVE_MAX_QUEUE_SIZE")
+    monkeypatch.delenv("SHARDSERVE_LENGTH_BUCKETS")
+    d = settings_from_args(build_parser().parse_args(["serve"]))
+    assert (d.model, d.host, d.port, d.replica_bounds, d.pp, d.tp) == (
+        "default",
+        "0.0.0.0",
+        8000,
+        (1, 1),
+        1,
+        1,
+    )
+
+
+def test_serve_help_documents_every_setting() -> None:
+    from serving.cli import build_parser
+
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]
+    text = serve.format_help()
+    for name, field in ServeSettings.model_fields.items():
+        assert f"--{name.replace('_', '-')}" in text and f"SHARDSERVE_{name.upper()}" in text
+        assert field.description
+
+
+def test_invalid_settings_print_the_numbers() -> None:
+    with pytest.raises(ValueError, match=r"min_replicas=3 > max_replicas=2"):
+        ServeSettings(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match=r"largest length bucket 256 < max_seq_len=384"):
+        ServeSettings(length_buckets=[64, 256])

@@ -1,0 +1,191 @@
+"""Engine (scheduler driver) over fake gangs: dynamic batching, length buckets, token budget,
+disconnect cancellation, drain on stop. Each test runs its own event loop (``asyncio.run``).
+
+Run: python -m pytest tests/serving/test_engine.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from models.registry import resolve_model
+from partitioner.plan import ParallelDims
+from serving.engine import ClientGone, Engine, EngineError, QAPair
+from serving.metrics import ServingMetrics
+from serving.replicas import DevicePool, ModelGeneration, ReplicaManager
+from serving.scheduler import SchedulerConfig
+from tests.serving.fakes import FakeFactory
+
+SHORT = QAPair("Who?", "Ann met Bob.")
+LONG_CONTEXT = " ".join(f"Sentence number {i} talks about topic {i * 7} in some detail." for i in range(20))
+
+
+@pytest.fixture(scope="module")
+def model() -> ModelGeneration:
+    source = resolve_model("tiny-bert")
+    return ModelGeneration(
+        0, source, ParallelDims(1, 1), AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    )
+
+
+async def _until(cond: Callable[[], Any], what: str, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def run_engine(
+    model: ModelGeneration, body: Callable[[Engine, FakeFactory], Awaitable[None]], **sched: Any
+) -> FakeFactory:
+    """Start a manager with one fake gang + an engine, run ``body``, stop everything."""
+    factory = FakeFactory()
+
+    async def main() -> None:
+        metrics = ServingMetrics()
+        manager = ReplicaManager(factory=factory, pool=DevicePool(["cpu"] * 2), model=model, metrics=metrics)
+        cfg = {"max_queue_delay_ms": 50.0, "max_inflight_per_replica": 2, **sched}
+        engine = Engine(scheduler_config=SchedulerConfig(**cfg), manager=manager, metrics=metrics)
+        await engine.start()
+        manager.set_target(1)
+        await _until(lambda: manager.ready == 1, "a ready replica")
+        try:
+            await body(engine, factory)
+        finally:
+            factory.gate.set()
+            await engine.stop(timeout_s=2)
+            await manager.close(timeout_s=2)
+
+    asyncio.run(main())
+    return factory
+
+
+def test_concurrent_requests_are_batched_together(model: ModelGeneration) -> None:
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        jobs = [engine.submit([QAPair(f"Who is {i}?", "Ann met Bob in Paris.")]) for i in range(5)]
+        results = await asyncio.gather(*(engine.wait(j) for j in jobs))
+        assert all(r[0].prediction.answers for r in results)
+
+    factory = run_engine(model, body, max_batch_size=8)
+    assert [b[0] for b in factory.batches()] == [5]  # one micro-batch of 5 windows
+
+
+def test_length_buckets_do_not_mix_short_and_long_windows(model: ModelGeneration) -> None:
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        jobs = [engine.submit([SHORT]) for _ in range(3)]
+        jobs += [engine.submit([QAPair("What is topic 7?", LONG_CONTEXT[:900])]) for _ in range(2)]
+        await asyncio.gather(*(engine.wait(j) for j in jobs))
+
+    factory = run_engine(model, body, length_buckets=(64, 256, 384), max_batch_size=8)
+    batches = sorted(factory.batches())
+    assert [b[0] for b in batches] == [2, 3]
+    long_batch, short_batch = batches
+    assert short_batch[1] <= 64 < long_batch[1] <= 256
+
+
+def test_token_budget_limits_padded_tokens_per_batch(model: ModelGeneration) -> None:
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        pair = QAPair("What is topic 7?", LONG_CONTEXT[:400])
+        jobs = [engine.submit([pair]) for _ in range(6)]
+        await asyncio.gather(*(engine.wait(j) for j in jobs))
+
+    factory = run_engine(model, body, length_buckets=(64, 128, 384), max_batch_tokens=384, max_batch_size=32)
+    batches = factory.batches()
+    assert sum(b[0] for b in batches) == 6
+    assert all(size * length <= 384 for size, length in batches) and len(batches) >= 2
+
+
+def test_long_context_request_completes_when_all_windows_return(model: ModelGeneration) -> None:
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        engine.max_seq_len, engine.doc_stride, engine.max_question_len = 64, 16, 16
+        job = engine.submit([QAPair("What is topic 70?", LONG_CONTEXT)])
+        (res,) = await engine.wait(job)
+        assert res.windows > 5 and res.prediction.answers
+        for a in res.prediction.answers:
+            assert LONG_CONTEXT[a.start : a.end] == a.text
+
+    run_engine(model, body)
+
+
+def test_client_disconnect_cancels_queued_work(model: ModelGeneration) -> None:
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        factory.gate.clear()
+        held = engine.submit([SHORT])
+        await _until(lambda: engine.manager.routable()[0].inflight_batches == 1, "held batch in flight")
+        queued = engine.submit([QAPair("Where?", "Ann met Bob in Paris.")])
+
+        async def gone() -> None:
+            await asyncio.sleep(0.05)
+
+        with pytest.raises(ClientGone):
+            await engine.wait(queued, disconnected=gone)
+        assert engine.scheduler.stats().cancelled == 1 and engine.ongoing == 1
+        factory.gate.set()
+        assert (await engine.wait(held))[0].prediction.answers
+
+    factory = run_engine(model, body, max_batch_size=1, max_inflight_per_replica=1, max_queue_delay_ms=0.0)
+    assert len(factory.batches()) == 1  # the cancelled request never reached the gang
+
+
+def test_stop_drains_admitted_requests_and_refuses_new_ones(model: ModelGeneration) -> None:
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        factory.gate.clear()
+        jobs = [engine.submit([SHORT]) for _ in range(3)]
+        stopping = asyncio.ensure_future(engine.stop(timeout_s=5))
+        await asyncio.sleep(0.1)
+        with pytest.raises(EngineError) as info:
+            engine.submit([SHORT])
+        assert info.value.status == 503 and info.value.code == "shutting_down"
+        factory.gate.set()
+        results = await asyncio.gather(*(engine.wait(j) for j in jobs))
+        assert all(r[0].prediction.answers for r in results)
+        await stopping
+
+    run_engine(model, body)
+
+
+def test_stop_timeout_answers_leftovers_503(model: ModelGeneration) -> None:
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        factory.gate.clear()
+        job = engine.submit([SHORT])
+        await engine.stop(timeout_s=0.1)
+        with pytest.raises(EngineError) as info:
+            await engine.wait(job)
+        assert info.value.status == 503
+
+    run_engine(model, body)
+
+
+def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGeneration) -> None:
+    """Regression (a wedged queue under load): the loop asked next_batch at `now` but next_wakeup
+    at a later clock reading; a batch that became releasable in between was neither dispatched nor
+    counted as a timer, so the loop slept until a request deadline while a replica sat idle."""
+    ticks = iter(100.0 + 0.01 * k for k in range(10_000))  # every clock read advances 10 ms
+
+    async def main() -> None:
+        metrics = ServingMetrics()
+        manager = ReplicaManager(
+            factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics
+        )
+        manager.set_target(1)
+        await _until(lambda: manager.ready == 1, "a ready replica")
+        cfg = SchedulerConfig(max_queue_delay_ms=15.0, default_deadline_s=30.0)
+        engine = Engine(scheduler_config=cfg, manager=manager, metrics=metrics, clock=lambda: next(ticks))
+        engine._loop = asyncio.get_running_loop()  # the loop task is not started: steps are driven here
+        job = engine.submit([SHORT])
+        wake = engine._step()  # one clock read: 10 ms after submit, the 15 ms delay has not passed
+        assert wake == pytest.approx(job.submitted_at + 0.015)  # not the 30 s deadline
+        assert engine.scheduler.stats().queued_requests == 1
+        engine._step()  # 20 ms after submit: released by timeout
+        assert engine.scheduler.stats().batches_by_reason["timeout"] == 1
+        assert (await engine.wait(job))[0].prediction.answers
+        await manager.close(timeout_s=2)
+
+    asyncio.run(main())

@@ -227,6 +227,15 @@ class WeightSource:
             prefixed = hf_prefix(self.arch) + "embeddings.word_embeddings.weight"
             self._prefix = hf_prefix(self.arch) if prefixed in self._reader else ""
 
+    def overlay_tensor(self, canonical: str) -> tuple[CheckpointReader, str] | None:
+        """(reader, name) of the last overlay holding ``canonical`` (e.g. a LoRA factor), or None."""
+        self._open()
+        assert self._overlay_readers is not None
+        for overlay in reversed(self._overlay_readers):
+            if canonical in overlay:
+                return overlay, canonical
+        return None
+
     def locate(self, canonical: str) -> tuple[CheckpointReader, str] | None:
         """(reader, stored name) holding ``canonical``, or None when no file has it."""
         self._open()
@@ -266,6 +275,11 @@ def load_weights(
     Parameters listed in their module's ``shard_specs`` get only their slice. A missing QA head (base
     encoder checkpoints such as the bundled MiniLM) is initialised with a fixed seed, identically
     on every rank, and reported; any other missing tensor or shape mismatch is a CheckpointError.
+
+    LoRA overlays: when an overlay holds ``X.lora_A`` (r, in) and ``X.lora_B`` (out, r) for a linear
+    ``X`` (scale already folded into B), ``X.weight`` receives ``W + B A``, slice-aware: a
+    row-sharded (column-parallel) weight takes the matching rows of B, a column-sharded
+    (row-parallel) one the matching columns of A.
     """
     report = LoadReport()
     for name, param in module.named_parameters():
@@ -294,6 +308,8 @@ def load_weights(
                 f"expects {list(param.shape)} (shard={shard})"
             )
         tensor = reader.read(stored, shard)
+        if name.endswith(".weight"):
+            tensor = _add_lora_delta(tensor, source, name[: -len(".weight")], shard)
         param.copy_(tensor.to(param.dtype))
         report.bytes_read += tensor.numel() * tensor.element_size()
     if report.initialised:
@@ -304,6 +320,30 @@ def load_weights(
             head_seed,
         )
     return report
+
+
+def _add_lora_delta(
+    weight: torch.Tensor, source: WeightSource, owner: str, shard: ShardSlice | None
+) -> torch.Tensor:
+    """``weight`` (a slice of (out, in)) plus the overlay's ``B A`` restricted to the same slice."""
+    found_a = source.overlay_tensor(f"{owner}.lora_A")
+    found_b = source.overlay_tensor(f"{owner}.lora_B")
+    if found_a is None and found_b is None:
+        return weight
+    if found_a is None or found_b is None:
+        raise CheckpointError(f"overlay has only one LoRA factor of {owner!r} (need lora_A and lora_B)")
+    a = (
+        found_a[0].read(found_a[1], shard if shard is not None and shard.dim == 1 else None).float()
+    )  # (r, in')
+    b = (
+        found_b[0].read(found_b[1], shard if shard is not None and shard.dim == 0 else None).float()
+    )  # (out', r)
+    delta = b @ a  # (out', in')
+    if delta.shape != weight.shape:
+        raise CheckpointError(
+            f"LoRA factors of {owner!r} give a {list(delta.shape)} update for a {list(weight.shape)} weight"
+        )
+    return (weight.float() + delta).to(weight.dtype)
 
 
 def _init_head_tensor(name: str, config: EncoderConfig, *, seed: int) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""GPipe / 1F1B orderings and the stage executor's message discipline (pure logic, no processes).
+
+The numerical equivalence of both schedules with single-process training over real gloo ranks is
+``tests/training/test_trainer_parity.py``.
+
+    python -m pytest tests/partitioner/test_train_schedules.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner.p2p import KIND_DATA, KIND_GRAD, Message
+from partitioner.train_schedules import ScheduleError, StageExecutor, run_1f1b, run_gpipe, run_schedule
+
+
+class Recorder:
+    """Stands in for a StageExecutor: records the order of forward/backward calls."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int]] = []
+        self.comm = None
+        self.alive = 0
+        self.peak = 0
+
+    def forward(self, mb: int) -> None:
+        self.ops.append(("F", mb))
+        self.alive += 1
+        self.peak = max(self.peak, self.alive)
+
+    def backward(self, mb: int) -> None:
+        self.ops.append(("B", mb))
+        self.alive -= 1
+
+
+@pytest.mark.parametrize(("p", "n"), [(2, 4), (3, 8), (4, 4), (4, 2)])
+def test_1f1b_phases_and_memory_bound(p, n):
+    for s in range(p):
+        rec = Recorder()
+        run_1f1b(rec, n, num_stages=p, stage=s)
+        warm = min(p - s - 1, n)
+        assert rec.ops[:warm] == [("F", i) for i in range(warm)]  # warm-up
+        steady = rec.ops[warm : warm + 2 * (n - warm)]
+        assert steady == [op for i in range(n - warm) for op in (("F", warm + i), ("B", i))]  # 1F1B
+        assert rec.ops[warm + 2 * (n - warm) :] == [("B", i) for i in range(n - warm, n)]  # cool-down
+        assert sorted(rec.ops) == sorted([("F", i) for i in range(n)] + [("B", i) for i in range(n)])
+        assert rec.peak == min(p - s, n)  # at most p - s micro-batches alive on stage s
+
+
+def test_gpipe_all_forward_then_all_backward():
+    rec = Recorder()
+    run_gpipe(rec, 4)
+    assert rec.ops == [("F", i) for i in range(4)] + [("B", i) for i in range(4)]
+    assert rec.peak == 4
+    with pytest.raises(ValueError, match="unknown schedule"):
+        run_schedule(rec, "zigzag", 4, num_stages=2, stage=0)
+
+
+class FakeComm:
+    """Scripted receives; records sends."""
+
+    def __init__(self, incoming: list[Message]) -> None:
+        self.incoming = list(incoming)
+        self.sent: list[tuple[int, Message]] = []
+
+    def recv(self, src: int) -> Message:
+        return self.incoming.pop(0)
+
+    def send(self, dst: int, msg: Message) -> None:
+        self.sent.append((dst, msg))
+
+    def flush(self) -> None:
+        pass
+
+
+class Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask, types):
+        return self.lin(x)  # (B, S, 4)
+
+
+def _middle_stage(incoming: list[Message]) -> tuple[StageExecutor, FakeComm]:
+    comm = FakeComm(incoming)
+    ex = StageExecutor(
+        module=Middle(),
+        comm=comm,
+        is_first=False,
+        is_last=False,
+        prev_rank=0,
+        next_rank=2,
+        get_inputs=lambda mb: (_ for _ in ()).throw(AssertionError("not stage 0")),
+        compute_loss=None,
+        send_input_grad=True,
+    )
+    return ex, comm
+
+
+def test_middle_stage_sends_activations_forward_and_input_grads_back():
+    x = torch.randn(2, 3, 4)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    g = torch.randn(2, 3, 4)
+    ex, comm = _middle_stage([Message(KIND_DATA, 0, [x, mask]), Message(KIND_GRAD, 0, [g])])
+    run_1f1b(ex, 1, num_stages=3, stage=1)
+    (dst_f, fwd), (dst_b, bwd) = comm.sent
+    assert (dst_f, fwd.kind, fwd.mb_id) == (2, KIND_DATA, 0)
+    assert (dst_b, bwd.kind, bwd.mb_id) == (0, KIND_GRAD, 0)
+    w = ex.module.lin.weight
+    assert torch.allclose(bwd.tensors[0], g @ w)  # d(x W^T + b)/dx applied to g
+    assert torch.allclose(w.grad, (g.reshape(-1, 4).t() @ x.reshape(-1, 4)))
+
+
+def test_out_of_order_message_is_an_error():
+    x = torch.randn(2, 3, 4)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    ex, _ = _middle_stage([Message(KIND_DATA, 1, [x, mask])])
+    with pytest.raises(ScheduleError, match="expected kind=1 mb=0"):
+        ex.forward(0)

@@ -1,0 +1,211 @@
+"""Resume, loss, overlay and CLI behaviour of the trainer (tiny-bert, tiny SQuAD file).
+
+- a run whose last rank crashes hard mid-run (after a checkpoint) and is then ``--resume``d ends
+  with exactly the weights of an uninterrupted run (dropout on: the RNG is restored too);
+- a short run shows the loss falling;
+- a LoRA run's ``overlay.safetensors`` loads onto the base model (``load_weights`` merges the
+  factors, slice-aware) equal to the merged checkpoint, single-process and in a tp=2 gang;
+- ``shardserve train`` / ``shardserve eval`` work end to end, and a checkpoint trained at one
+  (pp, tp) scores the same at another.
+
+    python -m pytest tests/training/test_trainer_resume.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.build import build_model
+from models.hf_weights import to_hf_state_dict
+from models.registry import resolve_model
+from partitioner.gang import Gang, GangError
+from partitioner.lora import merged_state_dict
+from partitioner.plan import ParallelDims, make_plan
+from partitioner.worker import GangSpec
+from serving.cli import main as shardserve_main
+from tests.training.test_trainer_parity import base_config, write_tiny_squad
+from training.checkpoint import list_checkpoints
+from training.export_overlay import export_overlay
+from training.trainer import train
+
+
+def test_killed_then_resumed_run_equals_uninterrupted(tmp_path):
+    common = dict(pp=2, tp=1, schedule="1f1b", max_steps=6, save_every=2, dropout=0.1)
+    full = train(base_config(tmp_path / "a", **common), show_progress=False)
+    want = load_file(str(full.final_checkpoint / "model.safetensors"))
+
+    crashed = base_config(tmp_path / "b", **common, fail_at_step=5)
+    with pytest.raises(GangError):
+        train(crashed, show_progress=False)
+    out = tmp_path / "b" / "run"
+    assert [s for s, _ in list_checkpoints(out)] == [2, 4]
+    assert not (out / "final").exists()
+    resumed = train(dataclasses.replace(crashed, fail_at_step=None, resume=True), show_progress=False)
+    got = load_file(str(resumed.final_checkpoint / "model.safetensors"))
+    assert sorted(resumed.losses) == [5, 6]
+    assert resumed.losses[6] == pytest.approx(full.losses[6], abs=1e-6)
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert worst <= 1e-6, worst
+    # and the runs did train, with dropout active: the weights moved from the base
+    base = to_hf_state_dict("bert", merged_state_dict(build_model(resolve_model("tiny-bert"))))
+    assert max(float((want[k] - base[k]).abs().max()) for k in base) > 1e-3
+
+
+def test_loss_falls_on_a_short_run(tmp_path):
+    cfg = base_config(tmp_path, pp=2, tp=1, max_steps=30, lr=3e-3, warmup_ratio=0.1, dropout=0.1)
+    result = train(cfg, show_progress=False)
+    losses = [result.losses[s] for s in sorted(result.losses)]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.5 * first, losses
+
+
+def test_lora_overlay_loads_onto_the_base_model(tmp_path):
+    cfg = base_config(tmp_path, pp=2, tp=2, lora_rank=4, lora_alpha=8.0, lr=1e-2, max_steps=3)
+    result = train(cfg, show_progress=False)
+    merged = load_file(str(result.final_checkpoint / "model.safetensors"))
+    overlay = export_overlay(result.final_checkpoint, tmp_path / "default")  # what ships as models/default
+    assert (
+        json.loads((tmp_path / "default" / "default-model.json").read_text())["runs"][0]["trainer_state"][
+            "step"
+        ]
+        == 3
+    )
+    names = set(load_file(str(overlay)))
+    assert any(n.endswith(".lora_A") for n in names) and not any(n.startswith("embeddings.") for n in names)
+    base = resolve_model("tiny-bert")
+    source = dataclasses.replace(base, overlays=(overlay,))
+    model = build_model(source)
+    got = to_hf_state_dict("bert", model.state_dict())
+    worst = max(float((got[k] - merged[k]).abs().max()) for k in merged)
+    assert worst <= 1e-6, worst
+    assert (
+        max(
+            float((got[k] - to_hf_state_dict("bert", build_model(base).state_dict())[k]).abs().max())
+            for k in got
+        )
+        > 1e-4
+    )
+    # the same overlay, sliced at load by a (pp, tp) = (2, 2) serving gang, gives the same logits
+    ids = torch.randint(1000, 2000, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    with torch.inference_mode():
+        want = model(ids, mask)
+    plan = make_plan(source.config, ParallelDims(pp=2, tp=2))
+    with Gang(GangSpec(source, plan)) as gang:
+        logits = gang.submit(ids, mask).result(timeout=60)
+    assert float((logits - want).abs().max()) <= 1e-4
+
+
+def test_cli_train_then_eval_at_other_layouts(tmp_path, capsys):
+    data = write_tiny_squad(tmp_path / "train.json")
+    out = tmp_path / "run"
+    code = shardserve_main(
+        [
+            "train", "--model", "tiny-bert", "--train-file", str(data), "--output", str(out),
+            "--pp", "2", "--tp", "1", "--batch-size", "4", "--micro-batch-size", "2", "--max-steps", "2",
+            "--max-seq-len", "64", "--doc-stride", "24", "--max-question-len", "16", "--no-progress",
+            "--eval-file", str(data),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    assert "eval at step 2" in capsys.readouterr().out
+    assert (out / "final" / "config.json").is_file() and (out / "final" / "model.safetensors").is_file()
+    scores = []
+    for pp, tp in [(1, 1), (2, 2)]:
+        code = shardserve_main(
+            [
+                "eval", "--model", str(out / "final"), "--data", str(data), "--pp", str(pp), "--tp", str(tp),
+                "--max-seq-len", "64", "--doc-stride", "24", "--max-question-len", "16", "--json",
+            ]
+        )  # fmt: skip
+        assert code == 0
+        scores.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert scores[0]["total"] == 27 and 0 <= scores[0]["f1"] <= 100
+    assert scores[0]["f1"] == pytest.approx(scores[1]["f1"]) and scores[0]["exact"] == pytest.approx(
+        scores[1]["exact"]
+    )
+    # the training run's own evaluation (through the training gang) agrees with `shardserve eval`
+    in_run = json.loads((out / "eval_results.json").read_text())["2"]
+    assert in_run["f1"] == pytest.approx(scores[0]["f1"])
+    # and transformers itself loads the checkpoint, with the same logits
+    from transformers import AutoModelForQuestionAnswering
+
+    hf = AutoModelForQuestionAnswering.from_pretrained(str(out / "final")).eval()
+    ours = build_model(dataclasses.replace(resolve_model("tiny-bert"), checkpoint=out / "final"))
+    ids = torch.randint(1000, 2000, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    with torch.inference_mode():
+        want = hf(input_ids=ids, attention_mask=mask).start_logits
+        got = ours(ids, mask)[..., 0]
+    assert float((got - want).abs().max()) <= 1e-4
+
+
+def test_stacked_runs_combine_into_one_overlay(tmp_path):
+    from safetensors.torch import save_file
+
+    from training.export_overlay import combine_overlays
+
+    runs = []
+    for k in range(2):
+        d = tmp_path / f"run{k}"
+        d.mkdir()
+        g = torch.Generator().manual_seed(k)
+        save_file(
+            {
+                "layers.0.mlp.up.lora_A": torch.randn(2, 3, generator=g),  # (r, in)
+                "layers.0.mlp.up.lora_B": torch.randn(4, 2, generator=g),  # (out, r)
+                "layers.0.mlp.up.bias": torch.full((4,), float(k)),
+            },
+            str(d / "overlay.safetensors"),
+        )
+        save_file(
+            {"qa_outputs.weight": torch.full((2, 3), float(k)), "qa_outputs.bias": torch.zeros(2)},
+            str(d / "model.safetensors"),
+        )
+        runs.append(d)
+    parts = [load_file(str(d / "overlay.safetensors")) for d in runs]
+    out = combine_overlays(runs)
+    name = "layers.0.mlp.up"
+    want = sum(p[f"{name}.lora_B"] @ p[f"{name}.lora_A"] for p in parts)
+    assert torch.allclose(out[f"{name}.lora_B"] @ out[f"{name}.lora_A"], want)
+    assert out[f"{name}.lora_A"].shape == (4, 3)
+    assert torch.equal(out[f"{name}.bias"], parts[1][f"{name}.bias"])  # the later run wins
+    assert torch.equal(out["qa_outputs.weight"], torch.ones(2, 3))
+
+
+def test_sigkilled_cli_run_resumes_to_the_same_weights(tmp_path):
+    """`shardserve train` killed with SIGKILL once a checkpoint exists, then `--resume`d."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = base_config(tmp_path, pp=2, tp=1, max_steps=8, save_every=2, dropout=0.1, lr=1e-3)
+    want = load_file(str(train(cfg, show_progress=False).final_checkpoint / "model.safetensors"))
+    out = tmp_path / "killed"
+    argv = [
+        sys.executable, "-m", "serving.cli", "train", "--model", "tiny-bert", "--train-file", cfg.train_file,
+        "--output", str(out), "--pp", "2", "--batch-size", "8", "--micro-batch-size", "2", "--max-steps", "8",
+        "--lr", "1e-3", "--warmup-ratio", str(cfg.warmup_ratio), "--max-grad-norm", "0.5", "--dropout", "0.1",
+        "--adam-eps", str(cfg.adam_eps), "--weight-decay", str(cfg.weight_decay),
+        "--max-seq-len", "64", "--doc-stride", "24", "--max-question-len", "16", "--seed", "3",
+        "--save-every", "2", "--no-progress", "--log-every", "0",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=os.getcwd(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert list_checkpoints(out), "no checkpoint before the kill"
+    assert not (out / "final").exists(), "the run finished before the kill"
+    assert subprocess.run([*argv, "--resume"], cwd=os.getcwd(), timeout=300).returncode == 0
+    got = load_file(str(out / "final" / "model.safetensors"))
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert worst <= 1e-6, worst

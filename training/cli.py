@@ -1,0 +1,247 @@
+"""``shardserve train`` and ``shardserve eval``: fine-tune on the serving partitions, score SQuAD EM/F1.
+
+    shardserve train --model tiny-bert --train-file ../shared/data/squad/squad-v1.1-train-pool.json \\
+        --holdout-articles 6 --pp 2 --tp 1 --schedule 1f1b --output /tmp/run --max-steps 50
+    shardserve eval --model /tmp/run/final --data ../shared/data/squad/squad-v2.0-half.json --json
+    shardserve train --help       # every flag explained
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from partitioner.train_schedules import SCHEDULES
+
+logger = logging.getLogger(__name__)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="fine-tune a QA model over the serving partitions (pipeline + tensor parallel)",
+        description=(
+            "Fine-tune an extractive-QA model on SQuAD-format data with the same PartitionPlan and "
+            "gang of worker processes that serve it. Writes Hugging Face-format checkpoints "
+            "(OUTPUT/checkpoint-STEP, OUTPUT/final) that transformers and `shardserve serve` load."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model and data")
+    g.add_argument(
+        "--model", required=True, help="registry name (default, minilm, tiny-bert, ...) or HF model dir"
+    )
+    g.add_argument("--train-file", required=True, help="SQuAD v1.1/v2.0 JSON to train on")
+    g.add_argument("--eval-file", default=None, help="SQuAD JSON to evaluate on (else the held-out articles)")
+    g.add_argument(
+        "--holdout-articles",
+        type=int,
+        default=0,
+        help="hold out this many whole articles of --train-file for eval",
+    )
+    g.add_argument("--split-seed", type=int, default=0, help="seed of the by-article train/eval split")
+    g.add_argument(
+        "--max-train-examples", type=int, default=None, help="use only the first N training questions"
+    )
+    g.add_argument("--max-eval-examples", type=int, default=None, help="evaluate only the first N questions")
+    g.add_argument("--max-seq-len", type=int, default=256, help="window length in tokens")
+    g.add_argument("--doc-stride", type=int, default=128, help="overlap between consecutive windows (tokens)")
+    g.add_argument(
+        "--max-question-len", type=int, default=64, help="questions are truncated to this many tokens"
+    )
+    g.add_argument(
+        "--output", required=True, help="run directory for checkpoints, features cache and eval results"
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    g.add_argument(
+        "--boundaries", type=int, nargs="*", default=None, help="manual split: first layer of stages 1..pp-1"
+    )
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    g.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="fp32 on cpu; bf16 autocast on cuda"
+    )
+    g.add_argument(
+        "--threads-per-rank", type=int, default=None, help="torch threads per rank (default: cores/world)"
+    )
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch-size", type=int, default=32, help="global batch: examples per optimizer step")
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=8,
+        help="examples per pipeline micro-batch (gradient accumulation)",
+    )
+    g.add_argument("--epochs", type=float, default=1.0, help="passes over the training features")
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (AdamW)")
+    g.add_argument(
+        "--weight-decay", type=float, default=0.01, help="AdamW decay (not on biases / LayerNorms)"
+    )
+    g.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps of linear LR warm-up")
+    g.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="global gradient-norm clip over all ranks (0: off)"
+    )
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--seed", type=int, default=0, help="seed of the data order, dropout and LoRA init")
+    g.add_argument(
+        "--dropout", type=float, default=None, help="override the model's dropout (0: deterministic)"
+    )
+    g.add_argument(
+        "--group-by-length", action="store_true", help="batch windows of similar length (less padding)"
+    )
+    g = p.add_argument_group("parameter-efficient fine-tuning")
+    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on attention/MLP projections (0: off)")
+    g.add_argument(
+        "--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (update = alpha/rank * B A)"
+    )
+    g.add_argument(
+        "--freeze-layers", type=int, default=0, help="freeze the embeddings and the lowest N layers"
+    )
+    g = p.add_argument_group("evaluation, checkpoints, logs")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
+    g.add_argument("--eval-batch-size", type=int, default=32, help="windows per evaluation micro-batch")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoint-* directories kept")
+    g.add_argument("--resume", action="store_true", help="continue from the newest OUTPUT/checkpoint-*")
+    g.add_argument("--log-every", type=int, default=10, help="log a line every N steps (0: never)")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=None,
+        help="testing only: the last rank crashes when it reaches step N",
+    )
+    p.set_defaults(func=cmd_train)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="SQuAD exact match / F1 of a model (HasAns/NoAns for v2.0)",
+        description="Score a QA model on a SQuAD-format file with the official answer normalisation.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model", required=True, help="registry name (default, ...) or HF model dir (e.g. RUN/final)"
+    )
+    p.add_argument("--data", required=True, help="SQuAD v1.1/v2.0 JSON to score")
+    p.add_argument(
+        "--holdout-articles",
+        type=int,
+        default=0,
+        help="score only the articles `train --holdout-articles N` held out of this file (same --split-seed)",
+    )
+    p.add_argument("--split-seed", type=int, default=0, help="seed of that by-article split")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages of the evaluation gang")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--max-seq-len", type=int, default=256, help="window length in tokens")
+    p.add_argument("--doc-stride", type=int, default=128, help="overlap between consecutive windows")
+    p.add_argument("--max-question-len", type=int, default=64, help="question truncation in tokens")
+    p.add_argument("--batch-size", type=int, default=32, help="windows per forward micro-batch")
+    p.add_argument("--max-answer-length", type=int, default=30, help="longest answer span in tokens")
+    p.add_argument(
+        "--null-threshold", type=float, default=None, help="v2.0: answer '' when null - best > this"
+    )
+    p.add_argument("--max-examples", type=int, default=None, help="score only the first N questions")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.set_defaults(func=cmd_eval)
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register this package's ``shardserve`` subcommands."""
+    _add_train(sub)
+    _add_eval(sub)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from training.trainer import TrainConfig, TrainConfigError, train
+
+    try:
+        cfg = TrainConfig(
+            model=args.model,
+            train_file=args.train_file,
+            output=args.output,
+            eval_file=args.eval_file,
+            holdout_articles=args.holdout_articles,
+            split_seed=args.split_seed,
+            max_train_examples=args.max_train_examples,
+            max_eval_examples=args.max_eval_examples,
+            pp=args.pp,
+            tp=args.tp,
+            boundaries=tuple(args.boundaries) if args.boundaries else None,
+            schedule=args.schedule,
+            batch_size=args.batch_size,
+            micro_batch_size=args.micro_batch_size,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            warmup_ratio=args.warmup_ratio,
+            max_grad_norm=args.max_grad_norm,
+            adam_eps=args.adam_eps,
+            seed=args.seed,
+            dropout=args.dropout,
+            max_seq_len=args.max_seq_len,
+            doc_stride=args.doc_stride,
+            max_question_len=args.max_question_len,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            freeze_layers=args.freeze_layers,
+            eval_every=args.eval_every,
+            eval_batch_size=args.eval_batch_size,
+            save_every=args.save_every,
+            keep_checkpoints=args.keep_checkpoints,
+            resume=args.resume,
+            device=args.device,
+            threads_per_rank=args.threads_per_rank,
+            log_every=args.log_every,
+            group_by_length=args.group_by_length,
+            fail_at_step=args.fail_at_step,
+        )
+        result = train(cfg, show_progress=not args.no_progress)
+    except TrainConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    last = max(result.losses) if result.losses else None
+    print(
+        f"trained {result.steps} steps in {result.train_seconds:.0f}s "
+        f"({result.examples_per_s:.1f} examples/s), final loss "
+        f"{result.losses[last] if last else float('nan'):.4f}; checkpoint: {result.final_checkpoint}"
+    )
+    if result.evals:
+        step = max(result.evals)
+        m = result.evals[step]
+        print(f"eval at step {step}: exact {m['exact']:.2f} f1 {m['f1']:.2f} ({int(m['total'])} questions)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from training.evaluate import EvalConfig, evaluate_model
+
+    cfg = EvalConfig(
+        model=args.model,
+        data=args.data,
+        holdout_articles=args.holdout_articles,
+        split_seed=args.split_seed,
+        pp=args.pp,
+        tp=args.tp,
+        max_seq_len=args.max_seq_len,
+        doc_stride=args.doc_stride,
+        max_question_len=args.max_question_len,
+        batch_size=args.batch_size,
+        max_answer_length=args.max_answer_length,
+        null_threshold=args.null_threshold,
+        max_examples=args.max_examples,
+    )
+    metrics = evaluate_model(cfg)
+    if args.json:
+        print(json.dumps(metrics, sort_keys=True))
+    else:
+        for k in sorted(metrics):
+            v = metrics[k]
+            print(f"{k:>14}: {v:.2f}" if isinstance(v, float) else f"{k:>14}: {v}")
+    return 0

@@ -1,0 +1,136 @@
+"""``shardserve eval``: SQuAD exact match / F1 of a model, single-process or through a serving gang.
+
+The evaluation windows are exactly the serving windows (``serving.qa_processing.encode_qa``); the
+logits come from ``build_model`` (pp = tp = 1) or from a gang of ``pp * tp`` ranks running the
+serving schedule; answers are decoded like the server does and scored with the official SQuAD
+normalisation (``training/squad_metrics.py``: HasAns / NoAns blocks on v2.0 data).
+
+    shardserve eval --model default --data ../shared/data/squad/squad-v1.1-train-pool.json \\
+        --holdout-articles 6 --json
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class EvalConfigError(ValueError):
+    """Inconsistent evaluation settings; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to score and how (validated once)."""
+
+    model: str
+    data: str
+    holdout_articles: int = 0  # score only the articles a `train --holdout-articles N` run held out
+    split_seed: int = 0
+    pp: int = 1
+    tp: int = 1
+    max_seq_len: int = 256
+    doc_stride: int = 128
+    max_question_len: int = 64
+    batch_size: int = 32
+    max_answer_length: int = 30
+    null_threshold: float | None = None
+    max_examples: int | None = None
+    threads_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pp < 1 or self.tp < 1 or self.batch_size < 1:
+            raise EvalConfigError(f"pp={self.pp}, tp={self.tp} and batch_size={self.batch_size} must be >= 1")
+        if self.holdout_articles < 0:
+            raise EvalConfigError(f"holdout_articles={self.holdout_articles} must be >= 0")
+
+
+def _examples(cfg: EvalConfig) -> list:
+    from training.squad_data import load_squad, split_by_article
+
+    examples = load_squad(cfg.data)
+    if cfg.holdout_articles:
+        titles = list(dict.fromkeys(ex.title for ex in examples))
+        if cfg.holdout_articles >= len(titles):
+            raise EvalConfigError(
+                f"holdout_articles={cfg.holdout_articles} but the file has {len(titles)} articles"
+            )
+        _, examples = split_by_article(
+            examples, eval_fraction=cfg.holdout_articles / len(titles), seed=cfg.split_seed
+        )
+    if cfg.max_examples is not None:
+        examples = examples[: cfg.max_examples]
+    return examples
+
+
+def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, float]:
+    """Run the model over ``cfg.data`` and return the SQuAD metrics (percent)."""
+    import os
+
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from models.build import build_model
+    from models.registry import resolve_model
+    from partitioner.gang import Gang
+    from partitioner.plan import ParallelDims, make_plan
+    from partitioner.worker import GangSpec
+    from training.squad_data import build_eval_features, postprocess_eval_predictions, prediction_texts
+    from training.squad_metrics import evaluate
+
+    source = resolve_model(cfg.model)
+    examples = _examples(cfg)
+    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    feats = build_eval_features(
+        tok,
+        examples,
+        max_seq_len=cfg.max_seq_len,
+        doc_stride=cfg.doc_stride,
+        max_question_len=cfg.max_question_len,
+    )
+    b = feats.batch
+    n = len(feats)
+    batches = []
+    for start in range(0, n, cfg.batch_size):
+        sl = slice(start, start + cfg.batch_size)
+        length = int(b.attention_mask[sl].sum(dim=1).max())
+        batches.append(
+            (b.input_ids[sl, :length], b.attention_mask[sl, :length], b.token_type_ids[sl, :length])
+        )
+    full = torch.full((n, b.input_ids.shape[1], 2), -1e9)  # (N, S, 2)
+    bar = tqdm(total=n, desc="eval", unit="win", disable=not show_progress, dynamic_ncols=True)
+    row = 0
+    if cfg.pp * cfg.tp == 1:
+        model = build_model(source)
+        with torch.inference_mode():
+            for ids, mask, types in batches:
+                logits = model(ids, mask, types)  # (b, s, 2)
+                full[row : row + ids.shape[0], : ids.shape[1]] = logits
+                row += ids.shape[0]
+                bar.update(ids.shape[0])
+    else:
+        dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
+        plan = make_plan(source.config, dims, seq_len=cfg.max_seq_len)
+        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
+        with Gang(GangSpec(source, plan, threads_per_rank=threads), name="eval") as gang:
+            futures = [gang.submit(*batch) for batch in batches]
+            for (ids, _, _), fut in zip(batches, futures, strict=True):
+                logits = fut.result()  # (b, s, 2)
+                full[row : row + ids.shape[0], : ids.shape[1]] = logits
+                row += ids.shape[0]
+                bar.update(ids.shape[0])
+    bar.close()
+    preds = postprocess_eval_predictions(
+        feats,
+        full[..., 0],
+        full[..., 1],
+        max_answer_length=cfg.max_answer_length,
+        null_threshold=cfg.null_threshold,
+    )
+    metrics = evaluate(examples, prediction_texts(preds))
+    logger.info("eval %s on %s: %s", source.name, cfg.data, metrics)
+    return metrics

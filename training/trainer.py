@@ -1,0 +1,837 @@
+"""The trainer: fine-tune a QA model over the SAME partitions and gang runtime that serve it.
+
+``train(TrainConfig(...))`` (the driver, ``shardserve train``) tokenizes the SQuAD data once into a
+feature file, builds the serving ``PartitionPlan`` and starts a gang whose ranks run
+``train_rank``. Every rank builds its stage with ``build_stage`` (each loads only its shard),
+optionally adds LoRA / freezes layers (``partitioner/lora.py``), and then per optimizer step:
+
+1. reads the step's global batch from the seeded permutation of the features (identical on every
+   rank; stage 0 takes inputs, the last stage labels), split into ``n_micro`` micro-batches;
+2. runs GPipe or 1F1B (``partitioner/train_schedules.py``); loss = (CE(start) + CE(end)) / 2 per
+   micro-batch, scaled by 1/n_micro so the accumulated gradient is the global-batch mean;
+3. clips by the global gradient norm over all ranks (sharded tensors summed over the tp ranks,
+   replicated ones counted once, one all-reduce over the world);
+4. AdamW step (no decay on biases and LayerNorms) at a linearly warmed-up / decayed LR.
+
+Dropout is reseeded from (seed, step, stage) at every step, identically on the tp ranks of a stage
+(their replicated activations must see the same masks), so a run is reproducible and a resumed run
+continues exactly. Parity with single-process training holds at dropout 0 (different layouts draw
+dropout masks differently). fp32 on CPU; bf16 autocast on CUDA.
+
+Checkpoints (``training/checkpoint.py``) are written by the ranks every ``save_every`` steps and
+at the end (``OUT/final``). The driver shows a tqdm bar (step, loss, examples/s) and logs periodic
+evaluation (``training/evaluate.py`` metrics on logits computed by the gang itself).
+
+    shardserve train --model tiny-bert --train-file data.json --pp 2 --tp 1 --output /tmp/run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from models.hf_weights import save_hf_checkpoint
+from models.registry import ModelSource, resolve_model
+from partitioner.gang import Gang
+from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft, merged_state_dict
+from partitioner.p2p import P2PCommunicator
+from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
+from partitioner.stages import build_stage
+from partitioner.train_schedules import SCHEDULES, StageExecutor, run_forward_only, run_schedule
+from partitioner.worker import GangSpec, RankContext
+from training import checkpoint as ckpt
+
+logger = logging.getLogger(__name__)
+
+MASK_FILL = -1e9  # logit given to padding positions before the span cross-entropy
+
+
+class TrainConfigError(ValueError):
+    """Inconsistent training settings; the message names the offending numbers."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs (validated once; picklable, sent to every rank)."""
+
+    model: str
+    train_file: str
+    output: str
+    eval_file: str | None = None
+    holdout_articles: int = 0  # hold out this many whole articles of the train file for evaluation
+    split_seed: int = 0
+    max_train_examples: int | None = None  # use only the first N training questions (tests)
+    max_eval_examples: int | None = None
+    pp: int = 1
+    tp: int = 1
+    boundaries: tuple[int, ...] | None = None
+    schedule: str = "1f1b"
+    batch_size: int = 32  # global batch (examples per optimizer step)
+    micro_batch_size: int = 8
+    epochs: float = 1.0
+    max_steps: int | None = None  # overrides epochs
+    lr: float = 5e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    seed: int = 0
+    dropout: float | None = None  # override the model's hidden/attention dropout
+    max_seq_len: int = 256
+    doc_stride: int = 128
+    max_question_len: int = 64
+    lora_rank: int = 0  # 0: no LoRA
+    lora_alpha: float = 16.0
+    freeze_layers: int = 0  # freeze the embeddings and layers [0, k)
+    eval_every: int = 0  # steps; 0: only at the end
+    eval_batch_size: int = 32
+    save_every: int = 0  # steps; 0: only the final checkpoint
+    keep_checkpoints: int = 2
+    resume: bool = False
+    device: str = "cpu"
+    threads_per_rank: int | None = None
+    log_every: int = 10
+    group_by_length: bool = False  # batches of similar-length windows (less padding)
+    fail_at_step: int | None = None  # testing: the last rank exits hard when it reaches this step
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise TrainConfigError(msg)
+
+        if self.pp < 1 or self.tp < 1:
+            bad(f"pp={self.pp} and tp={self.tp} must be >= 1")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule={self.schedule!r} unknown; choose from {SCHEDULES}")
+        if self.batch_size < 1 or self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
+            bad(
+                f"batch_size={self.batch_size} must be a positive multiple of "
+                f"micro_batch_size={self.micro_batch_size}"
+            )
+        if not self.lr > 0:
+            bad(f"lr={self.lr} must be > 0")
+        if self.weight_decay < 0 or not 0 <= self.warmup_ratio < 1:
+            bad(
+                f"weight_decay={self.weight_decay} must be >= 0 and warmup_ratio={self.warmup_ratio} in [0, 1)"
+            )
+        if self.max_grad_norm < 0:
+            bad(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping)")
+        if self.max_steps is not None and self.max_steps < 1:
+            bad(f"max_steps={self.max_steps} must be >= 1")
+        if self.epochs <= 0:
+            bad(f"epochs={self.epochs} must be > 0")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            bad(f"dropout={self.dropout} must be in [0, 1)")
+        if self.doc_stride >= self.max_seq_len or self.max_question_len >= self.max_seq_len:
+            bad(
+                f"doc_stride={self.doc_stride} and max_question_len={self.max_question_len} must be "
+                f"< max_seq_len={self.max_seq_len}"
+            )
+        if self.lora_rank < 0 or self.freeze_layers < 0:
+            bad(f"lora_rank={self.lora_rank} and freeze_layers={self.freeze_layers} must be >= 0")
+        if self.holdout_articles < 0:
+            bad(f"holdout_articles={self.holdout_articles} must be >= 0")
+        if self.eval_every < 0 or self.save_every < 0 or self.keep_checkpoints < 1:
+            bad(
+                f"eval_every={self.eval_every}, save_every={self.save_every} must be >= 0 and "
+                f"keep_checkpoints={self.keep_checkpoints} >= 1"
+            )
+        if self.device not in ("cpu", "cuda"):
+            bad(f"device={self.device!r} must be 'cpu' or 'cuda'")
+
+    @property
+    def n_micro(self) -> int:
+        return self.batch_size // self.micro_batch_size
+
+    @property
+    def peft(self) -> bool:
+        return self.lora_rank > 0 or self.freeze_layers > 0
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the driver computed for the ranks (picklable)."""
+
+    features: str  # safetensors file with train.* and eval.* tensors
+    n_train: int
+    n_eval: int
+    total_steps: int
+    warmup_steps: int
+    start_step: int
+    resume_from: str | None
+    data_sha256: str
+    base_model: str  # the model's checkpoint dir (config.json for the HF output)
+    tokenizer_dir: str
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    output: Path
+    final_checkpoint: Path
+    steps: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> SQuAD metrics
+    examples_per_s: float = 0.0
+    train_seconds: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Pieces shared by the ranks and the single-process reference (tests)
+# ------------------------------------------------------------------------------------------------
+
+
+def span_loss(
+    logits: torch.Tensor, attention_mask: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
+    """(CE(start) + CE(end)) / 2, mean over the micro-batch; padding positions are masked out.
+
+    logits: (B, S, 2) float; attention_mask: (B, S); starts/ends: (B,) token positions (0 = CLS).
+    """
+    pad = attention_mask.eq(0)  # (B, S)
+    start_logits = logits[..., 0].masked_fill(pad, MASK_FILL)  # (B, S)
+    end_logits = logits[..., 1].masked_fill(pad, MASK_FILL)
+    return (F.cross_entropy(start_logits, starts) + F.cross_entropy(end_logits, ends)) / 2
+
+
+def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    return lr * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def is_no_decay(name: str) -> bool:
+    """Biases and LayerNorm parameters get no weight decay."""
+    owner = name.rsplit(".", 2)[-2] if name.count(".") else name
+    return name.endswith(".bias") or "norm" in owner.lower()
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups over the trainable parameters: decayed weights, undecayed biases/LayerNorms."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            (no_decay if is_no_decay(name) else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def batch_indices(
+    step: int,
+    *,
+    n_train: int,
+    batch_size: int,
+    seed: int,
+    lengths: torch.Tensor | None = None,
+    group: int = 16,
+) -> torch.Tensor:
+    """(batch_size,) feature indices of optimizer step ``step``: a seeded permutation per epoch
+    (the incomplete last batch of an epoch is dropped).
+
+    With ``lengths`` ((n_train,) real token counts), batches are grouped by length: the permutation
+    is cut into chunks of ``group`` batches, each chunk sorted by length and split into batches,
+    and the batch order shuffled again, so a batch holds windows of similar length (less padding
+    after trimming) while the order stays a pure function of (seed, epoch).
+    """
+    per_epoch = n_train // batch_size
+    epoch, pos = divmod(step, per_epoch)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n_train, generator=gen)[: per_epoch * batch_size]
+    if lengths is not None:
+        chunk = batch_size * group
+        parts = []
+        for start in range(0, len(perm), chunk):
+            part = perm[start : start + chunk]
+            order = torch.sort(lengths[part], descending=True, stable=True).indices
+            parts.append(part[order])
+        batches = torch.cat(parts).view(per_epoch, batch_size)  # (per_epoch, B)
+        perm = batches[torch.randperm(per_epoch, generator=gen)].reshape(-1)
+    return perm[pos * batch_size : (pos + 1) * batch_size]
+
+
+def step_seed(seed: int, step: int, stage: int) -> int:
+    """Dropout seed of one (step, stage); equal on the tp ranks of a stage."""
+    return (seed * 1_000_003 + step * 1009 + stage * 7919 + 17) % (2**63 - 1)
+
+
+def trim(*tensors: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Cut (B, S) tensors to the micro-batch's longest real sequence."""
+    length = int(mask.sum(dim=1).max())
+    return [t[:, :length] for t in tensors]
+
+
+def apply_peft(stage: nn.Module, cfg: TrainConfig) -> None:
+    """LoRA factors and/or frozen layers, as the config asks (full fine-tuning otherwise).
+
+    Tensors the loss cannot see are always frozen (``NULL_SPACE``): every attention key bias adds
+    ``q . b_k``, the same for every key, to a softmax over keys; the QA head bias and the last
+    layer's output LayerNorm bias add one constant to every start (end) logit, which the softmax
+    over positions ignores. Their true gradient is exactly zero; AdamW would only turn round-off
+    into lr-sized random steps (different for every summation order, i.e. every layout).
+    """
+    if cfg.lora_rank > 0:
+        apply_lora(stage, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=LORA_TARGETS, seed=cfg.seed)
+    freeze_for_peft(stage, freeze_layers=cfg.freeze_layers, lora=cfg.lora_rank > 0)
+    last = f"layers.{stage.config.num_layers - 1}.mlp_norm.bias"
+    for name, p in stage.named_parameters():
+        if name.endswith("attention.key.bias") or name in ("qa_outputs.bias", last):
+            p.requires_grad_(False)
+
+
+def with_dropout(source: ModelSource, dropout: float | None) -> ModelSource:
+    if dropout is None:
+        return source
+    config = dataclasses.replace(source.config, hidden_dropout=dropout, attention_dropout=dropout)
+    return dataclasses.replace(source, config=config)
+
+
+def stage_trains(plan: PartitionPlan, cfg: TrainConfig, stage: int) -> bool:
+    """Whether stage ``stage`` holds any trainable parameter (same answer on every rank)."""
+    spec = plan.stages[stage]
+    if spec.has_head:
+        return True
+    if cfg.freeze_layers == 0:
+        return True  # full fine-tuning, or LoRA on every layer
+    return any(i >= cfg.freeze_layers for i in spec.layers)
+
+
+# ------------------------------------------------------------------------------------------------
+# The rank program
+# ------------------------------------------------------------------------------------------------
+
+
+class _Features:
+    """The feature tensors a rank needs, read from the driver's safetensors file."""
+
+    def __init__(self, path: str, prefix: str, names: tuple[str, ...]) -> None:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            self.t = {n: f.get_tensor(f"{prefix}.{n}") for n in names}
+
+
+def _global_grad_norm(stage: nn.Module, ctx: RankContext, world: int) -> torch.Tensor:
+    """sqrt(sum of squared grads over the model): sharded tensors counted on every tp rank,
+    replicated ones on tp rank 0 only, summed over the world with one all-reduce."""
+    specs = ckpt.shard_specs_of(stage)
+    total = torch.zeros((), dtype=torch.float64)
+    for name, p in stage.named_parameters():
+        if p.grad is None:
+            continue
+        if name in specs or ctx.tp_rank == 0:
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict], None]) -> None:
+    """One rank of a training gang (``GangSpec.program``)."""
+    cfg: TrainConfig = ctx.spec.extra["train"]
+    run: RunInfo = ctx.spec.extra["run"]
+    ctrl = queues["ctrl"]
+    plan = ctx.plan
+    pp, world = plan.dims.pp, plan.dims.world_size
+    torch.manual_seed(cfg.seed)
+    stage = build_stage(
+        ctx.spec.source, plan, rank=ctx.rank, tp_group=ctx.tp_group, head_seed=ctx.spec.head_seed
+    )
+    apply_peft(stage, cfg)
+    stage.train()
+    trainable = [p for p in stage.parameters() if p.requires_grad]
+    names = {p: n for n, p in stage.named_parameters()}
+    opt = (
+        torch.optim.AdamW(
+            param_groups(stage, cfg.weight_decay), lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps
+        )
+        if trainable
+        else None
+    )
+    if run.resume_from is not None:
+        ckpt.load_rank_state(
+            Path(run.resume_from) / "training_state" / f"rank{ctx.rank}.safetensors", stage, opt
+        )
+    want = ("attention_mask",) + (("input_ids", "token_type_ids") if ctx.is_first else ())
+    want += ("start_positions", "end_positions") if ctx.is_last else ()
+    data = _Features(run.features, "train", want)
+    lengths = data.t["attention_mask"].sum(dim=1) if cfg.group_by_length else None  # (n_train,)
+    eval_data = (
+        _Features(run.features, "eval", ("input_ids", "attention_mask", "token_type_ids"))
+        if ctx.is_first and run.n_eval
+        else None
+    )
+    comm = P2PCommunicator(device=ctx.device, backend=ctx.backend) if pp > 1 else None
+    autocast = (
+        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        if ctx.device.type == "cuda"
+        else contextlib.nullcontext
+    )
+    backward_needed = any(stage_trains(plan, cfg, s) for s in range(ctx.stage + 1))
+    send_input_grad = not ctx.is_first and any(stage_trains(plan, cfg, s) for s in range(ctx.stage))
+    ready(
+        {"trainable": sum(p.numel() for p in trainable), "params": sum(p.numel() for p in stage.parameters())}
+    )
+
+    dev = ctx.device
+    micro = cfg.micro_batch_size
+    for step in range(run.start_step, run.total_steps):
+        if cfg.fail_at_step is not None and step == cfg.fail_at_step and ctx.rank == world - 1:
+            os._exit(3)  # deliberate hard crash (tests of --resume)
+        torch.manual_seed(step_seed(cfg.seed, step, ctx.stage))
+        idx = batch_indices(
+            step, n_train=run.n_train, batch_size=cfg.batch_size, seed=cfg.seed, lengths=lengths
+        )  # (B,)
+        lr = lr_at(step, lr=cfg.lr, total_steps=run.total_steps, warmup_steps=run.warmup_steps)
+
+        def get_inputs(mb: int, idx: torch.Tensor = idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            rows = idx[mb * micro : (mb + 1) * micro]
+            mask = data.t["attention_mask"][rows]  # (b, S)
+            ids, types, mask = trim(
+                data.t["input_ids"][rows], data.t["token_type_ids"][rows], mask, mask=mask
+            )
+            return ids.to(dev), mask.to(dev), types.to(dev)
+
+        def compute_loss(
+            mb: int, logits: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor = idx
+        ) -> torch.Tensor:
+            rows = idx[mb * micro : (mb + 1) * micro]
+            starts = data.t["start_positions"][rows].to(dev)  # (b,)
+            ends = data.t["end_positions"][rows].to(dev)
+            return span_loss(logits, mask, starts, ends) / cfg.n_micro
+
+        ex = StageExecutor(
+            module=stage,
+            comm=comm,
+            is_first=ctx.is_first,
+            is_last=ctx.is_last,
+            prev_rank=None if ctx.is_first else ctx.prev_rank(),
+            next_rank=None if ctx.is_last else ctx.next_rank(),
+            get_inputs=get_inputs,
+            compute_loss=compute_loss if ctx.is_last else None,
+            backward_needed=backward_needed,
+            send_input_grad=send_input_grad,
+            autocast=autocast,
+        )
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        run_schedule(ex, cfg.schedule, cfg.n_micro, num_stages=pp, stage=ctx.stage)
+        norm = _global_grad_norm(stage, ctx, world)
+        if cfg.max_grad_norm > 0:
+            coef = cfg.max_grad_norm / (float(norm) + 1e-6)
+            if coef < 1.0:
+                for p in trainable:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        if opt is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        done = step + 1
+        ctx.progress[ctx.rank] = done
+        if ctx.is_last and ctx.tp_rank == 0:
+            ctrl.put(
+                (
+                    "step",
+                    ctx.rank,
+                    {
+                        "step": done,
+                        "loss": sum(ex.losses),
+                        "lr": lr,
+                        "grad_norm": float(norm),
+                        "examples": len(idx),
+                    },
+                )
+            )
+        final = done == run.total_steps
+        if run.n_eval and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
+            _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, ctrl, autocast)
+        if (cfg.save_every and done % cfg.save_every == 0) or final:
+            _save(ctx, stage, opt, names, cfg, run, done, final=final)
+            if ctx.rank == 0:
+                ctrl.put(("checkpoint", ctx.rank, {"step": done, "final": final}))
+    if comm is not None:
+        comm.flush()
+
+
+def _evaluate_in_gang(
+    ctx: RankContext,
+    stage: nn.Module,
+    comm: P2PCommunicator | None,
+    eval_data: _Features | None,
+    run: RunInfo,
+    cfg: TrainConfig,
+    step: int,
+    ctrl: Any,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> None:
+    """Forward the evaluation windows through the pipeline; the last stage sends (N, S, 2) logits."""
+    stage.eval()
+    bs = cfg.eval_batch_size
+    n_micro = -(-run.n_eval // bs)
+    full_len = cfg.max_seq_len
+    chunks: list[torch.Tensor] = []
+
+    def get_inputs(mb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert eval_data is not None
+        sl = slice(mb * bs, (mb + 1) * bs)
+        mask = eval_data.t["attention_mask"][sl]
+        ids, types, mask = trim(
+            eval_data.t["input_ids"][sl], eval_data.t["token_type_ids"][sl], mask, mask=mask
+        )
+        return ids.to(ctx.device), mask.to(ctx.device), types.to(ctx.device)
+
+    def on_logits(mb: int, logits: torch.Tensor) -> None:
+        out = torch.full((logits.shape[0], full_len, 2), MASK_FILL)  # (b, S_full, 2)
+        out[:, : logits.shape[1]] = logits.cpu()
+        chunks.append(out)
+
+    run_forward_only(
+        stage,
+        comm,
+        is_first=ctx.is_first,
+        is_last=ctx.is_last,
+        prev_rank=None if ctx.is_first else ctx.prev_rank(),
+        next_rank=None if ctx.is_last else ctx.next_rank(),
+        get_inputs=get_inputs,
+        n_micro=n_micro,
+        on_logits=on_logits,
+        autocast=autocast,
+    )
+    if ctx.is_last and ctx.tp_rank == 0:
+        ctrl.put(("eval", ctx.rank, {"step": step, "logits": torch.cat(chunks).numpy()}))
+    stage.train()
+
+
+def _save(
+    ctx: RankContext,
+    stage: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    names: dict[nn.Parameter, str],
+    cfg: TrainConfig,
+    run: RunInfo,
+    step: int,
+    *,
+    final: bool,
+) -> None:
+    """Write this rank's shards into the temporary directory; rank 0 assembles and publishes."""
+    out = Path(cfg.output)
+    name = "final" if final else f"checkpoint-{step}"
+    tmp = out / f".tmp-{name}"
+    world = ctx.plan.dims.world_size
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if world > 1:
+        dist.barrier()
+    specs = ckpt.shard_specs_of(stage)
+    trained = {n: p.detach() for n, p in stage.named_parameters() if p.requires_grad}
+    state = dict(trained)
+    if opt is not None:
+        state.update(ckpt.optimizer_tensors(opt, names))
+    ckpt.write_shard(
+        tmp / "training_state" / f"rank{ctx.rank}.safetensors", state, specs, tp_rank=ctx.tp_rank
+    )
+    ckpt.write_shard(
+        tmp / "shards" / f"rank{ctx.rank}.safetensors", merged_state_dict(stage), specs, tp_rank=ctx.tp_rank
+    )
+    if world > 1:
+        dist.barrier()
+    if ctx.rank == 0:
+        shard_files = sorted((tmp / "shards").glob("rank*.safetensors"))
+        full = ckpt.merge_shards(shard_files)
+        save_hf_checkpoint(
+            full,
+            ctx.spec.source.config,
+            tmp,
+            base_config=Path(run.base_model) / "config.json",
+            tokenizer_dir=Path(run.tokenizer_dir),
+        )
+        shutil.rmtree(tmp / "shards")
+        if cfg.peft:
+            overlay = {
+                k: v
+                for k, v in ckpt.merge_shards(
+                    sorted((tmp / "training_state").glob("rank*.safetensors"))
+                ).items()
+                if not k.startswith("optim.")
+            }
+            for k in [k for k in overlay if k.endswith(".lora_B")]:
+                overlay[k] = overlay[k] * (cfg.lora_alpha / cfg.lora_rank)  # fold the scale: delta = B A
+            save_file(
+                {k: v.contiguous() for k, v in overlay.items()},
+                str(tmp / ckpt.OVERLAY_FILE),
+                metadata={"format": "pt"},
+            )
+        per_epoch = run.n_train // cfg.batch_size
+        state_json = {
+            "step": step,
+            "total_steps": run.total_steps,
+            "epoch": step // per_epoch,
+            "batch_in_epoch": step % per_epoch,
+            "examples_seen": step * cfg.batch_size,
+            "seed": cfg.seed,
+            "pp": cfg.pp,
+            "tp": cfg.tp,
+            "schedule": cfg.schedule,
+            "lora_rank": cfg.lora_rank,
+            "freeze_layers": cfg.freeze_layers,
+            "data_sha256": run.data_sha256,
+            "config": {k: v for k, v in dataclasses.asdict(cfg).items()},
+        }
+        (tmp / ckpt.STATE_FILE).write_text(json.dumps(state_json, indent=2, default=str))
+        ckpt.publish(tmp, out / name)
+        if not final:
+            ckpt.prune_checkpoints(out, keep=cfg.keep_checkpoints)
+    if world > 1:
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver
+# ------------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class PreparedData:
+    """Features written for the ranks plus what the driver needs to score evaluations."""
+
+    path: Path
+    n_train: int
+    eval_features: Any  # training.squad_data.EvalFeatures | None
+    data_sha256: str
+
+
+def prepare_data(cfg: TrainConfig, source: ModelSource) -> PreparedData:
+    """Tokenize train (and eval) examples once into ``OUT/.cache/features-*.safetensors``."""
+    from transformers import AutoTokenizer
+
+    from training.squad_data import build_eval_features, build_train_features, load_squad, split_by_article
+
+    sha = sha256_file(cfg.train_file)
+    examples = load_squad(cfg.train_file)
+    eval_examples = []
+    if cfg.holdout_articles:
+        titles = list(dict.fromkeys(ex.title for ex in examples))
+        if cfg.holdout_articles >= len(titles):
+            raise TrainConfigError(
+                f"holdout_articles={cfg.holdout_articles} leaves no training article (file has {len(titles)})"
+            )
+        frac = cfg.holdout_articles / len(titles)
+        examples, eval_examples = split_by_article(examples, eval_fraction=frac, seed=cfg.split_seed)
+    if cfg.eval_file:
+        eval_examples = load_squad(cfg.eval_file)
+    if cfg.max_train_examples is not None:
+        examples = examples[: cfg.max_train_examples]
+    if cfg.max_eval_examples is not None:
+        eval_examples = eval_examples[: cfg.max_eval_examples]
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                sha,
+                cfg.eval_file and sha256_file(cfg.eval_file),
+                str(source.tokenizer_dir),
+                cfg.max_seq_len,
+                cfg.doc_stride,
+                cfg.max_question_len,
+                cfg.holdout_articles,
+                cfg.split_seed,
+                cfg.max_train_examples,
+                cfg.max_eval_examples,
+            ]
+        ).encode()
+    ).hexdigest()[:16]
+    out = Path(cfg.output) / ".cache" / f"features-{key}.safetensors"
+    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    kw = dict(max_seq_len=cfg.max_seq_len, doc_stride=cfg.doc_stride, max_question_len=cfg.max_question_len)
+    eval_features = build_eval_features(tok, eval_examples, **kw) if eval_examples else None
+    if out.is_file():
+        with safe_open(str(out), framework="pt", device="cpu") as f:
+            n_train = int(f.get_slice("train.input_ids").get_shape()[0])
+        return PreparedData(out, n_train, eval_features, sha)
+    train = build_train_features(tok, examples, **kw)
+    tensors = {
+        "train.input_ids": train.input_ids,
+        "train.attention_mask": train.attention_mask,
+        "train.token_type_ids": train.token_type_ids,
+        "train.start_positions": train.start_positions,
+        "train.end_positions": train.end_positions,
+    }
+    if eval_features is not None:
+        b = eval_features.batch
+        tensors.update(
+            {
+                "eval.input_ids": b.input_ids,
+                "eval.attention_mask": b.attention_mask,
+                "eval.token_type_ids": b.token_type_ids,
+            }
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    tmp.rename(out)
+    logger.info("%d train features, %d eval windows -> %s", len(train), len(eval_features or []), out)
+    return PreparedData(out, len(train), eval_features, sha)
+
+
+def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
+    """SQuAD EM/F1 of (N, S, 2) logits over the evaluation windows."""
+    from training.squad_data import postprocess_eval_predictions, prediction_texts
+    from training.squad_metrics import evaluate
+
+    logits = torch.as_tensor(logits)
+    preds = postprocess_eval_predictions(eval_features, logits[..., 0], logits[..., 1])
+    return evaluate(eval_features.examples, prediction_texts(preds))
+
+
+def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
+    """Run (or resume) a training run; returns the final checkpoint and the logged numbers."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    source = with_dropout(resolve_model(cfg.model), cfg.dropout)
+    dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
+    plan = make_plan(
+        source.config,
+        dims,
+        boundaries=list(cfg.boundaries) if cfg.boundaries else None,
+        seq_len=cfg.max_seq_len,
+        devices=default_devices(dims.world_size, device=cfg.device),
+    )
+    if cfg.freeze_layers > source.config.num_layers:
+        raise TrainConfigError(f"freeze_layers={cfg.freeze_layers} > num_layers={source.config.num_layers}")
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(cfg, source)
+    per_epoch = data.n_train // cfg.batch_size
+    if per_epoch < 1:
+        raise TrainConfigError(f"batch_size={cfg.batch_size} exceeds the {data.n_train} training features")
+    total = cfg.max_steps if cfg.max_steps is not None else max(1, math.floor(cfg.epochs * per_epoch))
+    warmup = math.floor(cfg.warmup_ratio * total)
+    start_step, resume_from = 0, None
+    if cfg.resume:
+        latest = ckpt.latest_checkpoint(out)
+        if latest is None:
+            raise ckpt.ResumeError(f"--resume: no checkpoint-* with {ckpt.STATE_FILE} under {out}")
+        state = ckpt.read_state(latest)
+        mismatch = {
+            k: (state.get(k), v)
+            for k, v in {
+                "pp": cfg.pp,
+                "tp": cfg.tp,
+                "seed": cfg.seed,
+                "total_steps": total,
+                "data_sha256": data.data_sha256,
+            }.items()
+            if state.get(k) != v
+        }
+        if mismatch:
+            raise ckpt.ResumeError(f"{latest}: cannot resume, (checkpoint, now) differ: {mismatch}")
+        start_step, resume_from = int(state["step"]), str(latest)
+        logger.info("resuming from %s at step %d of %d", latest, start_step, total)
+    run = RunInfo(
+        features=str(data.path),
+        n_train=data.n_train,
+        n_eval=len(data.eval_features) if data.eval_features is not None else 0,
+        total_steps=total,
+        warmup_steps=warmup,
+        start_step=start_step,
+        resume_from=resume_from,
+        data_sha256=data.data_sha256,
+        base_model=str(source.checkpoint),
+        tokenizer_dir=str(source.tokenizer_dir),
+    )
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
+    spec = GangSpec(
+        source,
+        plan,
+        threads_per_rank=threads,
+        collective_timeout_s=600.0,  # ranks wait at barriers while rank 0 merges a checkpoint
+        program="training.trainer:train_rank",
+        extra={"train": cfg, "run": run},
+    )
+    result = TrainResult(output=out, final_checkpoint=out / "final", steps=total)
+    logger.info(
+        "training %s: pp=%d tp=%d %s, %d features, %d steps (batch %d = %d x %d), warm-up %d, lr %g",
+        source.name, cfg.pp, cfg.tp, cfg.schedule, data.n_train, total, cfg.batch_size,
+        cfg.n_micro, cfg.micro_batch_size, warmup, cfg.lr,
+    )  # fmt: skip
+    bar = tqdm(
+        total=total,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        disable=not show_progress,
+        dynamic_ncols=True,
+    )
+    t_start: list[float] = []
+    seen = [0]
+
+    def on_message(kind: str, rank: int, payload: Any) -> None:
+        if kind == "step":
+            now = time.perf_counter()
+            if not t_start:
+                t_start.append(now)  # the first step includes warm-up costs: rate from then on
+            else:
+                seen[0] += payload["examples"]
+            rate = seen[0] / (now - t_start[0]) if seen[0] else 0.0
+            result.losses[payload["step"]] = payload["loss"]
+            result.examples_per_s = rate
+            bar.update(payload["step"] - bar.n)
+            bar.set_postfix(loss=f"{payload['loss']:.4f}", lr=f"{payload['lr']:.2e}", ex_s=f"{rate:.1f}")
+            if cfg.log_every and payload["step"] % cfg.log_every == 0:
+                logger.info(
+                    "step %d/%d loss %.4f lr %.3g grad_norm %.3f %.1f ex/s",
+                    payload["step"], total, payload["loss"], payload["lr"], payload["grad_norm"], rate,
+                )  # fmt: skip
+        elif kind == "eval":
+            metrics = score_eval(data.eval_features, payload["logits"])
+            result.evals[payload["step"]] = metrics
+            logger.info(
+                "eval step %d: exact %.2f f1 %.2f (%d questions)",
+                payload["step"], metrics["exact"], metrics["f1"], metrics["total"],
+            )  # fmt: skip
+            (out / "eval_results.json").write_text(
+                json.dumps({str(k): v for k, v in result.evals.items()}, indent=2)
+            )
+        elif kind == "checkpoint":
+            logger.info("checkpoint at step %d written", payload["step"])
+
+    t0 = time.perf_counter()
+    gang = Gang(spec, name="train")
+    with logging_redirect_tqdm():
+        try:
+            gang.start()
+            gang.join(on_message=on_message)
+        finally:
+            gang.stop()
+            bar.close()
+    result.train_seconds = time.perf_counter() - t0
+    return result

@@ -157,9 +157,11 @@ def worker_main(
 ) -> None:
     """Process entry point of one rank."""
     os.environ.update(env)
-    # Ctrl-C in a terminal signals the whole process group: let the driver drain and stop the gang
-    # rather than every rank dying mid-micro-batch (ranks exit on their own when the driver is gone).
+    # Ctrl-C in a terminal (or `timeout`, or `kill -- -PGID`) signals the whole process group: let
+    # the driver drain and stop the gang rather than every rank dying mid-micro-batch. Ranks still
+    # exit on a stop message, on SIGKILL from the driver, or on their own when the driver is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",

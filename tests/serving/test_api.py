@@ -273,7 +273,13 @@ def test_full_queue_answers_429_with_retry_after() -> None:
         engine = client.app.state.engine
         factory.gate.clear()
         with ThreadPoolExecutor(8) as pool:
-            held = _submit_async(client, pool, 3)  # 1 in flight (held by the gate) + 2 queued
+            # 1 in flight (held by the gate), then 2 queued: submitted in two steps, since three at
+            # once can find the queue full before the dispatcher has taken the first one out of it
+            held = _submit_async(client, pool, 1)
+            wait_until(
+                lambda: client.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
+            )
+            held += _submit_async(client, pool, 2)
             wait_until(lambda: engine.scheduler.stats().queued_requests == 2, what="a full queue")
             r = ask(client)
             assert r.status_code == 429

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -366,8 +367,6 @@ def save_hf_checkpoint(
     ``state`` holds canonical names; ``base_config`` is the HF ``config.json`` the model came
     from (its architecture entry is rewritten); tokenizer files are copied when given.
     """
-    import shutil
-
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -384,14 +383,22 @@ def save_hf_checkpoint(
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in to_hf_state_dict(config.arch, state).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer_dir is not None:
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "vocab.txt",
-            "vocab.json",
-            "merges.txt",
-        ):
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy(Path(tokenizer_dir) / name, out / name)
+        copy_tokenizer_files(tokenizer_dir, out)
     return out
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",  # WordPiece (BERT, DistilBERT)
+    "vocab.json",  # byte-level BPE (RoBERTa)
+    "merges.txt",
+)
+
+
+def copy_tokenizer_files(src_dir: str | Path, out_dir: str | Path) -> None:
+    """Copy whichever Hugging Face tokenizer files ``src_dir`` has into ``out_dir``."""
+    for name in TOKENIZER_FILES:
+        if (Path(src_dir) / name).is_file():
+            shutil.copy(Path(src_dir) / name, Path(out_dir) / name)

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from models.config import EncoderConfig, ModelConfigError
-from models.hf_weights import WeightSource
+from models.hf_weights import WeightSource, copy_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OVERLAY_DIR = Path(__file__).resolve().parent / "default"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 # Small configs for tests: 6 layers so pp=3 gets 2 each; 4 heads and intermediate 128 so tp=2 divides.
 # initializer_range 0.1 (not 0.02) so random logits are large enough for parity checks to bite.
@@ -151,10 +150,7 @@ def materialise_preset(name: str, *, root: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         _write_hf_checkpoint(spec, tmp)
-        for fname in _TOKENIZER_FILES:
-            src = minilm_dir() / fname
-            if src.is_file():
-                shutil.copy(src, tmp / fname)
+        copy_tokenizer_files(minilm_dir(), tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is identical

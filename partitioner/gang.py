@@ -51,13 +51,6 @@ class GangError(RuntimeError):
 
 
 @dataclass
-class _Pending:
-    future: Future
-    submitted: float
-    batch_size: int
-
-
-@dataclass
 class GangStats:
     submitted: int = 0
     completed: int = 0
@@ -91,7 +84,7 @@ class Gang:
         self.error: GangError | None = None
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Future] = {}  # micro-batch id -> its result
         self._lock = threading.Lock()
         self._next_id = 0
         self._stopping = False
@@ -253,7 +246,7 @@ class Gang:
             self._next_id += 1
             if not self._pending:
                 self._last_progress = time.monotonic()
-            self._pending[mb_id] = _Pending(fut, time.monotonic(), int(ids.shape[0]))
+            self._pending[mb_id] = fut
             self.stats.submitted += 1
             # under the lock: every stage-0 tp rank must see micro-batches in the same order
             for q in self._in:
@@ -312,11 +305,11 @@ class Gang:
             try:
                 _kind, mb_id, payload = self._out.get(timeout=self.poll_s)
                 with self._lock:
-                    pending = self._pending.pop(mb_id, None)
+                    fut = self._pending.pop(mb_id, None)
                     self._last_progress = time.monotonic()
                     self.stats.completed += 1
-                if pending is not None:
-                    pending.future.set_result(torch.from_numpy(payload))
+                if fut is not None:
+                    fut.set_result(torch.from_numpy(payload))
                 continue
             except queue.Empty:
                 pass
@@ -411,9 +404,9 @@ class Gang:
     def _fail_pending(self, err: GangError) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        for p in pending.values():
-            if not p.future.done():
-                p.future.set_exception(err)
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
 
     def _kill_all(self) -> None:
         for proc in self._procs:

@@ -21,9 +21,10 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     head_seed: int = 0,
 ) -> EncoderForQA:
-    """Create the model on the meta device, materialise it on ``device`` and load its weights."""
+    """Create the model on the meta device, materialise it on ``device`` and load its weights
+    (``model.load_report`` says what was initialised rather than read, as for stages)."""
     with torch.device("meta"):
         model = EncoderForQA(source.config)
     model = model.to_empty(device=device).to(dtype)
-    load_weights(model, source.weights(), source.config, head_seed=head_seed)
+    model.load_report = load_weights(model, source.weights(), source.config, head_seed=head_seed)
     return model.eval()

@@ -136,17 +136,20 @@ def apply_lora(
     return count
 
 
-def freeze_for_peft(stage: EncoderForQA, *, freeze_layers: int, lora: bool) -> None:
+def freeze_for_peft(
+    stage: EncoderForQA, *, freeze_layers: int, lora: bool, freeze_embeddings: bool = False
+) -> None:
     """Set ``requires_grad``: with LoRA only the factors, biases, LayerNorms and the QA head train
     (embeddings and base matrices are frozen); with ``freeze_layers=k`` the embeddings and layers
-    ``< k`` are frozen. Both may be combined (LoRA only above the frozen layers trains)."""
+    ``< k`` are frozen; ``freeze_embeddings`` freezes the embeddings alone. They may be combined
+    (LoRA only above the frozen layers trains)."""
     for name, p in stage.named_parameters():
         trainable = True
         if lora and not name.startswith("qa_outputs."):
             is_factor = name.endswith((".lora_A", ".lora_B"))
             is_small = name.endswith(".bias") or "norm" in name.split(".")[-2].lower()
             trainable = (is_factor or is_small) and not name.startswith("embeddings.")
-        if freeze_layers > 0:
+        if freeze_layers > 0 or freeze_embeddings:
             if name.startswith("embeddings."):
                 trainable = False
             elif name.startswith("layers.") and int(name.split(".")[1]) < freeze_layers:

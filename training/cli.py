@@ -101,6 +101,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--freeze-layers", type=int, default=0, help="freeze the embeddings and the lowest N layers"
     )
+    g.add_argument(
+        "--freeze-embeddings",
+        action="store_true",
+        help="freeze the embeddings only (full fine-tuning of every layer; export_overlay --base compresses it)",
+    )
     g = p.add_argument_group("evaluation, checkpoints, logs")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     g.add_argument("--eval-batch-size", type=int, default=32, help="windows per evaluation micro-batch")
@@ -191,6 +196,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             freeze_layers=args.freeze_layers,
+            freeze_embeddings=args.freeze_embeddings,
             eval_every=args.eval_every,
             eval_batch_size=args.eval_batch_size,
             save_every=args.save_every,

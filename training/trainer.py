@@ -102,6 +102,7 @@ class TrainConfig:
     lora_rank: int = 0  # 0: no LoRA
     lora_alpha: float = 16.0
     freeze_layers: int = 0  # freeze the embeddings and layers [0, k)
+    freeze_embeddings: bool = False  # freeze the embeddings only (implied by freeze_layers > 0)
     eval_every: int = 0  # steps; 0: only at the end
     eval_batch_size: int = 32
     save_every: int = 0  # steps; 0: only the final checkpoint
@@ -293,7 +294,12 @@ def apply_peft(stage: nn.Module, cfg: TrainConfig) -> None:
     """
     if cfg.lora_rank > 0:
         apply_lora(stage, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=LORA_TARGETS, seed=cfg.seed)
-    freeze_for_peft(stage, freeze_layers=cfg.freeze_layers, lora=cfg.lora_rank > 0)
+    freeze_for_peft(
+        stage,
+        freeze_layers=cfg.freeze_layers,
+        freeze_embeddings=cfg.freeze_embeddings,
+        lora=cfg.lora_rank > 0,
+    )
     last = f"layers.{stage.config.num_layers - 1}.mlp_norm.bias"
     for name, p in stage.named_parameters():
         if name.endswith("attention.key.bias") or name in ("qa_outputs.bias", last):

@@ -204,12 +204,15 @@ def test_partitioned_training_matches_single_process(tmp_path, overrides):
                     assert torch.equal(a[k], b[k]), k
 
 
-def test_frozen_layers_do_not_move(tmp_path):
-    cfg = base_config(tmp_path, pp=1, tp=1, freeze_layers=4, max_steps=2)
+@pytest.mark.parametrize(
+    "freeze", [dict(freeze_layers=4), dict(freeze_embeddings=True)], ids=["layers-0-3", "embeddings"]
+)
+def test_frozen_layers_do_not_move(tmp_path, freeze):
+    cfg = base_config(tmp_path, pp=1, tp=1, max_steps=2, **freeze)
     result = train(cfg, show_progress=False)
     got = load_file(str(result.final_checkpoint / "model.safetensors"))
     base = to_hf_state_dict("bert", merged_state_dict(build_model(resolve_model("tiny-bert"))))
     null_space = ("self.key.bias", "qa_outputs.bias", "layer.5.output.LayerNorm.bias")  # always frozen
     for k, v in base.items():
-        frozen = k.startswith("bert.embeddings.") or any(f"layer.{i}." in k for i in range(4))
+        frozen = k.startswith("bert.embeddings.") or any(f"layer.{i}." in k for i in range(cfg.freeze_layers))
         assert torch.equal(got[k], v) == (frozen or k.endswith(null_space)), k

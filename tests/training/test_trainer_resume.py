@@ -145,39 +145,6 @@ def test_cli_train_then_eval_at_other_layouts(tmp_path, capsys):
     assert float((got - want).abs().max()) <= 1e-4
 
 
-def test_stacked_runs_combine_into_one_overlay(tmp_path):
-    from safetensors.torch import save_file
-
-    from training.export_overlay import combine_overlays
-
-    runs = []
-    for k in range(2):
-        d = tmp_path / f"run{k}"
-        d.mkdir()
-        g = torch.Generator().manual_seed(k)
-        save_file(
-            {
-                "layers.0.mlp.up.lora_A": torch.randn(2, 3, generator=g),  # (r, in)
-                "layers.0.mlp.up.lora_B": torch.randn(4, 2, generator=g),  # (out, r)
-                "layers.0.mlp.up.bias": torch.full((4,), float(k)),
-            },
-            str(d / "overlay.safetensors"),
-        )
-        save_file(
-            {"qa_outputs.weight": torch.full((2, 3), float(k)), "qa_outputs.bias": torch.zeros(2)},
-            str(d / "model.safetensors"),
-        )
-        runs.append(d)
-    parts = [load_file(str(d / "overlay.safetensors")) for d in runs]
-    out = combine_overlays(runs)
-    name = "layers.0.mlp.up"
-    want = sum(p[f"{name}.lora_B"] @ p[f"{name}.lora_A"] for p in parts)
-    assert torch.allclose(out[f"{name}.lora_B"] @ out[f"{name}.lora_A"], want)
-    assert out[f"{name}.lora_A"].shape == (4, 3)
-    assert torch.equal(out[f"{name}.bias"], parts[1][f"{name}.bias"])  # the later run wins
-    assert torch.equal(out["qa_outputs.weight"], torch.ones(2, 3))
-
-
 def test_sigkilled_cli_run_resumes_to_the_same_weights(tmp_path):
     """`shardserve train` killed with SIGKILL once a checkpoint exists, then `--resume`d."""
     import os

@@ -14,7 +14,7 @@ get 503 instead of waiting. A client that disconnects cancels its queued work (`
 
     engine = Engine(settings=settings, manager=manager, metrics=metrics)
     await engine.start()
-    job = engine.submit([QAPair("Who?", "Ann met Bob.")], timeout_s=None)    # raises EngineError (429...)
+    job = await engine.submit_async([QAPair("Who?", "Ann met Bob.")])  # raises EngineError (429...)
     results = await engine.wait(job, disconnected=watch_disconnect)           # list[PairResult]
     await engine.stop(timeout_s=30)
 """
@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # One thread: a fast tokenizer is not safe to call from several threads at once
+        # ("Already borrowed"); one is enough to keep tokenization off the event loop.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-tokenize")
         manager.on_change = self.wake
         manager.on_failed = self._on_replica_failed
 
@@ -163,6 +166,7 @@ class Engine:
                 await asyncio.wait_for(asyncio.shield(self._task), 5.0)
             except TimeoutError:
                 self._task.cancel()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def wake(self) -> None:
         self._wake.set()
@@ -174,7 +178,21 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def submit(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
-        """Tokenize and admit one call; raises EngineError (429 / 503 / 413 / 422)."""
+        """Tokenize (on the calling thread) and admit one call; raises EngineError (429 / 503 / 413 /
+        422), ``QAInputError`` / ``ValueError`` for text the tokenizer refuses."""
+        self._check_admissible(timeout_s)
+        return self._admit(pairs, self._encode(pairs), timeout_s=timeout_s)
+
+    async def submit_async(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
+        """``submit`` with the tokenization on the engine's tokenizer thread, so that long contexts
+        never stall the event loop (the HTTP server, the scheduler loop, other requests)."""
+        self._check_admissible(timeout_s)
+        encoded = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, self._encode, pairs
+        )
+        return self._admit(pairs, encoded, timeout_s=timeout_s)
+
+    def _check_admissible(self, timeout_s: float | None) -> None:
         if not self.accepting:
             raise EngineError(503, "shutting_down", "the server is shutting down")
         if self.manager.ready == 0 and self.manager.starting == 0:
@@ -185,15 +203,21 @@ class Engine:
                 "invalid_timeout",
                 f"timeout_s={timeout_s} exceeds max_request_timeout_s={self.max_request_timeout_s}",
             )
-        model = self.manager.model
-        encoded = encode_qa(
-            model.tokenizer,
+
+    def _encode(self, pairs: list[QAPair]) -> EncodedBatch:
+        return encode_qa(
+            self.manager.model.tokenizer,
             [p.question for p in pairs],
             [p.context for p in pairs],
             max_seq_len=self.max_seq_len,
             doc_stride=self.doc_stride,
             max_question_len=self.max_question_len,
         )
+
+    def _admit(self, pairs: list[QAPair], encoded: EncodedBatch, *, timeout_s: float | None) -> Job:
+        """Queue tokenized pairs with the scheduler (event-loop thread only)."""
+        self._check_admissible(timeout_s)  # again: a drain may have begun while tokenizing
+        model = self.manager.model
         now = self.clock()
         rid = f"req-{next(self._ids)}"
         deadline = None if timeout_s is None else now + timeout_s

@@ -115,7 +115,7 @@ async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_
         engine = state.engine
         pairs = [QAPair(it.question, it.context, it.top_k, it.max_answer_length) for it in items]
         try:
-            job = engine.submit(pairs, timeout_s=timeout_s)
+            job = await engine.submit_async(pairs, timeout_s=timeout_s)
         except QAInputError as err:
             return _error(422, "invalid_input", f"{err.field}: {err.reason}")
         except (TypeError, ValueError) as err:  # the tokenizer refused the text

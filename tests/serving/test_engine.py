@@ -1,5 +1,5 @@
 """Engine (scheduler driver) over fake gangs: dynamic batching, length buckets, token budget,
-disconnect cancellation, drain on stop. Each test runs its own event loop (``asyncio.run``).
+disconnect cancellation, drain on stop, tokenization off the event loop. Each test runs its own event loop (``asyncio.run``).
 
 Run: python -m pytest tests/serving/test_engine.py -q
 """
@@ -7,6 +7,7 @@ Run: python -m pytest tests/serving/test_engine.py -q
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -161,6 +162,31 @@ def test_stop_timeout_answers_leftovers_503(model: ModelGeneration) -> None:
         assert info.value.status == 503
 
     run_engine(model, body)
+
+
+def test_tokenization_runs_off_the_event_loop(model: ModelGeneration, monkeypatch) -> None:
+    """``submit_async`` (the HTTP path) tokenizes on the engine's tokenizer thread: while one
+    request is being tokenized the event loop keeps running — here it is the loop that lets the
+    tokenization finish, so tokenizing on the loop would block for 10 s and fail the test."""
+    release = threading.Event()
+    seen: dict[str, str] = {}
+    real_encode = Engine._encode
+
+    def gated_encode(self: Engine, pairs: list[QAPair]) -> Any:
+        seen["thread"] = threading.current_thread().name
+        assert release.wait(timeout=10), "the event loop was blocked while tokenizing"
+        return real_encode(self, pairs)
+
+    monkeypatch.setattr(Engine, "_encode", gated_encode)
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        task = asyncio.ensure_future(engine.submit_async([SHORT]))
+        await _until(lambda: "thread" in seen, "tokenization to start")
+        release.set()
+        assert (await engine.wait(await task))[0].prediction.answers
+
+    run_engine(model, body)
+    assert seen["thread"].startswith("shardserve-tokenize"), seen
 
 
 def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGeneration) -> None:

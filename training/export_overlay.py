@@ -99,12 +99,13 @@ def low_rank_overlay(
             svds[owner] = torch.linalg.svd((w - ref[name]).double(), full_matrices=False)  # U, S, Vh
         else:
             whole[name] = w
-    budget = max_bytes - HEADER_RESERVE - sum(t.numel() * item for t in whole.values())
+    whole_bytes = sum(t.numel() * item for t in whole.values())
+    budget = max_bytes - HEADER_RESERVE - whole_bytes
     if budget < 0:
         big = sorted(whole, key=lambda n: -whole[n].numel())[:3]
         raise ValueError(
-            f"the changed non-projection tensors alone take {(max_bytes - HEADER_RESERVE - budget) / 2**20:.2f} "
-            f"MiB > {max_bytes / 2**20:.2f} MiB (largest: {big}); train with --freeze-embeddings"
+            f"the changed non-projection tensors alone take {whole_bytes:,} bytes > the {max_bytes:,} "
+            f"budget (largest: {big}); train with --freeze-embeddings"
         )
     # (sigma^2 per byte, owner, index): one candidate per rank-one term of every projection update
     terms = [

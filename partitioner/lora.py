@@ -149,11 +149,10 @@ def freeze_for_peft(
             is_factor = name.endswith((".lora_A", ".lora_B"))
             is_small = name.endswith(".bias") or "norm" in name.split(".")[-2].lower()
             trainable = (is_factor or is_small) and not name.startswith("embeddings.")
-        if freeze_layers > 0 or freeze_embeddings:
-            if name.startswith("embeddings."):
-                trainable = False
-            elif name.startswith("layers.") and int(name.split(".")[1]) < freeze_layers:
-                trainable = False
+        if name.startswith("embeddings.") and (freeze_embeddings or freeze_layers > 0):
+            trainable = False
+        elif name.startswith("layers.") and int(name.split(".")[1]) < freeze_layers:
+            trainable = False
         p.requires_grad_(trainable)
 
 

@@ -8,9 +8,13 @@ Measures examples/s for the same model, batch shape and cores:
   gang pp=P tp=T     worker processes, 1 thread per rank, micro-batches streamed through the stages
 
 and prints every figure with its ratio to the 1-thread unpartitioned model. The target on 2 CPU
-cores is pp=2 >= 1.8x unpartitioned-1t.
+cores is pp=2 >= 1.8x unpartitioned-1t. Every row runs at --dtype (auto: bf16 on CPUs with AMX /
+AVX512-BF16, as ``shardserve serve`` picks; the CPU and its units are printed with the figures);
+--compile adds the gang rows again with the experimental ``GangSpec.compile`` (torch.compile of each
+stage, warmed up before the ranks report ready; the warm-up is not timed).
 
     python benchmarks/bench_partitioned.py                       # MiniLM, batch 8 x 256 tokens
+    python benchmarks/bench_partitioned.py --dtype float32 --configs 2x1 --compile
     python benchmarks/bench_partitioned.py --model tiny-bert --batches 8 --configs 2x1,1x2
 """
 
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import torch
@@ -27,6 +30,7 @@ from models.build import build_model
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.gang import Gang
 from partitioner.plan import ParallelDims, make_plan
+from partitioner.precision import DTYPE_CHOICES, cpu_capabilities, resolve_dtype
 from partitioner.worker import GangSpec
 
 
@@ -55,12 +59,27 @@ def bench_in_process(model, batches: list[tuple], *, threads: int, hf: bool = Fa
     return sum(b[0].shape[0] for b in batches) / (time.perf_counter() - t0)
 
 
-def bench_gang(source, dims: ParallelDims, batches: list[tuple], *, threads_per_rank: int) -> float:
+def bench_gang(
+    source,
+    dims: ParallelDims,
+    batches: list[tuple],
+    *,
+    threads_per_rank: int,
+    dtype: str = "float32",
+    compile: bool = False,
+) -> float:
     """Examples/s of a gang with every micro-batch submitted at once (streamed through the stages)."""
-    plan = make_plan(source.config, dims, seq_len=batches[0][0].shape[1])
-    with Gang(
-        GangSpec(source, plan, threads_per_rank=threads_per_rank), name=f"bench-pp{dims.pp}-tp{dims.tp}"
-    ) as gang:
+    seq_len = batches[0][0].shape[1]
+    plan = make_plan(source.config, dims, seq_len=seq_len)
+    spec = GangSpec(
+        source,
+        plan,
+        threads_per_rank=threads_per_rank,
+        dtype=dtype,
+        compile=compile,
+        warmup_lengths=(seq_len,),
+    )
+    with Gang(spec, name=f"bench-pp{dims.pp}-tp{dims.tp}", start_timeout_s=900) as gang:
         gang.run(batches[:2], timeout_s=600)  # warm-up: every stage has seen the shapes
         t0 = time.perf_counter()
         gang.run(batches, timeout_s=600)
@@ -103,13 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-transformers", action="store_true", help="do not measure the transformers reference"
     )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="compute dtype of every row (auto: bf16 on CPUs with bf16 units, else fp32; span logits "
+        "fp32) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also measure each gang layout with torch.compile'd stages (experimental GangSpec.compile)",
+    )
     args = parser.parse_args(argv)
+    choice = resolve_dtype(args.dtype, "cpu")
 
     source = resolve_model(args.model)
     batches = _inputs(
         source.config.vocab_size, batch_size=args.batch_size, seq_len=args.seq_len, n=args.batches
     )
-    model = build_model(source)
+    model = build_model(source, dtype=choice.dtype)
     rows: list[tuple[str, float]] = [("unpartitioned-1t", bench_in_process(model, batches, threads=1))]
     if args.threads > 1:
         rows.append(
@@ -125,21 +157,25 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory() as tmp:
             ref = AutoModelForQuestionAnswering.from_pretrained(reference_dir(source, Path(tmp))).eval()
-        rows.append(("transformers-1t", bench_in_process(ref, batches, threads=1, hf=True)))
+        rows.append(("transformers-1t", bench_in_process(ref.to(choice.dtype), batches, threads=1, hf=True)))
     torch.set_num_threads(1)
     for dims in _parse_configs(args.configs):
-        rows.append(
-            (
-                f"gang pp={dims.pp} tp={dims.tp} (1 thread/rank)",
-                bench_gang(source, dims, batches, threads_per_rank=1),
+        for compiled in (False, True) if args.compile else (False,):
+            rows.append(
+                (
+                    f"gang pp={dims.pp} tp={dims.tp} (1 thread/rank{', compiled' if compiled else ''})",
+                    bench_gang(
+                        source, dims, batches, threads_per_rank=1, dtype=choice.name, compile=compiled
+                    ),
+                )
             )
-        )
 
     base = rows[0][1]
     print(
         f"\nmodel={source.name} batch={args.batch_size}x{args.seq_len} micro-batches={args.batches} "
-        f"cores={os.cpu_count()} torch={torch.__version__} cpu={platform.processor() or platform.machine()}"
+        f"cores={os.cpu_count()} torch={torch.__version__}"
     )
+    print(f"cpu: {cpu_capabilities().describe()}; --dtype {args.dtype} -> {choice.name} ({choice.reason})")
     print(f"{'configuration':<34} {'examples/s':>11} {'vs unpartitioned-1t':>20}")
     for name, value in rows:
         print(f"{name:<34} {value:>11.2f} {value / base:>19.2f}x")

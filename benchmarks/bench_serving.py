@@ -1,22 +1,34 @@
-"""Serving benchmark: (a) raw batched forward, (b) a naive one-at-a-time FastAPI server, (c) shardserve.
+"""Serving benchmark: raw forward vs naive servers vs ONNX Runtime vs shardserve, one run, same cores.
 
-One run, same machine, same model, same cores, same SQuAD questions:
+One run, same machine, same model, same cores, same SQuAD questions, and the CPU with its
+bf16 / AMX / int8 units printed above the figures:
 
-(a) raw: the unpartitioned model, no HTTP, windows sorted by length into batches of
-    --max-batch-size (the best case for padding), measured two ways on the same cores: one process
-    with --cores torch threads, and (a') --cores single-thread processes at once (data parallel);
-    the limit is the better of the two. Row (a2) (batch 1, data parallel) shows what batching
-    itself buys on this model;
+(a) raw: the unpartitioned model at the chosen precision (--dtype, ``auto`` as ``shardserve serve``
+    resolves it), no HTTP, windows sorted by length into batches of --max-batch-size (the best case
+    for padding), measured two ways on the same cores: one process with --cores torch threads, and
+    (a') --cores single-thread processes at once (data parallel); the limit is the better of the
+    two. Row (a2) (batch 1, data parallel) shows what batching itself buys on this model;
 (b) naive: a FastAPI server (subprocess) that tokenizes, runs the model and decodes one request
-    at a time (a lock around the whole request), torch using every core;
-(c) shardserve: ``shardserve serve`` (subprocess) with the given partition / replicas / batching.
+    at a time (a lock around the whole request), torch using every core, in fp32 (what a user
+    writes); (b2) the same server with the model in bf16;
+(d) ONNX Runtime: the same plain model exported with torch.onnx.export, raw batched forward (no
+    HTTP) in fp32 and after onnxruntime.quantization.quantize_dynamic (int8 weights), at batch
+    --max-batch-size and batch 1, one process with --cores threads. Needs the optional ``bench``
+    extra (``pip install -e '.[bench]'``); skipped with one line when it is not installed;
+(c) shardserve: ``shardserve serve`` (subprocess) with its default flags (only model/host/port:
+    precision and replicas x threads picked by the server), and with explicit flags (--pp, --tp,
+    --replicas, --threads-per-rank, batching flags, --dtype; plus every --extra-config); the best
+    explicit row is "best flags".
 
-(b) and (c) are driven by --clients concurrent keep-alive HTTP clients (a minimal asyncio client,
-so the load generator costs little CPU) posting /v1/qa for --duration-s after --warmup-s; it
-prints throughput (questions/s), p50/p99 latency and the ratios shardserve/(a), shardserve/(b).
+(b), (b2) and (c) are driven by --clients concurrent keep-alive HTTP clients (a minimal asyncio
+client, so the load generator costs little CPU) posting /v1/qa for --duration-s after --warmup-s;
+it prints throughput (questions/s), p50/p99 latency and the ratios of shardserve to (a), (b), (b2)
+and ONNX Runtime's best raw forward, with the issue-9 targets (default flags >= 4x (b),
+>= 2x ONNX Runtime best, >= 0.9x (a)); targets are figures for the docs, not assertions.
 
     python benchmarks/bench_serving.py                                  # default model, 32 clients
     python benchmarks/bench_serving.py --model tiny-bert --duration-s 10 --replicas 2
+    python benchmarks/bench_serving.py --duration-s 3 --warmup-s 2 --skip best   # smoke
     python benchmarks/bench_serving.py --help                           # every flag
 
 Questions come from ../shared/data/squad/squad-v1.1-train-pool.json when present (--squad), else
@@ -32,10 +44,12 @@ import itertools
 import json
 import logging
 import os
+import shlex
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +57,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+DEFAULT_EXTRA_CONFIGS = (
+    "--replicas 1 --threads-per-rank {cores}",
+    "--pp 2 --replicas 1 --threads-per-rank {half}",
+)
+SKIPPABLE = ("raw", "naive", "naive-bf16", "ort", "shardserve", "default", "best")
 DEFAULT_SQUAD = REPO.parent / "shared" / "data" / "squad" / "squad-v1.1-train-pool.json"
 BUILTIN = [
     (
@@ -104,7 +124,11 @@ def bench_raw(
     duration_s: float,
     batch_size: int,
     name: str,
+    dtype: str = "float32",
+    engine: str = "torch",
+    onnx_dir: str | None = None,
 ) -> Result:
+    """Raw forward over the questions' windows; ``engine``: torch (at ``dtype``), ort-fp32 or ort-int8."""
     import torch
     from transformers import AutoTokenizer
 
@@ -130,7 +154,21 @@ def bench_raw(
         for i in range(0, len(windows), batch_size)
     ]
     types = source.config.type_vocab_size >= 2
-    model = build_model(source)
+    if engine == "torch":
+        from partitioner.precision import DTYPES
+
+        model = build_model(source, dtype=DTYPES[dtype])
+        label = dtype
+    else:
+        sys.path.insert(0, str(HERE))
+        from bench_kernels import ort_forward, ort_session
+
+        session = ort_session(source, Path(onnx_dir or "."), int8=engine == "ort-int8", threads=threads)
+
+        def model(ids, mask, tt):
+            return ort_forward(session, ids, mask, tt)
+
+        label = engine
     per_question = len(pairs) / len(windows)
     lat: list[float] = []
     done = 0
@@ -158,16 +196,35 @@ def bench_raw(
         int(done * per_question),
         0,
         f"{done / elapsed:.1f} windows/s, batches of {batch_size} windows, "
-        f"{threads} threads; latency = per batch",
+        f"{threads} threads, {label}; latency = per batch",
     )
 
 
 def raw_in_subprocess(
-    args: argparse.Namespace, *, procs: int, threads: int, batch_size: int, duration_s: float, name: str
+    args: argparse.Namespace,
+    *,
+    procs: int,
+    threads: int,
+    batch_size: int,
+    duration_s: float,
+    name: str,
+    dtype: str = "float32",
+    engine: str = "torch",
+    onnx_dir: str | None = None,
 ) -> Result:
     """bench_raw in ``procs`` fresh interpreters running at the same time (data parallel when > 1);
     throughputs add up. Fresh processes also keep torch thread pools from distorting each other."""
-    spec = json.dumps({"threads": threads, "batch_size": batch_size, "duration_s": duration_s, "name": name})
+    spec = json.dumps(
+        {
+            "threads": threads,
+            "batch_size": batch_size,
+            "duration_s": duration_s,
+            "name": name,
+            "dtype": dtype,
+            "engine": engine,
+            "onnx_dir": onnx_dir,
+        }
+    )
     cmd = [sys.executable, __file__, "--raw-run", spec, "--model", args.model, "--questions", str(args.questions),
            "--squad", str(args.squad), "--max-seq-len", str(args.max_seq_len), "--cores", str(args.cores)]  # fmt: skip
     running = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
@@ -187,7 +244,8 @@ def raw_in_subprocess(
         0,
         f"{procs} process(es) x {threads} thread(s), batches of {batch_size} windows; "
         + first.note.split(", ", 1)[0]
-        + (" each" if procs > 1 else ""),
+        + (" each" if procs > 1 else "")
+        + f", {first.note.split(', ')[-1].split(';')[0]}",
     )
 
 
@@ -203,12 +261,13 @@ def run_naive_server(args: argparse.Namespace) -> None:
 
     from models.build import build_model
     from models.registry import resolve_model
+    from partitioner.precision import DTYPES
     from serving.qa_processing import decode_spans, encode_qa, pad_windows
 
     torch.set_num_threads(args.cores)
     source = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
-    model = build_model(source)
+    model = build_model(source, dtype=DTYPES[args.naive_dtype])
     types = source.config.type_vocab_size >= 2
     lock = threading.Lock()
     app = FastAPI()
@@ -307,9 +366,11 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before becoming ready")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+            r = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+            # shardserve turns ready with its first gang: wait for every replica (none starting)
+            if r.status_code == 200 and not r.json().get("starting_replicas", 0):
                 return
-        except httpx.TransportError:
+        except (httpx.TransportError, ValueError):
             pass
         time.sleep(0.5)
     raise RuntimeError(f"server on port {port} not ready after {timeout_s} s")
@@ -370,9 +431,17 @@ def _batch_stats(port: int) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Throughput / latency of raw batched forward vs a naive server vs shardserve (see module doc)."
+        description="Throughput / latency of raw forward vs naive servers vs ONNX Runtime vs shardserve "
+        "(see module doc)."
     )
     p.add_argument("--model", default="default", help="model name or HF directory (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="precision of (a) and of shardserve's explicit-flag rows; auto resolves as `shardserve serve` "
+        "does (bf16 on CPUs with AMX / AVX512-BF16, else fp32) (default: %(default)s)",
+    )
     p.add_argument("--clients", type=int, default=32, help="concurrent HTTP clients (default: %(default)s)")
     p.add_argument(
         "--duration-s", type=float, default=30.0, help="measured seconds per server (default: %(default)s)"
@@ -388,13 +457,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--cores",
         type=int,
         default=os.cpu_count() or 1,
-        help="torch threads of (a) and (b) (default: %(default)s)",
+        help="torch threads of (a), (b), (b2) and ONNX Runtime (default: %(default)s)",
     )
     p.add_argument(
-        "--max-seq-len", type=int, default=384, help="window length, all three (default: %(default)s)"
+        "--max-seq-len", type=int, default=384, help="window length, every part (default: %(default)s)"
     )
     p.add_argument(
-        "--max-batch-size", type=int, default=32, help="windows per batch, (a) and (c) (default: %(default)s)"
+        "--max-batch-size",
+        type=int,
+        default=32,
+        help="windows per batch, (a), (d) and shardserve's explicit rows (default: %(default)s)",
     )
     p.add_argument(
         "--pp", type=int, default=1, help="shardserve pipeline stages per replica (default: %(default)s)"
@@ -421,10 +493,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="shardserve buckets (default: %(default)s)",
     )
     p.add_argument(
-        "--serve-arg", action="append", default=[], help="extra `shardserve serve` argument (repeatable)"
+        "--extra-config",
+        action="append",
+        default=None,
+        metavar="FLAGS",
+        help="another explicit shardserve configuration, as `shardserve serve` flags replacing --pp/--tp/"
+        "--replicas/--threads-per-rank (repeatable; {cores} and {half} expand to --cores and --cores/2). "
+        f"Default: {' | '.join(DEFAULT_EXTRA_CONFIGS)}; --extra-config '' measures none",
     )
     p.add_argument(
-        "--skip", action="append", default=[], choices=["raw", "naive", "shardserve"], help="skip a part"
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra `shardserve serve` argument for the explicit rows (repeatable)",
+    )
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=SKIPPABLE,
+        help="skip a part: raw (a), naive (b), naive-bf16 (b2), ort (d), default / best (the shardserve "
+        "rows with default / explicit flags), shardserve (both)",
     )
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument(
@@ -433,7 +522,87 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--naive-server", type=int, default=None, metavar="PORT", help="internal: run server (b) on PORT"
     )
+    p.add_argument("--naive-dtype", default="float32", help="internal: dtype of the naive server")
     return p
+
+
+def machine_info(dtype: str) -> dict[str, Any]:
+    """CPU, its reduced-precision units and the dtype ``dtype`` resolves to here (printed with the table)."""
+    import torch
+
+    from partitioner.precision import cpu_capabilities, resolve_dtype
+
+    caps = cpu_capabilities()
+    choice = resolve_dtype(dtype, "cpu")
+    try:
+        import onnxruntime
+
+        ort_version = onnxruntime.__version__
+    except ImportError:
+        ort_version = None
+    return {
+        "cpu": caps.describe(),
+        "bf16_units": caps.bf16,
+        "amx": caps.amx,
+        "int8_units": caps.int8,
+        "dtype_requested": dtype,
+        "dtype": choice.name,
+        "dtype_reason": choice.reason,
+        "torch": torch.__version__,
+        "onnxruntime": ort_version,
+        "cores": os.cpu_count(),
+    }
+
+
+def explicit_configs(args: argparse.Namespace) -> list[list[str]]:
+    """The explicit-flag shardserve configurations: the --pp/--tp/--replicas/--threads-per-rank one,
+    then each --extra-config (placement flags only; batching flags and --dtype are added to all)."""
+    half = max(1, args.cores // 2)
+    first = ["--pp", str(args.pp), "--tp", str(args.tp), "--replicas", str(args.replicas)]
+    first += ["--threads-per-rank", str(args.threads_per_rank)]
+    extra = DEFAULT_EXTRA_CONFIGS if args.extra_config is None else args.extra_config
+    configs = [first]
+    for text in extra:
+        flags = shlex.split(text.format(cores=args.cores, half=half))
+        if flags and flags not in configs:
+            configs.append(flags)
+    return configs
+
+
+def ratio_lines(results: list[Result]) -> list[str]:
+    """The ratios of the shardserve rows to the other parts, with the issue-9 targets."""
+
+    def best(prefix: tuple[str, ...]) -> Result | None:
+        rows = [r for r in results if r.name.startswith(prefix) and r.questions_per_s > 0]
+        return max(rows, key=lambda r: r.questions_per_s) if rows else None
+
+    default = best(("(c) shardserve default",))
+    explicit = best(("(c) shardserve flags",))
+    limit = best(("(a) ", "(a') "))
+    naive = best(("(b) ",))
+    naive16 = best(("(b2) ",))
+    ort = best(("(d) ",))
+    lines = []
+    for label, c in (("default flags", default), ("best flags", explicit)):
+        if c is None:
+            continue
+        lines.append(f"shardserve {label} [{c.name}]: {c.questions_per_s:.1f} q/s")
+        for other, what, target in (
+            (limit, "raw forward limit (a)", 0.9),
+            (naive, "naive fp32 server (b)", 4.0),
+            (naive16, "naive bf16 server (b2)", None),
+            (ort, "ONNX Runtime best raw (d)", 2.0),
+        ):
+            if other is None:
+                continue
+            ratio = c.questions_per_s / other.questions_per_s
+            goal = (
+                ""
+                if target is None or label != "default flags"
+                else (f"  (target >= {target:g}x: {'met' if ratio >= target else 'NOT met'})")
+            )
+            lines.append(f"  / {what} [{other.name}]: {ratio:.2f}x{goal}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,107 +618,133 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.raw_run)
         print(json.dumps(asdict(bench_raw(args, pairs, **spec))))
         return 0
+    info = machine_info(args.dtype)
+    dtype = info["dtype"]
+    logger.info("cpu %s; --dtype %s -> %s (%s)", info["cpu"], args.dtype, dtype, info["dtype_reason"])
+    skip = set(args.skip)
+    if "shardserve" in skip:
+        skip |= {"default", "best"}
     results: list[Result] = []
-    if "raw" not in args.skip:
-        logger.info("(a) raw batched forward, %.0f s", args.duration_s)
-        bs, d = args.max_batch_size, args.duration_s
-        cores = args.cores
-        runs = [(1, cores, bs, d, "(a) raw batched, 1 process")]
+    bs, d, cores = args.max_batch_size, args.duration_s, args.cores
+    if "raw" not in skip:
+        logger.info("(a) raw batched forward, %.0f s, %s", args.duration_s, dtype)
+        runs = [(1, cores, bs, d, f"(a) raw batched {dtype}, 1 proc")]
         if cores > 1:  # the same cores used data-parallel, as shardserve's single-thread replicas do
-            runs.append((cores, 1, bs, d, f"(a') raw batched, {cores} procs"))
-        runs.append((cores, 1, 1, d / 3, f"(a2) raw batch 1, {cores} procs"))  # what batching buys
+            runs.append((cores, 1, bs, d, f"(a') raw batched {dtype}, {cores} procs"))
+        runs.append((cores, 1, 1, d / 3, f"(a2) raw batch 1 {dtype}, {cores} procs"))  # what batching buys
         for procs, threads, batch, duration, name in runs:
             logger.info("%s: %d x %d threads, batch %d, %.0f s", name, procs, threads, batch, duration)
             results.append(
                 raw_in_subprocess(
-                    args, procs=procs, threads=threads, batch_size=batch, duration_s=duration, name=name
+                    args,
+                    procs=procs,
+                    threads=threads,
+                    batch_size=batch,
+                    duration_s=duration,
+                    name=name,
+                    dtype=dtype,
                 )
             )
-    if "naive" not in args.skip:
+    if "ort" not in skip:
+        if info["onnxruntime"] is None:
+            print("skipping (d) ONNX Runtime: onnxruntime not installed (pip install -e '.[bench]')")
+        else:
+            with tempfile.TemporaryDirectory(prefix="bench-onnx-") as onnx_dir:
+                for engine in ("ort-fp32", "ort-int8"):
+                    for batch in (bs, 1):
+                        name = f"(d) ONNX Runtime {engine[4:]}, batch {batch}"
+                        logger.info("%s, %d threads, %.0f s", name, cores, d / 2)
+                        results.append(
+                            raw_in_subprocess(
+                                args,
+                                procs=1,
+                                threads=cores,
+                                batch_size=batch,
+                                duration_s=d / 2,
+                                name=name,
+                                engine=engine,
+                                onnx_dir=onnx_dir,
+                            )
+                        )
+    for part, naive_dtype, name in (
+        ("naive", "float32", "(b) naive FastAPI fp32"),
+        ("naive-bf16", "bfloat16", "(b2) naive FastAPI bf16"),
+    ):
+        if part in skip:
+            continue
         port = _free_port()
-        cmd = [
-            sys.executable,
-            __file__,
-            "--naive-server",
-            str(port),
-            "--model",
-            args.model,
-            "--cores",
-            str(args.cores),
-            "--max-seq-len",
-            str(args.max_seq_len),
-        ]
-        logger.info("(b) naive server, %d clients", args.clients)
+        cmd = [sys.executable, __file__, "--naive-server", str(port), "--model", args.model,
+               "--cores", str(cores), "--max-seq-len", str(args.max_seq_len), "--naive-dtype", naive_dtype]  # fmt: skip
+        logger.info("%s, 1 request at a time, %d clients", name, args.clients)
+        results.append(bench_server(cmd, port, pairs, args, name, f"{cores} threads, {naive_dtype}"))
+    base = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", "--model", args.model,
+            "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
+            "--max-queue-size", str(max(256, 4 * args.clients))]  # fmt: skip
+    if "default" not in skip:
+        port = _free_port()
+        logger.info("(c) shardserve, default flags")
         results.append(
-            bench_server(cmd, port, pairs, args, "(b) naive FastAPI, 1 at a time", f"{args.cores} threads")
+            bench_server(
+                [*base, "--port", str(port)],
+                port,
+                pairs,
+                args,
+                "(c) shardserve default flags",
+                "no placement/precision flags: " + _default_placement(),
+            )
         )
-    if "shardserve" not in args.skip:
-        port = _free_port()
-        serve = [
-            "--model",
-            args.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--pp",
-            str(args.pp),
-            "--tp",
-            str(args.tp),
-            "--replicas",
-            str(args.replicas),
-            "--threads-per-rank",
-            str(args.threads_per_rank),
-            "--max-batch-size",
-            str(args.max_batch_size),
-            "--max-queue-delay-ms",
-            str(args.max_queue_delay_ms),
-            "--max-seq-len",
-            str(args.max_seq_len),
-            "--length-buckets",
-            args.length_buckets,
-            "--max-queue-size",
-            str(max(256, 4 * args.clients)),
-            *args.serve_arg,
-        ]
-        cmd = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", *serve]
-        note = (
-            f"pp={args.pp} tp={args.tp} replicas={args.replicas} threads/rank={args.threads_per_rank} "
-            f"batch<={args.max_batch_size} delay={args.max_queue_delay_ms}ms"
-        )
-        logger.info("(c) shardserve: %s", note)
-        results.append(bench_server(cmd, port, pairs, args, "(c) shardserve", note))
-    print_table(results, args)
+    if "best" not in skip:
+        batching = ["--max-batch-size", str(bs), "--max-queue-delay-ms", str(args.max_queue_delay_ms),
+                    "--length-buckets", args.length_buckets, "--dtype", args.dtype]  # fmt: skip
+        for i, flags in enumerate(explicit_configs(args), start=1):
+            port = _free_port()
+            cmd = [*base, "--port", str(port), *flags, *batching, *args.serve_arg]
+            note = " ".join(flags + batching[:4]) + f" --dtype {args.dtype}"
+            logger.info("(c) shardserve flags #%d: %s", i, note)
+            results.append(bench_server(cmd, port, pairs, args, f"(c) shardserve flags #{i}", note))
+    print_table(results, args, info)
     if args.json is not None:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        payload = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
+                   "results": [asdict(r) for r in results], "ratios": ratio_lines(results)}  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=2))
     return 0
 
 
-def print_table(results: list[Result], args: argparse.Namespace) -> None:
+def _default_placement() -> str:
+    """What `shardserve serve` with no flags picks on this machine (from its own settings)."""
+    try:
+        from partitioner.precision import resolve_dtype
+        from serving.settings import ServeSettings
+
+        s = ServeSettings()
+        lo, _ = s.replica_bounds
+        dtype = resolve_dtype(s.dtype, s.device).name
+        return f"{lo} replica(s) x pp={s.pp} tp={s.tp} x {s.rank_threads} thread(s)/rank, {dtype}"
+    except Exception as err:  # the settings API moved: the row is still measured
+        return f"(placement unknown: {err})"
+
+
+def print_table(results: list[Result], args: argparse.Namespace, info: dict[str, Any]) -> None:
     def fmt(x: float | None) -> str:
         return "-" if x is None else f"{x:.0f}"
 
     print(
-        f"\nmodel={args.model} clients={args.clients} duration={args.duration_s:.0f}s cores={os.cpu_count()} "
-        f"questions={args.questions}"
+        f"\nmodel={args.model} clients={args.clients} duration={args.duration_s:g}s cores={info['cores']} "
+        f"questions={args.questions} torch={info['torch']} onnxruntime={info['onnxruntime'] or 'not installed'}"
     )
-    print(f"{'':34} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ok':>6} {'err':>5}  note")
+    print(
+        f"cpu: {info['cpu']}; bf16 units: {info['bf16_units']}, AMX: {info['amx']}, "
+        f"int8 units: {info['int8_units']}"
+    )
+    print(f"--dtype {info['dtype_requested']} -> {info['dtype']} ({info['dtype_reason']})")
+    print(f"{'':36} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ok':>6} {'err':>5}  note")
     for r in results:
         print(
-            f"{r.name:34} {r.questions_per_s:8.1f} {fmt(r.p50_ms):>8} {fmt(r.p99_ms):>8} {r.completed:6d} "
+            f"{r.name:36} {r.questions_per_s:8.1f} {fmt(r.p50_ms):>8} {fmt(r.p99_ms):>8} {r.completed:6d} "
             f"{r.errors:5d}  {r.note}"
         )
-    c = next((r for r in results if r.name.startswith("(c)")), None)
-    raw = [r for r in results if r.name.startswith(("(a)", "(a')"))]
-    naive = next((r for r in results if r.name.startswith("(b)")), None)
-    if c is None:
-        return
-    if raw:
-        limit = max(raw, key=lambda r: r.questions_per_s)
-        print(f"shardserve / raw forward limit (a) = best of (a), (a') [{limit.name}]: "
-              f"{c.questions_per_s / limit.questions_per_s:.2f}x")  # fmt: skip
-    if naive is not None and naive.questions_per_s > 0:
-        print(f"shardserve / naive server (b): {c.questions_per_s / naive.questions_per_s:.2f}x")
+    for line in ratio_lines(results):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ pp=2 means two ranks with cores/2 threads each, micro-batched with 1F1B.
 
     python benchmarks/bench_training.py                     # MiniLM, seq 256, 8 steps of 32
     python benchmarks/bench_training.py --steps 4 --seq-len 128 --model tiny-bert
+    python benchmarks/bench_training.py --precision fp32          # the fp32 baseline of docs/benchmarks.md
+
+--precision (fp32, bf16, fp16 or auto, as ``shardserve train``) sets every layout's autocast dtype
+(master weights and optimizer state stay fp32); the resolved precision and the CPU are printed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from partitioner.precision import PRECISION_CHOICES, cpu_capabilities, resolve_dtype
 from training.trainer import TrainConfig, train
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,7 @@ def run_one(args: argparse.Namespace, *, pp: int, micro: int, out: Path) -> floa
         seed=0,
         log_every=0,
         threads_per_rank=max(1, (os.cpu_count() or 1) // pp),
+        precision=args.precision,
     )
     return train(cfg, show_progress=False).examples_per_s
 
@@ -64,7 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
     p.add_argument("--micro-batch-size", type=int, default=4, help="pp=2 micro-batch (n_micro = batch/micro)")
     p.add_argument("--seq-len", type=int, default=256, help="window length")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=PRECISION_CHOICES,
+        help="autocast precision over fp32 master weights, as `shardserve train` (auto: bf16 on CPUs "
+        "with bf16 units, else fp32) (default: %(default)s)",
+    )
     args = p.parse_args(argv)
+    choice = resolve_dtype(args.precision, "cpu")
     logging.basicConfig(level=logging.WARNING)
     if not args.data.is_file():
         print(f"data file {args.data} not found", file=sys.stderr)
@@ -77,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     n_micro = args.batch_size // args.micro_batch_size
     print(
         f"model={args.model} seq_len={args.seq_len} batch={args.batch_size} steps={args.steps} cores={cores}"
+    )
+    print(
+        f"cpu: {cpu_capabilities().describe()}; --precision {args.precision} -> {choice.name} ({choice.reason})"
     )
     print(f"{'layout':<34} {'examples/s':>10}")
     print(f"{'single process (pp=1, ' + str(cores) + ' threads)':<34} {single:>10.2f}")

@@ -25,6 +25,6 @@ def build_model(
     (``model.load_report`` says what was initialised rather than read, as for stages)."""
     with torch.device("meta"):
         model = EncoderForQA(source.config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device).to_compute_dtype(dtype)
     model.load_report = load_weights(model, source.weights(), source.config, head_seed=head_seed)
     return model.eval()

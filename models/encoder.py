@@ -164,8 +164,18 @@ class EncoderForQA(nn.Module):
         for layer in self.layers.values():
             x = layer(x, mask)
         if self.qa_outputs is not None:
-            x = self.qa_outputs(self.qa_dropout(x))  # (B, S, 2)
+            # Span logits in fp32 whatever the compute dtype: the head is kept fp32 (see
+            # ``to_compute_dtype``) and autocast is off for it.
+            with torch.autocast(x.device.type, enabled=False):
+                x = self.qa_outputs(self.qa_dropout(x).float())  # (B, S, 2) fp32
         return x
+
+    def to_compute_dtype(self, dtype: torch.dtype) -> EncoderForQA:
+        """Cast the weights to ``dtype`` (activations follow), keeping the QA head in fp32."""
+        self.to(dtype)
+        if self.qa_outputs is not None:
+            self.qa_outputs.float()
+        return self
 
     def qa_logits(
         self,

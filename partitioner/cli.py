@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from models.config import ModelConfigError
@@ -16,6 +17,10 @@ from models.hf_weights import CheckpointError
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
 from partitioner.plan import ParallelDims, default_devices, make_plan
+from partitioner.precision import DTYPE_CHOICES, PrecisionError, resolve_dtype
+from partitioner.verify import TOLERANCES
+
+logger = logging.getLogger(__name__)
 
 
 def _parse_boundaries(text: str) -> list[int]:
@@ -48,6 +53,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="where ranks run: cpu (gloo), or cuda (one GPU per rank round-robin; NCCL when every rank has "
         "its own GPU, gloo through host memory when ranks share one) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="compute dtype of the ranks: auto picks bfloat16 on GPUs and on CPUs with bf16 units (AMX, "
+        "AVX512-BF16), else float32; float16 only where the device has fp16 units (default: %(default)s)",
     )
     p.add_argument(
         "--boundaries",
@@ -94,7 +106,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     _add_common(v)
     v.add_argument(
-        "--tolerance", type=float, default=1e-4, help="max allowed |difference| (default: %(default)s)"
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max allowed |logit difference| against the fp32 reference (default: per dtype, "
+        + ", ".join(f"{k} {v:g}" for k, v in TOLERANCES.items())
+        + ")",
     )
     v.add_argument(
         "--threads-per-rank", type=int, default=1, help="torch threads per worker rank (default: %(default)s)"
@@ -124,10 +141,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cost_source=how,
         devices=default_devices(dims.world_size, device=args.device),
     )
-    mem = plan.memory_estimates(cfg, batch_size=args.batch_size, seq_len=args.seq_len)
+    choice = resolve_dtype(args.dtype, plan.devices[0])
+    mem = plan.memory_estimates(
+        cfg, batch_size=args.batch_size, seq_len=args.seq_len, dtype_bytes=choice.itemsize
+    )
     if args.json:
         out = plan.to_dict()
         out["model"] = source.describe()
+        out["dtype"] = choice.name
         for s, m in zip(out["stages"], mem, strict=True):
             s.update(m)
         print(json.dumps(out, indent=2))
@@ -135,7 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(
         f"model {source.name}: {cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads} heads; pp={args.pp} tp={args.tp} ({plan.dims.world_size} ranks); "
-        f"cost: {plan.cost_source}; memory at batch {args.batch_size} x seq {args.seq_len}, fp32"
+        f"cost: {plan.cost_source}; memory at batch {args.batch_size} x seq {args.seq_len}, {choice.name} "
+        f"(training: fp32 weights + Adam, 16 B/param)"
     )
     header = f"{'stage':>5}  {'ranks':<12} {'layers':<9} {'params/rank':>12} {'serve MB':>9} {'train MB':>9} {'cost':>6}"
     print(header)
@@ -157,6 +179,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from partitioner.verify import verify_partitioned
 
     source = resolve_model(args.model)
+    choice = resolve_dtype(args.dtype, args.device)
+    logger.info("dtype %s (%s)", choice.name, choice.reason)
     result = verify_partitioned(
         source,
         ParallelDims(pp=args.pp, tp=args.tp),
@@ -164,17 +188,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         threads_per_rank=args.threads_per_rank,
         boundaries=args.boundaries,
         device=args.device,
+        dtype=choice.name,
     )
     verdict = "PASS" if result.passed else "FAIL"
     print(
-        f"{verdict} model={source.name} pp={args.pp} tp={args.tp} batches={result.batch_shapes} "
-        f"max|d start|={result.max_abs_start:.3g} max|d end|={result.max_abs_end:.3g} "
-        f"tolerance={result.tolerance:g}"
+        f"{verdict} model={source.name} pp={args.pp} tp={args.tp} dtype={result.dtype} "
+        f"batches={result.batch_shapes} max|d start|={result.max_abs_start:.3g} "
+        f"max|d end|={result.max_abs_end:.3g} tolerance={result.tolerance:g} "
+        f"best span changed in {result.span_changes}/{result.windows} windows "
+        f"({result.span_change_fraction:.1%}) vs the fp32 reference"
     )
     return 0 if result.passed else 1
 
 
-USER_ERRORS = (ModelConfigError, CheckpointError, InfeasiblePlanError)
+USER_ERRORS = (ModelConfigError, CheckpointError, InfeasiblePlanError, PrecisionError)
 
 
 def main_guard(func, args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ names the rank (with its traceback or exit signal) and fails every pending futur
 
 After a failure the remaining ranks are killed; ``stop()`` drains in-flight work, sends a stop
 message down the pipeline and joins the processes (the rendezvous store lives in the driver, so
-no port outlives the gang).
+no port outlives the gang). The store listens on loopback only (``loopback_store``).
 
     with Gang(GangSpec(source, plan)) as gang:
         logits = gang.submit(input_ids, attention_mask).result()   # (B, S, 2) float32 tensor
@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,39 @@ import torch.multiprocessing as mp
 from partitioner.worker import GangSpec, worker_main
 
 logger = logging.getLogger(__name__)
+
+
+def loopback_store(world_size: int, *, timeout: timedelta) -> dist.TCPStore:
+    """A rendezvous store (master side) listening on 127.0.0.1 only, on a free port.
+
+    ``TCPStore("127.0.0.1", 0, is_master=True)`` listens on EVERY interface (the host name only
+    tells clients where to connect) and the store has no authentication, so a local gang would
+    expose it to the network. Instead we bind the listening socket ourselves to loopback and hand
+    its descriptor to the store (``master_listen_fd``), which owns and closes it from then on.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(max(128, world_size))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store closes it when it is destroyed
+    try:
+        return dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class GangError(RuntimeError):
@@ -104,14 +138,7 @@ class Gang:
     def start(self) -> Gang:
         """Spawn every rank and wait until all report ready; raises GangError on any failure."""
         dims = self.spec.plan.dims
-        self._store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            dims.world_size,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.start_timeout_s),
-        )
+        self._store = loopback_store(dims.world_size, timeout=timedelta(seconds=self.start_timeout_s))
         base_env = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self._store.port),

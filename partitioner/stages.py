@@ -53,7 +53,7 @@ def build_stage(
         model = EncoderForQA(source.config)
     slice_stage(model, plan, stage_index)
     apply_tensor_parallel(model, tp_rank=tp_rank, tp_size=plan.dims.tp, group=tp_group)
-    model = model.to_empty(device=plan.devices[rank]).to(dtype)
+    model = model.to_empty(device=plan.devices[rank]).to_compute_dtype(dtype)
     report = load_weights(model, source.weights(), source.config, head_seed=head_seed)
     logger.debug("rank %d loaded %.1f MB of weights", rank, report.bytes_read / 1e6)
     model.load_report = report  # what was read from disk / initialised, for the gang's ready info

@@ -2,7 +2,10 @@
 
 Runs sample question/context pairs of several lengths as padded micro-batches through a gang at
 the requested (pp, tp) and through ``AutoModelForQuestionAnswering`` on the same weights, and
-reports the largest absolute difference of start/end logits over real (unpadded) tokens.
+reports the largest absolute difference of start/end logits over real (unpadded) tokens. With
+``--dtype bfloat16`` (or float16) the gang computes in that dtype while the reference stays fp32,
+and the report adds how many windows' best answer span (the argmax of start + end over spans of at
+most ``MAX_ANSWER_TOKENS``) changed; each dtype has its own default tolerance (``TOLERANCES``).
 
 A checkpoint without a QA head (the bundled MiniLM) or with overlays (the default model) is first
 merged into a temporary full ``*ForQuestionAnswering`` directory for the reference; the gang still
@@ -44,7 +47,17 @@ SAMPLES: list[tuple[str, str]] = [
         "From which countries did the Norse originate, and when did the Normans give their name to Normandy?",
         _CONTEXT * 4,
     ),
+    ("Who did the Normans swear fealty to?", _CONTEXT),
+    ("When did the Normans give their name to Normandy?", _CONTEXT),
+    ("With whom did their descendants merge?", _CONTEXT),
+    ("Where did the Norse raiders come from?", _CONTEXT),
 ]
+# Largest max |logit diff| accepted per compute dtype (the reference is fp32). Reduced precision
+# keeps ~8 (bf16) / ~11 (fp16) mantissa bits: measured on the default model (pp, tp in (1,1), (2,1),
+# (1,2)), bf16 logits (magnitudes up to ~10) move by at most 0.165 and on tiny-bert by 0.022
+# (tests/partitioner/test_precision.py); fp16 keeps 3 more bits.
+TOLERANCES: dict[str, float] = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}
+MAX_ANSWER_TOKENS = 30
 
 
 @dataclass
@@ -55,6 +68,13 @@ class VerifyResult:
     max_abs_end: float
     tolerance: float
     batch_shapes: list[tuple[int, int]] = field(default_factory=list)
+    dtype: str = "float32"
+    windows: int = 0
+    span_changes: int = 0  # windows whose best span differs from the reference's
+
+    @property
+    def span_change_fraction(self) -> float:
+        return self.span_changes / self.windows if self.windows else 0.0
 
     @property
     def max_abs(self) -> float:
@@ -117,33 +137,61 @@ def reference_logits(ref_dir: Path, batches: list[dict[str, torch.Tensor]]) -> l
     return outs
 
 
+def best_spans(logits: torch.Tensor, mask: torch.Tensor, *, max_len: int = MAX_ANSWER_TOKENS) -> torch.Tensor:
+    """(B, S, 2) logits, (B, S) mask -> (B, 2) best (start, end): argmax of start + end logits
+    over spans of real tokens with start <= end < start + max_len."""
+    s = logits.shape[1]
+    pad = ~mask.bool()
+    start = logits[..., 0].float().masked_fill(pad, -torch.inf)  # (B, S)
+    end = logits[..., 1].float().masked_fill(pad, -torch.inf)
+    score = start[:, :, None] + end[:, None, :]  # (B, S, S)
+    i = torch.arange(s)
+    allowed = (i[None, :] >= i[:, None]) & (i[None, :] < i[:, None] + max_len)  # (S, S)
+    flat = score.masked_fill(~allowed, -torch.inf).flatten(1).argmax(dim=1)  # (B,)
+    return torch.stack([flat // s, flat % s], dim=1)
+
+
 def compare(
     got: list[torch.Tensor],
     want: list[torch.Tensor],
     batches: list[dict[str, torch.Tensor]],
     *,
     tolerance: float,
+    dtype: str = "float32",
 ) -> VerifyResult:
-    """Largest |got - want| over unpadded tokens, per logit kind."""
+    """Largest |got - want| over unpadded tokens, per logit kind, and the windows whose best span moved."""
     d_start = d_end = 0.0
+    windows = changes = 0
     for g, w, b in zip(got, want, batches, strict=True):
         mask = b["attention_mask"].bool()  # (B, S)
-        diff = (g - w).abs()  # (B, S, 2)
+        diff = (g.float() - w).abs()  # (B, S, 2)
         d_start = max(d_start, diff[..., 0][mask].max().item())
         d_end = max(d_end, diff[..., 1][mask].max().item())
-    return VerifyResult(d_start, d_end, tolerance, [tuple(b["input_ids"].shape) for b in batches])
+        windows += len(mask)
+        changes += int((best_spans(g, mask) != best_spans(w, mask)).any(dim=1).sum())
+    return VerifyResult(
+        d_start,
+        d_end,
+        tolerance,
+        [tuple(b["input_ids"].shape) for b in batches],
+        dtype=dtype,
+        windows=windows,
+        span_changes=changes,
+    )
 
 
 def verify_partitioned(
     source: ModelSource,
     dims: ParallelDims,
     *,
-    tolerance: float = 1e-4,
+    tolerance: float | None = None,
     threads_per_rank: int = 1,
     boundaries: list[int] | None = None,
     device: str = "cpu",
+    dtype: str = "float32",
 ) -> VerifyResult:
-    """Run the gang (ranks on ``device``) and the CPU reference on the sample batches and compare."""
+    """Run the gang (ranks on ``device``, computing in ``dtype``) and the fp32 CPU reference on the
+    sample batches and compare (``tolerance`` defaults to the dtype's entry in ``TOLERANCES``)."""
     plan = make_plan(
         source.config, dims, boundaries=boundaries, devices=default_devices(dims.world_size, device=device)
     )
@@ -151,17 +199,22 @@ def verify_partitioned(
     with tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp:
         want = reference_logits(reference_dir(source, Path(tmp)), batches)
     with Gang(
-        GangSpec(source, plan, threads_per_rank=threads_per_rank), name=f"verify-pp{dims.pp}-tp{dims.tp}"
+        GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype),
+        name=f"verify-pp{dims.pp}-tp{dims.tp}",
     ) as gang:
         got = gang.run(
             [(b["input_ids"], b["attention_mask"], b.get("token_type_ids")) for b in batches], timeout_s=300
         )
-    result = compare(got, want, batches, tolerance=tolerance)
+    tol = TOLERANCES[dtype] if tolerance is None else tolerance
+    result = compare(got, want, batches, tolerance=tol, dtype=dtype)
     logger.info(
-        "verify pp=%d tp=%d: max |diff| start=%.3g end=%.3g",
+        "verify pp=%d tp=%d %s: max |diff| start=%.3g end=%.3g, best span changed in %d of %d windows",
         dims.pp,
         dims.tp,
+        dtype,
         result.max_abs_start,
         result.max_abs_end,
+        result.span_changes,
+        result.windows,
     )
     return result

@@ -29,8 +29,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
+from models.hf_weights import CheckpointReader
 from models.registry import ModelSource, resolve_model
 from partitioner.plan import ParallelDims
+from partitioner.precision import DtypeChoice, resolve_dtype
 from serving.engine import Engine
 from serving.metrics import ServingMetrics
 from serving.replicas import BackendFactory, DevicePool, ModelGeneration, ReplicaManager, gang_factory
@@ -42,8 +44,11 @@ logger = logging.getLogger(__name__)
 
 
 def load_generation(settings: ServeSettings, name: str, *, generation: int) -> ModelGeneration:
-    """Resolve a model, load its fast tokenizer, validate the partition; raises ValueError on misfit."""
+    """Resolve a model, check its weights can be opened, load its fast tokenizer, validate the
+    partition; raises ValueError / CheckpointError / OSError on a misfit (before any gang starts)."""
     source: ModelSource = resolve_model(name)
+    for path in (source.checkpoint, *source.overlays):
+        CheckpointReader(path)  # headers only (safetensors / mmap): no weights -> CheckpointError now
     if settings.max_seq_len > source.config.max_seq_len:
         raise ValueError(
             f"max_seq_len={settings.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
@@ -56,17 +61,26 @@ def load_generation(settings: ServeSettings, name: str, *, generation: int) -> M
     return model
 
 
+def device_pool(settings: ServeSettings) -> DevicePool:
+    """The device pool of these settings; ValueError when not even one gang fits."""
+    pool = DevicePool.for_device(settings.device, cpu_slots=settings.pool_slots)
+    if pool.gangs_that_fit(settings.world_size) < 1:
+        raise ValueError(f"the device pool has {pool.capacity} slots, a gang needs {settings.world_size}")
+    return pool
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ServeSettings = app.state.settings
     metrics: ServingMetrics = app.state.metrics
-    model = load_generation(settings, settings.model, generation=0)
-    pool = DevicePool.for_device(settings.device, cpu_slots=settings.pool_slots)
-    if pool.gangs_that_fit(settings.world_size) < 1:
-        raise ValueError(f"the device pool has {pool.capacity} slots, a gang needs {settings.world_size}")
+    model = app.state.preloaded_model or load_generation(settings, settings.model, generation=0)
+    app.state.preloaded_model = None
+    pool = device_pool(settings)
+    precision: DtypeChoice = app.state.precision
     factory: BackendFactory = app.state.backend_factory or gang_factory(
-        threads_per_rank=settings.threads_per_rank,
-        stall_timeout_s=settings.stall_timeout_s,
+        threads_per_rank=settings.rank_threads,
+        dtype=precision.name,
+        stall_timeout_s=settings.stall_after_s,
         start_timeout_s=settings.gang_start_timeout_s,
     )
     manager = ReplicaManager(
@@ -76,6 +90,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics=metrics,
         drain_timeout_s=settings.drain_timeout_s,
         restart_backoff_s=settings.restart_backoff_s,
+        fail_fast=True,
+        stall_timeout_s=settings.stall_after_s,
     )
     engine = Engine(
         scheduler_config=settings.scheduler_config(),
@@ -86,7 +102,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_question_len=settings.max_question_len,
         null_threshold=settings.null_threshold,
         max_request_timeout_s=settings.max_request_timeout_s,
-        stall_timeout_s=settings.stall_timeout_s,
+        stall_timeout_s=settings.stall_after_s,
     )
     supervisor = Supervisor(
         engine=engine,
@@ -99,11 +115,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await engine.start()
     await supervisor.start()
     logger.info(
-        "serving %s (pp=%d, tp=%d), replicas %s, pool %d slots",
+        "serving %s (pp=%d, tp=%d) in %s (%s), replicas %s%s x %d thread(s) per rank, pool %d slots",
         model.source.name,
         settings.pp,
         settings.tp,
+        precision.name,
+        precision.reason,
         settings.replica_bounds,
+        " (auto-sized to the machine)" if settings.auto_sized else "",
+        settings.rank_threads,
         pool.capacity,
     )
     try:
@@ -204,15 +224,22 @@ def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse
     code = "http_error"
     if isinstance(detail, dict) and "error" in detail:
         code, detail = detail["error"], detail.get("detail")
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 503 and not any(k.lower() == "retry-after" for k in headers):
+        headers["Retry-After"] = "1"  # every 503 says when to come back
     return JSONResponse(
-        {"error": code, "detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        {"error": code, "detail": detail}, status_code=exc.status_code, headers=headers or None
     )
 
 
 def build_app(
-    settings: ServeSettings | None = None, *, backend_factory: BackendFactory | None = None
+    settings: ServeSettings | None = None,
+    *,
+    backend_factory: BackendFactory | None = None,
+    model: ModelGeneration | None = None,
 ) -> FastAPI:
-    """The server application; ``backend_factory`` replaces real gangs (tests)."""
+    """The server application; ``backend_factory`` replaces real gangs (tests); ``model``: a
+    generation already loaded by ``load_generation`` (the CLI checks the model before uvicorn starts)."""
     settings = settings or ServeSettings()
     app = FastAPI(
         title="shardserve",
@@ -221,8 +248,10 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device
     app.state.metrics = ServingMetrics()
     app.state.backend_factory = backend_factory
+    app.state.preloaded_model = model
     app.state.shutting_down = False
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ import torch
 
 from serving.metrics import ServingMetrics
 from serving.qa_processing import EncodedBatch, QAPrediction, decode_spans, encode_qa, pad_windows
-from serving.replicas import Replica, ReplicaManager
+from serving.replicas import Replica, ReplicaManager, ReplicaState
 from serving.scheduler import Dispatch, ReplicaView, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -185,17 +185,31 @@ class Engine:
 
     async def submit_async(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
         """``submit`` with the tokenization on the engine's tokenizer thread, so that long contexts
-        never stall the event loop (the HTTP server, the scheduler loop, other requests)."""
+        never stall the event loop (the HTTP server, the scheduler loop, other requests).
+
+        Admission comes first: a queue place is reserved BEFORE tokenizing (requests waiting for the
+        tokenizer count against max_queue_size), so a full server answers 429 at once and the work
+        (and memory) waiting for the tokenizer is bounded by the queue size.
+        """
         self._check_admissible(timeout_s)
-        encoded = await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, self._encode, pairs
-        )
-        return self._admit(pairs, encoded, timeout_s=timeout_s)
+        arrived_at = self.clock()
+        adm = self.scheduler.reserve()
+        if not adm.accepted:
+            raise EngineError(429, "queue_full", adm.detail, retry_after_s=adm.retry_after_s)
+        self._update_gauges()
+        try:
+            encoded = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, self._encode, pairs
+            )
+        except BaseException:  # the tokenizer refused the text, or the client went away
+            self.scheduler.unreserve()
+            raise
+        return self._admit(pairs, encoded, timeout_s=timeout_s, reserved=True, arrived_at=arrived_at)
 
     def _check_admissible(self, timeout_s: float | None) -> None:
         if not self.accepting:
             raise EngineError(503, "shutting_down", "the server is shutting down")
-        if self.manager.ready == 0 and self.manager.starting == 0:
+        if self.manager.count(ReplicaState.READY) == 0 and self.manager.starting == 0:
             raise EngineError(503, "no_replica", "no replica gang is running; retry shortly")
         if timeout_s is not None and timeout_s > self.max_request_timeout_s:
             raise EngineError(
@@ -214,14 +228,32 @@ class Engine:
             max_question_len=self.max_question_len,
         )
 
-    def _admit(self, pairs: list[QAPair], encoded: EncodedBatch, *, timeout_s: float | None) -> Job:
-        """Queue tokenized pairs with the scheduler (event-loop thread only)."""
-        self._check_admissible(timeout_s)  # again: a drain may have begun while tokenizing
+    def _admit(
+        self,
+        pairs: list[QAPair],
+        encoded: EncodedBatch,
+        *,
+        timeout_s: float | None,
+        reserved: bool = False,
+        arrived_at: float | None = None,
+    ) -> Job:
+        """Queue tokenized pairs with the scheduler (event-loop thread only); ``reserved``: a queue
+        place was taken by ``Scheduler.reserve()`` before tokenizing (used or given back here);
+        the deadline runs from ``arrived_at`` (before tokenizing), else from now."""
+        try:
+            self._check_admissible(timeout_s)  # again: a drain may have begun while tokenizing
+        except EngineError:
+            if reserved:
+                self.scheduler.unreserve()
+            raise
         model = self.manager.model
         now = self.clock()
         rid = f"req-{next(self._ids)}"
-        deadline = None if timeout_s is None else now + timeout_s
-        adm = self.scheduler.submit(rid, [w.num_tokens for w in encoded.windows], now=now, deadline=deadline)
+        start = now if arrived_at is None else arrived_at
+        deadline = start + (self.scheduler.config.default_deadline_s if timeout_s is None else timeout_s)
+        adm = self.scheduler.submit(
+            rid, [w.num_tokens for w in encoded.windows], now=now, deadline=deadline, reserved=reserved
+        )
         if not adm.accepted:
             if adm.reason == "queue_full":
                 raise EngineError(429, "queue_full", adm.detail, retry_after_s=adm.retry_after_s)
@@ -349,6 +381,8 @@ class Engine:
         self.metrics.batch_tokens.observe(len(windows) * d.padded_len)
         self.metrics.batches.labels(reason=d.reason).inc()
         self._inflight[d.batch_id] = _InFlight(d, replica)
+        if replica.inflight_batches == 0:
+            replica.last_progress = time.monotonic()  # an idle gang starts its progress clock now
         replica.inflight_batches += 1
         assert replica.backend is not None
         try:
@@ -384,6 +418,7 @@ class Engine:
             return
         del self._inflight[batch_id]
         replica.inflight_batches = max(0, replica.inflight_batches - 1)
+        replica.last_progress = time.monotonic()
         logits = fut.result()  # (B, S, 2)
         for i, (rid, idx) in enumerate(d.items):
             job = self._jobs.get(rid)

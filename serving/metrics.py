@@ -72,7 +72,7 @@ class ServingMetrics:
         self.replicas = Gauge("shardserve_replicas", "replica gangs by state", ["state"], registry=r)
         self.replica_failures = Counter(
             "shardserve_replica_failures_total",
-            "replica gangs that failed (a rank died, raised or stalled)",
+            "replica gangs that failed (a rank died, raised or stalled, or the gang failed to start)",
             registry=r,
         )
         self.replica_restarts = Counter(

@@ -36,6 +36,7 @@ from models.registry import ModelSource
 from partitioner.plan import ParallelDims, PartitionPlan, make_plan
 from serving.metrics import ServingMetrics
 from serving.qa_processing import encode_qa, pad_windows
+from serving.redact import one_line, scrub_paths
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +63,15 @@ class Backend(Protocol):
 BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
 
 
-def gang_factory(*, threads_per_rank: int, stall_timeout_s: float, start_timeout_s: float) -> BackendFactory:
+def gang_factory(
+    *, threads_per_rank: int, stall_timeout_s: float, start_timeout_s: float, dtype: str = "float32"
+) -> BackendFactory:
     """A factory of real gangs (worker processes) with these settings."""
     from partitioner.gang import Gang
     from partitioner.worker import GangSpec
 
     def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
-        spec = GangSpec(source, plan, threads_per_rank=threads_per_rank)
+        spec = GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype)
         return Gang(spec, name=name, stall_timeout_s=stall_timeout_s, start_timeout_s=start_timeout_s)
 
     return make
@@ -180,6 +183,13 @@ class Replica:
     stage_busy_s: list[float] = field(default_factory=list)
     active_s: float = 0.0
     start_task: asyncio.Task | None = None
+    # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
+    # to an idle gang (maintained by the engine)
+    last_progress: float = field(default_factory=time.monotonic)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds with work in flight and no batch completed (0 when idle)."""
+        return max(0.0, now - self.last_progress) if self.inflight_batches > 0 else 0.0
 
     @property
     def routable(self) -> bool:
@@ -203,6 +213,10 @@ class ReloadError(RuntimeError):
     """The new checkpoint's gangs could not be started; the old ones keep serving."""
 
 
+class ReloadInProgress(ReloadError):
+    """Another reload is running (HTTP 409)."""
+
+
 class ReplicaManager:
     """Keeps ``target`` READY gangs of the current model generation (see module doc)."""
 
@@ -216,6 +230,8 @@ class ReplicaManager:
         drain_timeout_s: float = 30.0,
         restart_backoff_s: float = 1.0,
         warmup_timeout_s: float = 120.0,
+        fail_fast: bool = False,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self.factory = factory
         self.pool = pool
@@ -224,6 +240,17 @@ class ReplicaManager:
         self.drain_timeout_s = drain_timeout_s
         self.restart_backoff_s = restart_backoff_s
         self.warmup_timeout_s = warmup_timeout_s
+        # fail_fast: when the very first gang cannot start (nothing was ever ready), give up instead
+        # of retrying forever: ``fatal_error`` says why (one line) and the CLI exits non-zero
+        self.fail_fast = fail_fast
+        # stall_timeout_s: a replica with work in flight and no progress for half of it leaves
+        # readiness and routing (suspect); for all of it, it is failed and its work retried elsewhere
+        self.stall_timeout_s = stall_timeout_s
+        self.fatal_error: str | None = None
+        self.ever_ready = False
+        self.start_failures = 0  # gangs that failed to start, in all
+        self.last_failure: str | None = None  # one line, no paths (shown by /readyz)
+        self.next_retry_at: float | None = None  # monotonic time of the next restart after a back-off
         self.target = 0
         self.replicas: dict[str, Replica] = {}
         self.on_change: Callable[[], None] = lambda: None  # the engine wakes its loop
@@ -237,7 +264,13 @@ class ReplicaManager:
 
     # ------------------------------------------------------------------ views
     def routable(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.routable]
+        """READY, healthy gangs that are not suspected of a stall (see ``stall_timeout_s``)."""
+        now = time.monotonic()
+        return [r for r in self.replicas.values() if r.routable and not self.suspect(r, now)]
+
+    def suspect(self, replica: Replica, now: float) -> bool:
+        """Work in flight and no progress for half the stall timeout: not counted as ready."""
+        return self.stall_timeout_s is not None and replica.stalled_for(now) > self.stall_timeout_s / 2
 
     def count(self, *states: ReplicaState) -> int:
         return sum(1 for r in self.replicas.values() if r.state in states)
@@ -255,6 +288,19 @@ class ReplicaManager:
 
     def describe(self) -> list[dict[str, Any]]:
         return [r.describe() for r in self.replicas.values()]
+
+    def health(self) -> dict[str, Any]:
+        """Readiness detail (safe for unauthenticated clients: counts and one path-free line)."""
+        out: dict[str, Any] = {"ready_replicas": self.ready, "starting_replicas": self.starting}
+        if self.start_failures or self.last_failure is not None:
+            out["failed_starts"] = self.start_failures
+            out["consecutive_failures"] = self._consecutive_failures
+            out["last_failure"] = self.last_failure
+        if self.next_retry_at is not None:
+            out["retry_in_s"] = round(max(0.0, self.next_retry_at - time.monotonic()), 2)
+        if self.fatal_error is not None:
+            out["fatal"] = scrub_paths(self.fatal_error)
+        return out
 
     def _changed(self) -> None:
         for state in ReplicaState:
@@ -279,7 +325,7 @@ class ReplicaManager:
 
     def reconcile(self) -> None:
         """Start or drain gangs of the current generation until target are live (non-blocking)."""
-        if self._reloading or self._closed:
+        if self._reloading or self._closed or self.fatal_error is not None:
             return
         live = [
             r
@@ -329,16 +375,28 @@ class ReplicaManager:
             await asyncio.to_thread(warm_up, replica.backend, model, timeout_s=self.warmup_timeout_s)
         except Exception as err:  # a start failure: retried after a back-off by reconcile()
             self._consecutive_failures += 1
+            self.start_failures += 1
+            self.metrics.replica_failures.inc()
+            self.last_failure = one_line(err)
             replica.error = f"start failed: {err}"
-            logger.error("replica %s failed to start: %s", replica.replica_id, err)
+            logger.error("replica %s failed to start: %s", replica.replica_id, one_line(err, scrub=False))
+            logger.debug("replica %s start failure in full: %s", replica.replica_id, err)
             await self._retire(replica, ReplicaState.FAILED)
-            await asyncio.sleep(self._backoff())
+            if self.fail_fast and not self.ever_ready and not self._closed:
+                self.fatal_error = f"the first replica gang could not start: {one_line(err, scrub=False)}"
+                self.on_change()
+                return False
+            backoff = self._backoff()
+            self.next_retry_at = time.monotonic() + backoff
+            await asyncio.sleep(backoff)
+            self.next_retry_at = None
             self.reconcile()
             return False
         if self._closed or replica.state is not ReplicaState.STARTING:
             await self._retire(replica, ReplicaState.STOPPED)
             return False
         self._consecutive_failures = 0
+        self.ever_ready = True
         replica.state = ReplicaState.READY
         logger.info(
             "replica %s ready (%s, generation %d, %.1f s, pids %s)",
@@ -377,13 +435,14 @@ class ReplicaManager:
         logger.info("replica %s drained (%d batches left)", replica.replica_id, replica.inflight_batches)
         await self._retire(replica, ReplicaState.STOPPED)
 
-    async def _retire(self, replica: Replica, state: ReplicaState) -> None:
-        """Stop the gang (drains what is left in it), free its slots, forget it."""
+    async def _retire(self, replica: Replica, state: ReplicaState, *, timeout_s: float | None = None) -> None:
+        """Stop the gang (drains what is left in it, up to ``timeout_s``), free its slots, forget it."""
         replica.state = state
         self._changed()
         if replica.backend is not None:
+            wait_s = self.drain_timeout_s if timeout_s is None else timeout_s
             try:
-                await asyncio.to_thread(replica.backend.stop, timeout_s=self.drain_timeout_s)
+                await asyncio.to_thread(replica.backend.stop, timeout_s=wait_s)
             except Exception as err:
                 logger.warning("stopping replica %s: %s", replica.replica_id, err)
         self.pool.release(replica.slots)
@@ -398,6 +457,7 @@ class ReplicaManager:
         was_draining = replica.state is ReplicaState.DRAINING
         replica.state = ReplicaState.FAILED
         replica.error = reason
+        self.last_failure = one_line(reason)
         logger.error("replica %s failed: %s", replica.replica_id, reason)
         self.metrics.replica_failures.inc()
         self._changed()
@@ -405,22 +465,34 @@ class ReplicaManager:
         self._spawn(self._restart(replica, replace=not was_draining))
 
     async def _restart(self, replica: Replica, *, replace: bool) -> None:
-        await self._retire(replica, ReplicaState.FAILED)
+        # nothing of a failed gang is worth draining: its work was already retried elsewhere
+        await self._retire(replica, ReplicaState.FAILED, timeout_s=0.0)
         if not replace or self._closed:
             return
         self._consecutive_failures += 1
-        await asyncio.sleep(self._backoff())
+        backoff = self._backoff()
+        self.next_retry_at = time.monotonic() + backoff
+        await asyncio.sleep(backoff)
+        self.next_retry_at = None
         self.restarts += 1
         self.metrics.replica_restarts.inc()
         self.reconcile()
 
     def check_health(self) -> None:
-        """Fail replicas whose gang reports unhealthy (a rank died while idle)."""
+        """Fail replicas whose gang reports unhealthy (a rank died while idle) or that stalled:
+        work in flight and no micro-batch completed for ``stall_timeout_s`` (a hung rank)."""
+        now = time.monotonic()
         for r in list(self.replicas.values()):
             if r.state in (ReplicaState.READY, ReplicaState.DRAINING) and r.backend is not None:
                 if not r.backend.healthy:
                     err = getattr(r.backend, "error", None)
                     self.mark_failed(r, str(err) if err else "gang unhealthy")
+                elif self.stall_timeout_s is not None and r.stalled_for(now) > self.stall_timeout_s:
+                    self.mark_failed(
+                        r,
+                        f"stalled: no micro-batch completed for {r.stalled_for(now):.1f} s with "
+                        f"{r.inflight_batches} in flight (stall_timeout_s={self.stall_timeout_s:g})",
+                    )
 
     def sample_busy(self, dt: float) -> None:
         """Statistical sample of per-stage busy time (see serving.metrics)."""
@@ -447,7 +519,7 @@ class ReplicaManager:
         Raises ReloadError (old gangs keep serving) when a new gang fails to start.
         """
         if self._reloading:
-            raise ReloadError("a reload is already in progress")
+            raise ReloadInProgress("a reload is already in progress")
         self._reloading = True
         try:
             old = [r for r in self.replicas.values() if r.state is ReplicaState.READY]

@@ -6,9 +6,12 @@ and watch for the client disconnecting so its queued work is cancelled. Every er
 ``{"error": code, "detail": reason}``. Admin routes need ``Authorization: Bearer <admin_token>``
 (401 otherwise, and always 401 when no token is configured).
 
-Status codes: 200; 400 invalid UTF-8; 401 admin auth; 409 reload conflict; 413 body too large;
-422 invalid input (types, missing fields, empty text, limits, top_k range); 429 queue full;
-503 not ready / shutting down / replica failed; 504 deadline passed before compute.
+Status codes: 200; 400 invalid UTF-8; 401 admin auth; 409 reload conflict (another reload, another
+tokenizer); 413 body too large, more than max_windows_per_request windows, or more windows than the
+deadline allows at the measured rate; 422 invalid input (types, missing fields, empty text, limits,
+top_k range); 429 queue full (checked before tokenizing); 503 not ready / shutting down / replica
+failed; 504 deadline passed before compute. Every 429 and 503 carries ``Retry-After``. Nothing
+unauthenticated (and no error detail) shows file-system paths or worker tracebacks.
 """
 
 from __future__ import annotations
@@ -18,14 +21,18 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import PurePath
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from models.config import ModelConfigError
+from models.hf_weights import CheckpointError
 from serving.engine import ClientGone, EngineError, PairResult, QAPair
 from serving.qa_processing import QAInputError, validate_qa_inputs
+from serving.redact import one_line
 from serving.schemas import (
     AnswerOut,
     ErrorResponse,
@@ -59,7 +66,13 @@ health_router = APIRouter(tags=["health"])
 admin_router = APIRouter(prefix="/admin", tags=["admin"])
 
 
+RETRY_AFTER_503_S = 1  # a 503 (starting, restarting, draining) says when to come back
+
+
 def _error(status: int, code: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The JSON error body; every 503 (and 429) carries ``Retry-After``."""
+    if status in (429, 503) and not any(k.lower() == "retry-after" for k in headers or {}):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_503_S)}
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
@@ -184,12 +197,26 @@ async def models(request: Request) -> Any:
     return [
         ModelInfo(
             model=model.source.name,
-            checkpoint=model.source.describe(),
+            checkpoint=public_checkpoint(model.source.describe()),
             plan=model.plan().to_dict(),
             generation=model.generation,
-            replicas=state.manager.describe(),
+            replicas=[public_replica(r) for r in state.manager.describe()],
         )
     ]
+
+
+def public_checkpoint(described: dict[str, Any]) -> dict[str, Any]:
+    """``ModelSource.describe()`` for unauthenticated clients: file names, never absolute paths."""
+    out = dict(described)
+    out["checkpoint"] = PurePath(str(described.get("checkpoint", ""))).name
+    out["overlays"] = [PurePath(str(p)).name for p in described.get("overlays", [])]
+    return out
+
+
+def public_replica(described: dict[str, Any]) -> dict[str, Any]:
+    """A replica's description with its error cut to one path-free line."""
+    err = described.get("error")
+    return {**described, "error": one_line(err) if err else None}
 
 
 @health_router.get("/healthz")
@@ -203,13 +230,13 @@ async def readyz(request: Request) -> Any:
     """200 only while at least one replica gang is loaded, warm and healthy, and not shutting down."""
     state = request.app.state
     manager = getattr(state, "manager", None)
-    ready = manager.ready if manager is not None else 0
+    health = manager.health() if manager is not None else {"ready_replicas": 0, "starting_replicas": 0}
     if state.shutting_down:
-        return _error(503, "shutting_down", {"ready_replicas": ready})
-    if ready < 1:
-        starting = manager.starting if manager is not None else 0
-        return _error(503, "not_ready", {"ready_replicas": 0, "starting_replicas": starting})
-    return {"status": "ready", "ready_replicas": ready}
+        return _error(503, "shutting_down", health)
+    if health["ready_replicas"] < 1:
+        code = "failed" if health.get("fatal") else "not_ready"
+        return _error(503, code, health)
+    return {"status": "ready", **health}
 
 
 @health_router.get("/metrics", response_class=PlainTextResponse)
@@ -273,7 +300,7 @@ async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
 async def reload(body: ReloadRequest, request: Request) -> Any:
     """Load another checkpoint into fresh gangs, switch traffic to them, drain the old ones."""
     from serving.app import load_generation
-    from serving.replicas import ReloadError
+    from serving.replicas import ReloadError, ReloadInProgress
 
     state = request.app.state
     _supervisor(request)
@@ -283,8 +310,18 @@ async def reload(body: ReloadRequest, request: Request) -> Any:
         model = await asyncio.to_thread(
             load_generation, state.settings, body.model, generation=current.generation + 1
         )
-    except (ValueError, OSError) as err:
-        return _error(422, "invalid_model", f"{body.model!r}: {err}")
+    except (ModelConfigError, CheckpointError, OSError) as err:
+        # one answer whatever the reason (missing, a directory without a model, unreadable weights):
+        # the reply must not map the server's file system; the log has the reason
+        logger.warning("reload to %r refused: %s", body.model, err)
+        return _error(
+            422,
+            "invalid_model",
+            f"{body.model!r} is not a loadable model (a registry name, or a model directory with "
+            "config.json and weights the server can read); the server log has the reason",
+        )
+    except ValueError as err:  # the model loads but does not fit the settings (numbers, no paths)
+        return _error(422, "invalid_model", f"{body.model!r}: {one_line(err)}")
     if model.tokenizer.get_vocab() != current.tokenizer.get_vocab():
         return _error(
             409,
@@ -293,6 +330,9 @@ async def reload(body: ReloadRequest, request: Request) -> Any:
         )
     try:
         await manager.reload(model)
+    except ReloadInProgress as err:
+        return _error(409, "reload_in_progress", str(err))
     except ReloadError as err:
-        return _error(422, "reload_failed", str(err))
+        logger.error("reload to %r failed: %s", body.model, err)
+        return _error(422, "reload_failed", one_line(err))
     return {"model": model.source.name, "generation": model.generation, "replicas": manager.describe()}

@@ -22,12 +22,22 @@ the scheduler holds no lock) uses it::
     # on gang death: out = sched.replica_failed(replica_id); answer 503 for out.failed
     # client gone:  sched.cancel(rid)
 
-Release rule for a bucket's candidate batch (its first live windows, FIFO, greedily up to
+Fair order (start-time fair queuing over windows): the scheduler counts dispatched windows
+(its virtual time ``V``); a request admitted at ``V`` gives its k-th window the tag ``V + k``.
+Windows go out in (tag, arrival) order, within a bucket and across buckets. Requests of one
+window each keep their arrival order (FIFO); a request of 700 windows is interleaved with later
+small ones instead of holding every replica until it is done: a small request admitted while
+it runs waits for at most about one batch of it. ``max_windows_per_request`` bounds one
+request (413 with the numbers above it). Admission can be reserved before the (slow) tokenization
+(``reserve()`` / ``submit(..., reserved=True)`` / ``unreserve()``): a full queue then answers 429
+at once, and requests being tokenized count against ``max_queue_size``.
+
+Release rule for a bucket's candidate batch (its first windows in fair order, greedily up to
 ``max_batch_size`` windows and ``max_batch_tokens`` padded tokens = size * longest window):
 ``full`` (a limit stopped it) > ``deadline`` (earliest request deadline in it is within
 ``deadline_margin_ms``) > ``timeout`` (its oldest window waited ``max_queue_delay_ms``).
-Among releasable buckets the one whose oldest window is oldest goes first (FIFO across buckets:
-a busy bucket cannot starve a quiet one).
+Among releasable buckets the one whose first window comes first in fair order goes first (a busy
+bucket cannot starve a quiet one).
 """
 
 from __future__ import annotations
@@ -48,7 +58,6 @@ RETRY_AFTER_MIN_S = 1  # Retry-After floor (integer seconds, as the HTTP header 
 RETRY_AFTER_MAX_S = 60  # Retry-After ceiling
 RATE_EWMA_TAU_S = 10.0  # time constant of the service-rate EWMA (busy seconds)
 MAX_WINDOW_ATTEMPTS = 2  # a window is dispatched at most twice: first try + one retry
-_COMPACT_MIN_DEAD = 64  # lazily deleted queue entries tolerated before a compaction
 
 AdmissionReason = Literal["accepted", "queue_full", "too_large"]
 ReleaseReason = Literal["full", "deadline", "timeout"]
@@ -66,10 +75,17 @@ class SchedulerConfig:
     max_inflight_per_replica: int = 2  # micro-batches in flight per replica
     default_deadline_s: float = 30.0  # request deadline when submit() gets none
     deadline_margin_ms: float = 50.0  # release a partial batch once a deadline is this near
+    max_windows_per_request: int = 1024  # windows one request (all its pairs) may need; beyond: 413
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("max_queue_size", "max_batch_size", "max_batch_tokens", "max_inflight_per_replica"):
+        for name in (
+            "max_queue_size",
+            "max_batch_size",
+            "max_batch_tokens",
+            "max_inflight_per_replica",
+            "max_windows_per_request",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
@@ -159,6 +175,7 @@ class _Request:
     remaining: int = 0  # windows not yet completed
     failures: dict[int, int] = field(default_factory=dict)  # window index -> failed attempts
     alive: bool = True  # False once completed / expired / cancelled / failed
+    buckets: set[int] = field(default_factory=set)  # buckets holding a lane of its queued windows
 
 
 @dataclass(eq=False)
@@ -168,6 +185,13 @@ class _Window:
     n_tokens: int
     bucket: int  # index into length_buckets
     enqueued_at: float  # first submission time (kept on retry, so retries go out first)
+    tag: int = 0  # fair-queuing start tag: the request's admission virtual time + its index
+    seq: int = 0  # admission order (ties)
+
+    @property
+    def key(self) -> tuple[int, float, int]:
+        """Fair dispatch order: tag, then arrival."""
+        return (self.tag, self.enqueued_at, self.seq)
 
 
 @dataclass(eq=False)
@@ -182,6 +206,7 @@ class _Candidate:
     windows: list[_Window]
     padded_len: int
     oldest: float
+    first: tuple[int, float, int]  # fair-order key of its first window (buckets compete on it)
     reason: ReleaseReason | None  # None: not releasable yet
     release_at: float  # when it becomes releasable by timeout or deadline
 
@@ -193,7 +218,10 @@ class Scheduler:
         self.config = config
         self._delay_s = config.max_queue_delay_ms / 1000.0
         self._margin_s = config.deadline_margin_ms / 1000.0
-        self._buckets: list[deque[_Window]] = [deque() for _ in config.length_buckets]
+        # per bucket: request id -> its queued windows there (a "lane", in tag order)
+        self._buckets: list[dict[str, deque[_Window]]] = [{} for _ in config.length_buckets]
+        self._vtime = 0  # virtual time: windows dispatched so far (fair-queuing tags start here)
+        self._reserved = 0  # admissions reserved before tokenization (count as queued requests)
         self._requests: dict[str, _Request] = {}  # live requests (queued or in flight)
         self._deadlines: list[tuple[float, int, _Request]] = []  # heap; lazily deleted
         self._seq = itertools.count()
@@ -203,7 +231,6 @@ class Scheduler:
         self._expired_outbox: list[str] = []
         self._queued_requests = 0
         self._queued_windows = 0
-        self._dead_entries = 0  # bucket entries of dead requests not yet removed
         # service rate: ratio of decayed completed windows to decayed busy seconds
         self._rate_windows = 0.0
         self._rate_seconds = 0.0
@@ -216,6 +243,37 @@ class Scheduler:
         self._completed = self._expired = self._cancelled = self._failed = self._retried = 0
 
     # ------------------------------------------------------------------ admission
+    def reserve(self) -> Admission:
+        """Hold a queue place for a request about to be tokenized (429 at once when full).
+
+        Follow with ``submit(..., reserved=True)`` (which uses the place) or ``unreserve()``.
+        """
+        if self._queued_requests + self._reserved >= self.config.max_queue_size:
+            return self._queue_full()
+        self._reserved += 1
+        return Admission(accepted=True, reason="accepted")
+
+    def unreserve(self) -> None:
+        """Give back a place taken by ``reserve()`` (tokenization failed, client gone)."""
+        if self._reserved <= 0:
+            raise ValueError("unreserve() without a reserve()")
+        self._reserved -= 1
+
+    def _queue_full(self) -> Admission:
+        cfg = self.config
+        self._rejected["queue_full"] += 1
+        retry_after = self._retry_after_s()
+        pending = f" + {self._reserved} being tokenized" if self._reserved else ""
+        return Admission(
+            accepted=False,
+            reason="queue_full",
+            retry_after_s=retry_after,
+            detail=(
+                f"{self._queued_requests} requests ({self._queued_windows} windows) queued{pending}, "
+                f"max_queue_size={cfg.max_queue_size}; retry in {retry_after} s"
+            ),
+        )
+
     def submit(
         self,
         request_id: str,
@@ -223,12 +281,16 @@ class Scheduler:
         *,
         now: float,
         deadline: float | None = None,
+        reserved: bool = False,
     ) -> Admission:
         """Queue a request's windows, or reject it (too_large before queue_full).
 
         ``deadline`` is absolute (same clock as ``now``); default ``now + default_deadline_s``.
+        ``reserved``: a place was taken by ``reserve()``; it is used (or, on rejection, given back).
         Raises ValueError for caller bugs: no windows, a window < 1 token, a duplicate live id.
         """
+        if reserved:
+            self.unreserve()  # the place becomes this request's queue entry (or is freed)
         cfg = self.config
         if not windows_token_counts:
             raise ValueError(f"request {request_id!r} has no windows")
@@ -247,23 +309,41 @@ class Scheduler:
                     f"{cfg.length_buckets[-1]} (max_batch_tokens={cfg.max_batch_tokens})"
                 ),
             )
-        if self._queued_requests >= cfg.max_queue_size:
-            self._rejected["queue_full"] += 1
-            retry_after = self._retry_after_s()
+        if len(windows_token_counts) > cfg.max_windows_per_request:
+            self._rejected["too_large"] += 1
             return Admission(
                 accepted=False,
-                reason="queue_full",
-                retry_after_s=retry_after,
+                reason="too_large",
                 detail=(
-                    f"{self._queued_requests} requests ({self._queued_windows} windows) queued, "
-                    f"max_queue_size={cfg.max_queue_size}; retry in {retry_after} s"
+                    f"the request needs {len(windows_token_counts)} windows, "
+                    f"max_windows_per_request={cfg.max_windows_per_request}: send shorter contexts or "
+                    "fewer items per call"
                 ),
             )
+        if self._queued_requests + self._reserved >= cfg.max_queue_size:
+            return self._queue_full()
         deadline = now + cfg.default_deadline_s if deadline is None else deadline
+        rate = self.service_rate()
+        if rate and len(windows_token_counts) > 1 and len(windows_token_counts) / rate > deadline - now:
+            # it could not finish in time even with the replicas to itself: refuse now rather than
+            # compute part of it and answer 504 (wasted work)
+            self._rejected["too_large"] += 1
+            return Admission(
+                accepted=False,
+                reason="too_large",
+                detail=(
+                    f"the request needs {len(windows_token_counts)} windows: about "
+                    f"{len(windows_token_counts) / rate:.1f} s at the measured {rate:.1f} windows/s, more "
+                    f"than its deadline of {max(0.0, deadline - now):.1f} s; send less text or a longer timeout_s"
+                ),
+            )
         req = _Request(request_id, len(windows_token_counts), deadline, remaining=len(windows_token_counts))
+        seq = next(self._seq)
         for index, n_tokens in enumerate(windows_token_counts):
             bucket = bisect.bisect_left(cfg.length_buckets, n_tokens)
-            self._buckets[bucket].append(_Window(req, index, n_tokens, bucket, now))
+            w = _Window(req, index, n_tokens, bucket, now, tag=self._vtime + index, seq=seq)
+            self._buckets[bucket].setdefault(request_id, deque()).append(w)
+            req.buckets.add(bucket)
         self._requests[request_id] = req
         req.queued = req.n_windows
         self._queued_requests += 1
@@ -325,18 +405,16 @@ class Scheduler:
                 self._expired_outbox.append(req.request_id)
 
     def _drop(self, req: _Request) -> None:
-        """Forget a request; its queue entries become dead (lazy deletion) and are compacted."""
+        """Forget a request and remove its queued windows (its lanes) from every bucket."""
         req.alive = False
         del self._requests[req.request_id]
+        for b in req.buckets:
+            self._buckets[b].pop(req.request_id, None)
+        req.buckets.clear()
         if req.queued:
             self._queued_requests -= 1
             self._queued_windows -= req.queued
-            self._dead_entries += req.queued
             req.queued = 0
-        if self._dead_entries > max(_COMPACT_MIN_DEAD, self._queued_windows):
-            for i, dq in enumerate(self._buckets):
-                self._buckets[i] = deque(w for w in dq if w.req.alive)
-            self._dead_entries = 0
 
     # ------------------------------------------------------------------ dispatch
     def next_batch(self, now: float, replicas: Sequence[ReplicaView]) -> Dispatch | None:
@@ -352,23 +430,24 @@ class Scheduler:
         best: _Candidate | None = None
         for b in range(len(self._buckets)):
             cand = self._candidate(b, now)
-            if cand is not None and cand.reason is not None and (best is None or cand.oldest < best.oldest):
+            if cand is not None and cand.reason is not None and (best is None or cand.first < best.first):
                 best = cand
         if best is None or best.reason is None:
             return None
-        # pop the candidate's windows: the first len(windows) live entries of the bucket
-        dq = self._buckets[best.bucket]
-        need = len(best.windows)
-        while need:
-            w = dq.popleft()
-            if w.req.alive:
-                need -= 1
-                w.req.queued -= 1
-                if w.req.queued == 0:
-                    self._queued_requests -= 1
-            else:
-                self._dead_entries -= 1
+        # pop the candidate's windows: each is at the front of its request's lane
+        lanes = self._buckets[best.bucket]
+        for w in best.windows:
+            lane = lanes[w.req.request_id]
+            assert lane[0] is w, "candidate windows must be lane prefixes"
+            lane.popleft()
+            if not lane:
+                del lanes[w.req.request_id]
+                w.req.buckets.discard(best.bucket)
+            w.req.queued -= 1
+            if w.req.queued == 0:
+                self._queued_requests -= 1
         self._queued_windows -= len(best.windows)
+        self._vtime = max(self._vtime, max(w.tag for w in best.windows) + 1)
 
         batch_id = next(self._batch_ids)
         if not self._inflight:
@@ -428,20 +507,20 @@ class Scheduler:
         return best
 
     def _candidate(self, b: int, now: float) -> _Candidate | None:
-        """The batch bucket b would release now (FIFO, greedy under both limits), and when."""
+        """The batch bucket b would release now (fair order, greedy under both limits), and when."""
         cfg = self.config
-        dq = self._buckets[b]
-        while dq and not dq[0].req.alive:
-            dq.popleft()
-            self._dead_entries -= 1
-        if not dq:
+        lanes = self._buckets[b]
+        if not lanes:
             return None
+        ordered = (
+            iter(next(iter(lanes.values())))
+            if len(lanes) == 1
+            else heapq.merge(*lanes.values(), key=lambda w: w.key)
+        )
         taken: list[_Window] = []
         longest = 0
         full = False
-        for w in dq:
-            if not w.req.alive:
-                continue
+        for w in ordered:
             grown = max(longest, w.n_tokens)
             if (len(taken) + 1) * grown > cfg.max_batch_tokens:
                 full = True
@@ -461,7 +540,7 @@ class Scheduler:
             reason = "deadline"
         elif now >= timeout_at:
             reason = "timeout"
-        return _Candidate(b, taken, longest, oldest, reason, min(deadline_at, timeout_at))
+        return _Candidate(b, taken, longest, oldest, taken[0].key, reason, min(deadline_at, timeout_at))
 
     # ------------------------------------------------------------------ results
     def batch_done(self, batch_id: int, *, now: float, ok: bool) -> Outcome:
@@ -517,8 +596,9 @@ class Scheduler:
             else:
                 retry.append(w)
         retry = [w for w in retry if w.req.alive]  # a sibling window may have failed the request
-        for w in reversed(retry):  # appendleft in reverse keeps their order at the front
-            self._buckets[w.bucket].appendleft(w)
+        for w in sorted(retry, key=lambda w: w.key, reverse=True):  # their lanes' fronts, in tag order
+            self._buckets[w.bucket].setdefault(w.req.request_id, deque()).appendleft(w)
+            w.req.buckets.add(w.bucket)
             req = w.req
             req.queued += 1
             if req.queued == 1:

@@ -36,8 +36,10 @@ class QAItem(BaseModel):
 
     model_config = _STRICT
 
-    question: str = Field(description="the question (non-empty)")
-    context: str = Field(description="the text to find the answer in (non-empty)")
+    question: str = Field(min_length=1, description="the question (non-empty, not only whitespace)")
+    context: str = Field(
+        min_length=1, description="the text to find the answer in (non-empty, not only whitespace)"
+    )
     top_k: int = Field(1, ge=TOP_K_RANGE[0], le=TOP_K_RANGE[1], description="answers to return, best first")
     max_answer_length: int = Field(
         30,

@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
+import time
 import types
 import typing
 from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
+
+from serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +74,39 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return ServeSettings(**given)
 
 
+def settings_error_line(err: ValidationError) -> str:
+    """A pydantic ValidationError of ServeSettings as one line naming the flags: ``--pp: ...``."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()))
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        if loc:
+            value = e.get("input")
+            shown = (
+                f" (got {value!r})" if isinstance(value, int | float | str) and len(repr(value)) < 60 else ""
+            )
+            parts.append(f"--{loc.replace('_', '-')}: {msg}{shown}")
+        else:
+            parts.append(msg)
+    return "invalid serve settings: " + "; ".join(parts)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from models.registry import resolve_model
-    from serving.app import build_app
+    from models.hf_weights import CheckpointError
+    from serving.app import build_app, device_pool, load_generation
 
     try:
         settings = settings_from_args(args)
     except ValidationError as err:
-        print(f"error: invalid serve settings:\n{err}", file=sys.stderr)
+        print(f"error: {settings_error_line(err)}", file=sys.stderr)
         return 2
-    resolve_model(settings.model)  # fail fast on an unknown model (ModelConfigError -> exit 2)
-    app = build_app(settings)
+    try:  # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits
+        model = load_generation(settings, settings.model, generation=0)
+        device_pool(settings)
+    except (ValueError, OSError, CheckpointError) as err:
+        print(f"error: {one_line(err, scrub=False)}", file=sys.stderr)
+        return 2
+    app = build_app(settings, model=model)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -91,10 +117,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(config, app)
     server.run()
+    if server.fatal_error is not None:
+        print(f"error: {server.fatal_error}", file=sys.stderr)
+        return 1
     if not server.started:
         logger.error("the server did not start (see the errors above)")
         return 1
     return 0
+
+
+def startup_line(settings: Any, model: Any, url: str) -> str:
+    """``shardserve: serving MODEL at URL (precision ..., plan ..., replicas ...)``."""
+    plan = model.plan()
+    stages = ", ".join(f"stage {st.index}: layers {st.layer_start}-{st.layer_end - 1}" for st in plan.stages)
+    precision = getattr(model, "dtype", None) or getattr(settings, "dtype", None) or "float32"
+    lo, hi = settings.replica_bounds
+    replicas = str(lo) if lo == hi else f"{lo}..{hi} (autoscaling)"
+    return (
+        f"shardserve: serving {model.source.name} at {url} (precision {precision}, plan pp={plan.dims.pp} "
+        f"tp={plan.dims.tp} [{stages}], replicas {replicas}, device {settings.device})"
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -104,6 +146,44 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: Any) -> None:
         super().__init__(config)
         self._app = app
+        self.url: str | None = None
+        self.fatal_error: str | None = None
+        self._announced_ready = False
+        self._t0 = time.monotonic()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start as uvicorn does, then print the URL actually bound (``--port 0``: the real port)."""
+        await super().startup(sockets=sockets)
+        if not self.started or self.should_exit:
+            return
+        host, port = self.config.host, self.config.port
+        for server in getattr(self, "servers", []):
+            for sock in getattr(server, "sockets", None) or []:
+                name = sock.getsockname()
+                if isinstance(name, tuple):
+                    host, port = name[0], name[1]
+                    break
+        shown = f"[{host}]" if ":" in str(host) else host
+        self.url = f"http://{shown}:{port}"
+        state = self._app.state
+        print(startup_line(state.settings, state.manager.model, self.url), flush=True)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's 0.1 s tick: print "ready" once, and stop when the first gang cannot start."""
+        manager = getattr(self._app.state, "manager", None)
+        if manager is not None and not self.should_exit:
+            if manager.fatal_error is not None and self.fatal_error is None:
+                self.fatal_error = manager.fatal_error
+                self._app.state.shutting_down = True
+                self.should_exit = True
+            elif not self._announced_ready and manager.ready > 0:
+                self._announced_ready = True
+                print(
+                    f"shardserve: ready at {self.url} ({manager.ready} replica gang(s) ready, "
+                    f"{time.monotonic() - self._t0:.1f} s after start)",
+                    flush=True,
+                )
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         state = self._app.state

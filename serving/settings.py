@@ -12,13 +12,33 @@ the environment, the environment over the default. The field descriptions below 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from partitioner.precision import DTYPE_CHOICES
 from serving.autoscaler import AutoscalingConfig
 from serving.scheduler import SchedulerConfig
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_replicas(*, device: str, world_size: int) -> int:
+    """Replica gangs that use the machine with one core (or one GPU) per rank, at least one."""
+    if device == "cuda":
+        import torch
+
+        return max(1, torch.cuda.device_count() // world_size)
+    return max(1, available_cores() // world_size)
 
 
 class ServeSettings(BaseSettings):
@@ -38,11 +58,24 @@ class ServeSettings(BaseSettings):
     )
     pp: int = Field(1, ge=1, description="pipeline-parallel stages per replica gang")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage")
-    threads_per_rank: int = Field(1, ge=1, description="torch intra-op threads of each worker rank")
+    threads_per_rank: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of each worker rank (default: the cores divided among the "
+        "ranks of all replicas, at least 1)",
+    )
+    dtype: str = Field(
+        "auto",
+        description="compute dtype of the ranks: auto (bfloat16 on GPUs and on CPUs with bf16 units, "
+        "AMX or AVX512-BF16; else float32), float32, bfloat16, float16 (span logits stay float32)",
+    )
 
     # ---- replicas, device pool, autoscaling (Ray Serve names)
     replicas: int | None = Field(
-        None, ge=1, description="fixed number of replica gangs (sets min and max replicas; default 1)"
+        None,
+        ge=1,
+        description="fixed number of replica gangs (sets min and max replicas; default: one gang per "
+        "pp*tp cores on cpu, per pp*tp GPUs on cuda, when no replica or thread flag is given)",
     )
     min_replicas: int | None = Field(None, ge=1, description="autoscaling lower bound (default 1)")
     max_replicas: int | None = Field(None, ge=1, description="autoscaling upper bound (default min)")
@@ -99,17 +132,50 @@ class ServeSettings(BaseSettings):
     max_context_chars: int = Field(100_000, ge=1, description="longest context (characters); beyond: 422")
     max_question_chars: int = Field(2_000, ge=1, description="longest question (characters); beyond: 422")
     max_batch_items: int = Field(64, ge=1, description="pairs per /v1/qa/batch call; beyond: 422")
+    max_windows_per_request: int = Field(
+        128,
+        ge=1,
+        description="windows (max_seq_len token pieces of the contexts) one call may need, all its items "
+        "together; beyond: 413 with the numbers (the default fits one longest context)",
+    )
 
     # ---- lifecycle, health
     admin_token: str | None = Field(
         None, description="bearer token of the /admin endpoints (unset: admin endpoints answer 401)"
     )
+    admin_token_file: str | None = Field(
+        None,
+        description="read the admin bearer token from this file (first line; keeps it out of `ps`); "
+        "not together with admin_token",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM / scale-down: wait this long for work")
-    stall_timeout_s: float = Field(
-        30.0, gt=0, description="a replica with work in flight and no progress this long is failed"
+    stall_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="a replica with work in flight and no progress this long is failed and its work "
+        "retried on another (it leaves readiness after half of it); must be below request_timeout_s "
+        "(default: a third of request_timeout_s)",
     )
     gang_start_timeout_s: float = Field(300.0, gt=0, description="a gang not ready after this is failed")
     restart_backoff_s: float = Field(1.0, ge=0, description="pause before restarting a failed gang")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_admin_token_file(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("admin_token_file"):
+            return data
+        if data.get("admin_token"):
+            raise ValueError("give admin_token or admin_token_file, not both")
+        path = Path(str(data["admin_token_file"])).expanduser()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise ValueError(f"admin_token_file {str(path)!r} cannot be read: {reason}") from None
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ValueError(f"admin_token_file {str(path)!r} is empty")
+        return {**data, "admin_token": token}
 
     @model_validator(mode="before")
     @classmethod
@@ -140,12 +206,19 @@ class ServeSettings(BaseSettings):
                 f"doc_stride={self.doc_stride} + max_question_len={self.max_question_len} leaves no room in "
                 f"max_seq_len={self.max_seq_len}"
             )
+        if self.stall_timeout_s is not None and self.stall_timeout_s >= self.request_timeout_s:
+            problems.append(
+                f"stall_timeout_s={self.stall_timeout_s} must be below request_timeout_s="
+                f"{self.request_timeout_s}: a stalled replica's requests must be retried before their deadline"
+            )
         if self.request_timeout_s > self.max_request_timeout_s:
             problems.append(
                 f"request_timeout_s={self.request_timeout_s} > max_request_timeout_s={self.max_request_timeout_s}"
             )
         if self.device not in ("cpu", "cuda"):
             problems.append(f"device={self.device!r} must be cpu or cuda")
+        if self.dtype not in DTYPE_CHOICES:
+            problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
         if problems:
             raise ValueError("invalid settings: " + "; ".join(problems))
         self.scheduler_config()  # raises with the numbers
@@ -157,13 +230,35 @@ class ServeSettings(BaseSettings):
         return self.pp * self.tp
 
     @property
+    def auto_sized(self) -> bool:
+        """No replica or thread flag given: size replicas x threads to the machine."""
+        return (
+            self.replicas is None
+            and self.min_replicas is None
+            and self.max_replicas is None
+            and self.threads_per_rank is None
+        )
+
+    @property
     def replica_bounds(self) -> tuple[int, int]:
         """(min_replicas, max_replicas) after applying ``replicas`` and the defaults."""
         if self.replicas is not None:
             return self.replicas, self.replicas
+        if self.auto_sized:
+            n = auto_replicas(device=self.device, world_size=self.world_size)
+            return n, n
         lo = self.min_replicas if self.min_replicas is not None else 1
         hi = self.max_replicas if self.max_replicas is not None else max(lo, 1)
         return lo, hi
+
+    @property
+    def rank_threads(self) -> int:
+        """Threads per rank: as given, else the cores shared by the ranks of the largest fleet."""
+        if self.threads_per_rank is not None:
+            return self.threads_per_rank
+        if self.device == "cuda":
+            return 1
+        return max(1, available_cores() // (self.world_size * self.replica_bounds[1]))
 
     @property
     def autoscaling(self) -> bool:
@@ -190,7 +285,13 @@ class ServeSettings(BaseSettings):
             length_buckets=tuple(self.length_buckets),
             max_inflight_per_replica=self.inflight_per_replica,
             default_deadline_s=self.request_timeout_s,
+            max_windows_per_request=self.max_windows_per_request,
         )
+
+    @property
+    def stall_after_s(self) -> float:
+        """The stall timeout in effect (``stall_timeout_s``, else a third of the request deadline)."""
+        return self.stall_timeout_s if self.stall_timeout_s is not None else self.request_timeout_s / 3
 
     def autoscaling_config(self) -> AutoscalingConfig:
         lo, hi = self.replica_bounds

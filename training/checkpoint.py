@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -115,7 +116,15 @@ def read_state(ckpt: Path) -> dict[str, Any]:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Atomically replace ``final`` by ``tmp`` (rename; an older ``final`` is moved aside first)."""
+    """Atomically replace ``final`` by ``tmp`` (rename; an older ``final`` is moved aside first).
+
+    Files get the modes of ordinary files first (0644 / directories 0755 under the usual umask 022):
+    safetensors writes 0600, and a checkpoint mounted into the container (user 10001) must be readable.
+    """
+    file_mode, dir_mode = 0o666 & ~_umask(), 0o777 & ~_umask()
+    for path in [tmp, *tmp.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(dir_mode if path.is_dir() else file_mode)
     if final.exists():
         old = final.with_name(f".old-{final.name}")
         shutil.rmtree(old, ignore_errors=True)
@@ -124,6 +133,20 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
+
+
+def _umask() -> int:
+    """This process's umask (read without changing it where /proc allows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def prune_checkpoints(out_dir: Path, *, keep: int) -> None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
+from partitioner.precision import DTYPE_CHOICES, PRECISION_CHOICES, PrecisionError
 from partitioner.train_schedules import SCHEDULES
 
 logger = logging.getLogger(__name__)
@@ -61,8 +64,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "--boundaries", type=int, nargs="*", default=None, help="manual split: first layer of stages 1..pp-1"
     )
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu ranks, or one GPU per rank")
     g.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="fp32 on cpu; bf16 autocast on cuda"
+        "--precision",
+        choices=PRECISION_CHOICES,
+        default="auto",
+        help="compute precision: fp32, or bf16/fp16 autocast over fp32 master weights and optimizer "
+        "state (fp16 with dynamic loss scaling; refused on a CPU without fp16 units); auto: bf16 on "
+        "GPUs and CPUs with bf16 units (AMX / AVX512-BF16), else fp32",
     )
     g.add_argument(
         "--threads-per-rank", type=int, default=None, help="torch threads per rank (default: cores/world)"
@@ -93,6 +102,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--group-by-length", action="store_true", help="batch windows of similar length (less padding)"
     )
+    g.add_argument(
+        "--answer-occurrences",
+        choices=("first", "all"),
+        default="all",
+        help="first: learn the labelled occurrence of the answer only; all: every occurrence of the "
+        "answer text in the window (marginal likelihood; SQuAD labels one of several at random)",
+    )
     g = p.add_argument_group("parameter-efficient fine-tuning")
     g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on attention/MLP projections (0: off)")
     g.add_argument(
@@ -112,6 +128,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoint-* directories kept")
     g.add_argument("--resume", action="store_true", help="continue from the newest OUTPUT/checkpoint-*")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train from scratch into an OUTPUT that already holds a final checkpoint (replacing it)",
+    )
     g.add_argument("--log-every", type=int, default=10, help="log a line every N steps (0: never)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument(
@@ -147,6 +168,13 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--doc-stride", type=int, default=128, help="overlap between consecutive windows")
     p.add_argument("--max-question-len", type=int, default=64, help="question truncation in tokens")
     p.add_argument("--batch-size", type=int, default=32, help="windows per forward micro-batch")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="compute dtype: auto picks bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
+        "float32; logits and span decoding stay float32",
+    )
     p.add_argument("--max-answer-length", type=int, default=30, help="longest answer span in tokens")
     p.add_argument(
         "--null-threshold", type=float, default=None, help="v2.0: answer '' when null - best > this"
@@ -162,9 +190,43 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     _add_eval(sub)
 
 
+def input_file_error(path: str | None, flag: str) -> str | None:
+    """Why ``path`` (given to ``flag``) cannot be read as an input file, or None when it can."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.exists():
+        return f"{flag} {path}: no such file"
+    if not p.is_file():
+        return f"{flag} {path}: not a file"
+    if not os.access(p, os.R_OK):
+        return f"{flag} {path}: not readable"
+    return None
+
+
+def output_error(args: argparse.Namespace) -> str | None:
+    """Refuse to silently replace a finished run: OUTPUT/final exists and neither --resume nor --overwrite."""
+    final = Path(args.output) / "final"
+    if final.exists() and not (args.resume or args.overwrite):
+        return (
+            f"--output {args.output} already holds a final checkpoint ({final}); pass --resume to continue "
+            "that run, --overwrite to train from scratch and replace it, or another --output"
+        )
+    return None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from training.squad_data import SquadFormatError
     from training.trainer import TrainConfig, TrainConfigError, train
 
+    problem = (
+        input_file_error(args.train_file, "--train-file")
+        or input_file_error(args.eval_file, "--eval-file")
+        or output_error(args)
+    )
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         cfg = TrainConfig(
             model=args.model,
@@ -203,13 +265,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
             device=args.device,
+            precision=args.precision,
             threads_per_rank=args.threads_per_rank,
             log_every=args.log_every,
             group_by_length=args.group_by_length,
+            answer_occurrences=args.answer_occurrences,
             fail_at_step=args.fail_at_step,
         )
         result = train(cfg, show_progress=not args.no_progress)
-    except TrainConfigError as exc:
+    except (TrainConfigError, PrecisionError, SquadFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     last = max(result.losses) if result.losses else None
@@ -226,8 +290,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from training.evaluate import EvalConfig, evaluate_model
+    from training.evaluate import EvalConfig, EvalConfigError, evaluate_model
+    from training.squad_data import SquadFormatError
 
+    problem = input_file_error(args.data, "--data")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     cfg = EvalConfig(
         model=args.model,
         data=args.data,
@@ -242,8 +311,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         max_answer_length=args.max_answer_length,
         null_threshold=args.null_threshold,
         max_examples=args.max_examples,
+        dtype=args.dtype,
     )
-    metrics = evaluate_model(cfg)
+    try:
+        metrics = evaluate_model(cfg)
+    except (EvalConfigError, SquadFormatError, PrecisionError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(metrics, sort_keys=True))
     else:

@@ -41,6 +41,7 @@ class EvalConfig:
     null_threshold: float | None = None
     max_examples: int | None = None
     threads_per_rank: int | None = None
+    dtype: str = "auto"  # compute dtype (partitioner/precision.py); span logits and decoding stay fp32
 
     def __post_init__(self) -> None:
         if self.pp < 1 or self.tp < 1 or self.batch_size < 1:
@@ -78,6 +79,7 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
     from models.registry import resolve_model
     from partitioner.gang import Gang
     from partitioner.plan import ParallelDims, make_plan
+    from partitioner.precision import resolve_dtype
     from partitioner.worker import GangSpec
     from training.squad_data import build_eval_features, postprocess_eval_predictions, prediction_texts
     from training.squad_metrics import evaluate
@@ -104,8 +106,10 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
     full = torch.full((n, b.input_ids.shape[1], 2), -1e9)  # (N, S, 2)
     bar = tqdm(total=n, desc="eval", unit="win", disable=not show_progress, dynamic_ncols=True)
     row = 0
+    choice = resolve_dtype(cfg.dtype, "cpu")
+    logger.info("eval in %s (%s)", choice.name, choice.reason)
     if cfg.pp * cfg.tp == 1:
-        model = build_model(source)
+        model = build_model(source, dtype=choice.dtype)
         with torch.inference_mode():
             for ids, mask, types in batches:
                 logits = model(ids, mask, types)  # (b, s, 2)
@@ -116,7 +120,8 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
         dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
         plan = make_plan(source.config, dims, seq_len=cfg.max_seq_len)
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
-        with Gang(GangSpec(source, plan, threads_per_rank=threads), name="eval") as gang:
+        spec = GangSpec(source, plan, threads_per_rank=threads, dtype=choice.name)
+        with Gang(spec, name="eval") as gang:
             futures = [gang.submit(*batch) for batch in batches]
             for (ids, _, _), fut in zip(batches, futures, strict=True):
                 logits = fut.result()  # (b, s, 2)

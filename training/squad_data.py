@@ -305,6 +305,10 @@ class TrainFeatures:
     example_index: torch.Tensor  # (n_features,) int64, index into the `examples` given
     example_ids: list[str]  # (n_features,) SQuAD id of each feature's example
     windows: list[QAWindow]  # (n_features,) the unpadded windows (offsets for checks/debugging)
+    # (n_features, K) int64: every occurrence of the answer text inside the window (the labelled
+    # one first when inside), -1 padded; (0, 0) alone when none is inside. For the marginal loss.
+    start_candidates: torch.Tensor | None = None
+    end_candidates: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -326,6 +330,23 @@ def _answer_char_span(example: SquadExample) -> tuple[int, int] | None:
     text, start = example.answers[0]
     lead = len(text) - len(text.lstrip())
     return start + lead, start + len(text.rstrip())
+
+
+def _occurrence_spans(example: SquadExample) -> list[tuple[int, int]]:
+    """``[start, end)`` of every occurrence of the first answer's (trimmed) text in the context,
+    the annotated one first. SQuAD labels one occurrence; where the text repeats, the annotation
+    may be arbitrary (the shared training file marks the first), so training can learn from all."""
+    span = _answer_char_span(example)
+    if span is None:
+        return []
+    text = example.context[span[0] : span[1]]
+    spans = [span]
+    pos = example.context.find(text)
+    while pos >= 0:
+        if pos != span[0]:
+            spans.append((pos, pos + len(text)))
+        pos = example.context.find(text, pos + 1)
+    return spans
 
 
 def label_window(window: QAWindow, char_span: tuple[int, int] | None) -> tuple[int, int]:
@@ -363,6 +384,17 @@ def build_train_features(
     )
     spans = [_answer_char_span(ex) for ex in examples]
     labels = [label_window(w, spans[w.example_index]) for w in encoded.windows]
+    occurrences = [_occurrence_spans(ex) for ex in examples]
+    candidates = []
+    for w, label in zip(encoded.windows, labels, strict=True):
+        found = [label] if label != (0, 0) else []
+        for span in occurrences[w.example_index][1:]:
+            other = label_window(w, span)
+            if other != (0, 0) and other not in found:
+                found.append(other)
+        candidates.append(found or [(0, 0)])
+    k = max(len(c) for c in candidates)
+    padded = [c + [(-1, -1)] * (k - len(c)) for c in candidates]
     batch = encoded.pad(pad_to_multiple_of=pad_to_multiple_of)
     n_labelled = sum(s > 0 for s, _ in labels)
     logger.info(
@@ -381,6 +413,8 @@ def build_train_features(
         example_index=batch.example_index,
         example_ids=[examples[w.example_index].id for w in encoded.windows],
         windows=encoded.windows,
+        start_candidates=torch.tensor([[s for s, _ in c] for c in padded], dtype=torch.long),  # (n, K)
+        end_candidates=torch.tensor([[e for _, e in c] for c in padded], dtype=torch.long),
     )
 
 

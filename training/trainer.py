@@ -16,7 +16,9 @@ optionally adds LoRA / freezes layers (``partitioner/lora.py``), and then per op
 Dropout is reseeded from (seed, step, stage) at every step, identically on the tp ranks of a stage
 (their replicated activations must see the same masks), so a run is reproducible and a resumed run
 continues exactly. Parity with single-process training holds at dropout 0 (different layouts draw
-dropout masks differently). fp32 on CPU; bf16 autocast on CUDA.
+dropout masks differently). Precision (``--precision``): fp32, or bf16/fp16 autocast over fp32 master weights and fp32
+AdamW state (``partitioner/precision.py``; fp16 with dynamic loss scaling); ``auto`` picks bf16
+where the device has bf16 units.
 
 Checkpoints (``training/checkpoint.py``) are written by the ranks every ``save_every`` steps and
 at the end (``OUT/final``). The driver shows a tqdm bar (step, loss, examples/s) and logs periodic
@@ -54,14 +56,19 @@ from partitioner.gang import Gang
 from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft, merged_state_dict
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
+from partitioner.precision import DTYPES, PRECISION_CHOICES, DynamicLossScale, autocast_for, resolve_dtype
 from partitioner.stages import build_stage
 from partitioner.train_schedules import SCHEDULES, StageExecutor, run_forward_only, run_schedule
 from partitioner.worker import GangSpec, RankContext
 from training import checkpoint as ckpt
+from training.curve import Curve
 
 logger = logging.getLogger(__name__)
 
 MASK_FILL = -1e9  # logit given to padding positions before the span cross-entropy
+ANSWER_OCCURRENCES: tuple[str, ...] = ("first", "all")
+FEATURE_CHUNK = 2048  # questions tokenized at a time when building the feature file
+FEATURES_FORMAT = 2  # bump when the feature file's tensors change (part of the cache key)
 
 
 class TrainConfigError(ValueError):
@@ -109,9 +116,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = False
     device: str = "cpu"
+    precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 where the device has bf16 units)
     threads_per_rank: int | None = None
     log_every: int = 10
     group_by_length: bool = False  # batches of similar-length windows (less padding)
+    answer_occurrences: str = "all"  # "first": the labelled occurrence only; "all": every occurrence
     fail_at_step: int | None = None  # testing: the last rank exits hard when it reaches this step
 
     def __post_init__(self) -> None:
@@ -157,6 +166,10 @@ class TrainConfig:
             )
         if self.device not in ("cpu", "cuda"):
             bad(f"device={self.device!r} must be 'cpu' or 'cuda'")
+        if self.answer_occurrences not in ANSWER_OCCURRENCES:
+            bad(f"answer_occurrences={self.answer_occurrences!r} unknown; choose from {ANSWER_OCCURRENCES}")
+        if self.precision not in PRECISION_CHOICES:
+            bad(f"precision={self.precision!r} unknown; choose from {PRECISION_CHOICES}")
 
     @property
     def n_micro(self) -> int:
@@ -181,6 +194,8 @@ class RunInfo:
     data_sha256: str
     base_model: str  # the model's checkpoint dir (config.json for the HF output)
     tokenizer_dir: str
+    compute_dtype: str = "float32"  # autocast dtype ("float32": none); master weights stay fp32
+    loss_scale: float = 1.0  # fp16: the dynamic loss scale to start from (resumed runs continue it)
 
 
 @dataclass
@@ -201,17 +216,29 @@ class TrainResult:
 # ------------------------------------------------------------------------------------------------
 
 
+def _span_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (B, S) logits against (B,) positions, or the marginal
+    ``-log sum_k p(target_k)`` against (B, K) candidate positions padded with -1."""
+    if targets.dim() == 1:
+        return F.cross_entropy(logits, targets)
+    logp = logits.log_softmax(dim=-1)  # (B, S)
+    picked = logp.gather(1, targets.clamp(min=0)).masked_fill(targets.lt(0), -math.inf)  # (B, K)
+    return -picked.logsumexp(dim=-1).mean()
+
+
 def span_loss(
     logits: torch.Tensor, attention_mask: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
 ) -> torch.Tensor:
     """(CE(start) + CE(end)) / 2, mean over the micro-batch; padding positions are masked out.
 
-    logits: (B, S, 2) float; attention_mask: (B, S); starts/ends: (B,) token positions (0 = CLS).
+    logits: (B, S, 2) float; attention_mask: (B, S); starts/ends: (B,) token positions (0 = CLS),
+    or (B, K) candidate positions (-1 padded): every occurrence of the answer text in the window,
+    scored by the probability the model gives to any of them (Clark & Gardner, 2018).
     """
     pad = attention_mask.eq(0)  # (B, S)
     start_logits = logits[..., 0].masked_fill(pad, MASK_FILL)  # (B, S)
     end_logits = logits[..., 1].masked_fill(pad, MASK_FILL)
-    return (F.cross_entropy(start_logits, starts) + F.cross_entropy(end_logits, ends)) / 2
+    return (_span_ce(start_logits, starts) + _span_ce(end_logits, ends)) / 2
 
 
 def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int) -> float:
@@ -378,7 +405,15 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
             Path(run.resume_from) / "training_state" / f"rank{ctx.rank}.safetensors", stage, opt
         )
     want = ("attention_mask",) + (("input_ids", "token_type_ids") if ctx.is_first else ())
-    want += ("start_positions", "end_positions") if ctx.is_last else ()
+    labels = (
+        ("start_candidates", "end_candidates")
+        if cfg.answer_occurrences == "all"
+        else (
+            "start_positions",
+            "end_positions",
+        )
+    )
+    want += labels if ctx.is_last else ()
     data = _Features(run.features, "train", want)
     lengths = data.t["attention_mask"].sum(dim=1) if cfg.group_by_length else None  # (n_train,)
     eval_data = (
@@ -387,11 +422,9 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
         else None
     )
     comm = P2PCommunicator(device=ctx.device, backend=ctx.backend) if pp > 1 else None
-    autocast = (
-        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-        if ctx.device.type == "cuda"
-        else contextlib.nullcontext
-    )
+    autocast = autocast_for(ctx.device, DTYPES[run.compute_dtype])
+    # fp16 needs loss scaling (its range underflows small gradients); fp32/bf16 train unscaled.
+    scaler = DynamicLossScale(scale=run.loss_scale) if run.compute_dtype == "float16" else None
     backward_needed = any(stage_trains(plan, cfg, s) for s in range(ctx.stage + 1))
     send_input_grad = not ctx.is_first and any(stage_trains(plan, cfg, s) for s in range(ctx.stage))
     ready(
@@ -415,15 +448,16 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
             ids, types, mask = trim(
                 data.t["input_ids"][rows], data.t["token_type_ids"][rows], mask, mask=mask
             )
-            return ids.to(dev), mask.to(dev), types.to(dev)
+            return ids.long().to(dev), mask.long().to(dev), types.long().to(dev)
 
         def compute_loss(
             mb: int, logits: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor = idx
         ) -> torch.Tensor:
             rows = idx[mb * micro : (mb + 1) * micro]
-            starts = data.t["start_positions"][rows].to(dev)  # (b,)
-            ends = data.t["end_positions"][rows].to(dev)
-            return span_loss(logits, mask, starts, ends) / cfg.n_micro
+            starts = data.t[labels[0]][rows].long().to(dev)  # (b,) or (b, K)
+            ends = data.t[labels[1]][rows].long().to(dev)
+            scale = scaler.scale if scaler is not None else 1.0
+            return span_loss(logits, mask, starts, ends) * (scale / cfg.n_micro)
 
         ex = StageExecutor(
             module=stage,
@@ -441,14 +475,20 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         run_schedule(ex, cfg.schedule, cfg.n_micro, num_stages=pp, stage=ctx.stage)
+        loss_scale = scaler.scale if scaler is not None else 1.0
+        if scaler is not None:
+            for p in trainable:
+                if p.grad is not None:
+                    p.grad.div_(loss_scale)
         norm = _global_grad_norm(stage, ctx, world)
-        if cfg.max_grad_norm > 0:
+        apply = scaler.update(float(norm)) if scaler is not None else True  # same on every rank
+        if cfg.max_grad_norm > 0 and apply:
             coef = cfg.max_grad_norm / (float(norm) + 1e-6)
             if coef < 1.0:
                 for p in trainable:
                     if p.grad is not None:
                         p.grad.mul_(coef)
-        if opt is not None:
+        if opt is not None and apply:
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.step()
@@ -461,7 +501,7 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
                     ctx.rank,
                     {
                         "step": done,
-                        "loss": sum(ex.losses),
+                        "loss": sum(ex.losses) / loss_scale,
                         "lr": lr,
                         "grad_norm": float(norm),
                         "examples": len(idx),
@@ -472,7 +512,7 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
         if run.n_eval and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
             _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, ctrl, autocast)
         if (cfg.save_every and done % cfg.save_every == 0) or final:
-            _save(ctx, stage, opt, names, cfg, run, done, final=final)
+            _save(ctx, stage, opt, names, cfg, run, done, final=final, scaler=scaler)
             if ctx.rank == 0:
                 ctrl.put(("checkpoint", ctx.rank, {"step": done, "final": final}))
     if comm is not None:
@@ -504,7 +544,7 @@ def _evaluate_in_gang(
         ids, types, mask = trim(
             eval_data.t["input_ids"][sl], eval_data.t["token_type_ids"][sl], mask, mask=mask
         )
-        return ids.to(ctx.device), mask.to(ctx.device), types.to(ctx.device)
+        return ids.long().to(ctx.device), mask.long().to(ctx.device), types.long().to(ctx.device)
 
     def on_logits(mb: int, logits: torch.Tensor) -> None:
         out = torch.full((logits.shape[0], full_len, 2), MASK_FILL)  # (b, S_full, 2)
@@ -538,6 +578,7 @@ def _save(
     step: int,
     *,
     final: bool,
+    scaler: DynamicLossScale | None = None,
 ) -> None:
     """Write this rank's shards into the temporary directory; rank 0 assembles and publishes."""
     out = Path(cfg.output)
@@ -599,6 +640,8 @@ def _save(
             "pp": cfg.pp,
             "tp": cfg.tp,
             "schedule": cfg.schedule,
+            "compute_dtype": run.compute_dtype,
+            "loss_scale": scaler.scale if scaler is not None else 1.0,
             "lora_rank": cfg.lora_rank,
             "freeze_layers": cfg.freeze_layers,
             "data_sha256": run.data_sha256,
@@ -635,11 +678,11 @@ class PreparedData:
     data_sha256: str
 
 
-def prepare_data(cfg: TrainConfig, source: ModelSource) -> PreparedData:
+def prepare_data(cfg: TrainConfig, source: ModelSource, *, show_progress: bool = False) -> PreparedData:
     """Tokenize train (and eval) examples once into ``OUT/.cache/features-*.safetensors``."""
     from transformers import AutoTokenizer
 
-    from training.squad_data import build_eval_features, build_train_features, load_squad, split_by_article
+    from training.squad_data import build_eval_features, load_squad, split_by_article
 
     sha = sha256_file(cfg.train_file)
     examples = load_squad(cfg.train_file)
@@ -661,6 +704,7 @@ def prepare_data(cfg: TrainConfig, source: ModelSource) -> PreparedData:
     key = hashlib.sha256(
         json.dumps(
             [
+                FEATURES_FORMAT,
                 sha,
                 cfg.eval_file and sha256_file(cfg.eval_file),
                 str(source.tokenizer_dir),
@@ -681,30 +725,61 @@ def prepare_data(cfg: TrainConfig, source: ModelSource) -> PreparedData:
     if out.is_file():
         with safe_open(str(out), framework="pt", device="cpu") as f:
             n_train = int(f.get_slice("train.input_ids").get_shape()[0])
+        logger.info("%d cached train features: %s", n_train, out)
         return PreparedData(out, n_train, eval_features, sha)
-    train = build_train_features(tok, examples, **kw)
-    tensors = {
-        "train.input_ids": train.input_ids,
-        "train.attention_mask": train.attention_mask,
-        "train.token_type_ids": train.token_type_ids,
-        "train.start_positions": train.start_positions,
-        "train.end_positions": train.end_positions,
-    }
+    tensors = _train_feature_tensors(tok, examples, cfg, show_progress=show_progress)
     if eval_features is not None:
         b = eval_features.batch
         tensors.update(
             {
-                "eval.input_ids": b.input_ids,
-                "eval.attention_mask": b.attention_mask,
-                "eval.token_type_ids": b.token_type_ids,
+                "eval.input_ids": b.input_ids.int(),
+                "eval.attention_mask": b.attention_mask.to(torch.uint8),
+                "eval.token_type_ids": b.token_type_ids.to(torch.uint8),
             }
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     tmp.rename(out)
-    logger.info("%d train features, %d eval windows -> %s", len(train), len(eval_features or []), out)
-    return PreparedData(out, len(train), eval_features, sha)
+    n_train = len(tensors["train.input_ids"])
+    logger.info("%d train features, %d eval windows -> %s", n_train, len(eval_features or []), out)
+    return PreparedData(out, n_train, eval_features, sha)
+
+
+def _train_feature_tensors(
+    tok: Any, examples: list[Any], cfg: TrainConfig, *, show_progress: bool
+) -> dict[str, torch.Tensor]:
+    """Labelled training windows, tokenized ``FEATURE_CHUNK`` questions at a time (the windows'
+    offsets of one chunk are dropped before the next, so memory stays at the compact tensors):
+    token ids int32, masks / token types uint8, every window padded to ``max_seq_len``."""
+    from tqdm import tqdm
+
+    from training.squad_data import build_train_features
+
+    kw = dict(max_seq_len=cfg.max_seq_len, doc_stride=cfg.doc_stride, max_question_len=cfg.max_question_len)
+    parts: dict[str, list[torch.Tensor]] = {}
+    with tqdm(
+        total=len(examples), desc="features", unit="q", disable=not show_progress, dynamic_ncols=True
+    ) as bar:
+        for i in range(0, len(examples), FEATURE_CHUNK):
+            chunk = build_train_features(
+                tok, examples[i : i + FEATURE_CHUNK], pad_to_multiple_of=cfg.max_seq_len, **kw
+            )
+            for name, t, dtype in (
+                ("input_ids", chunk.input_ids, torch.int32),
+                ("attention_mask", chunk.attention_mask, torch.uint8),
+                ("token_type_ids", chunk.token_type_ids, torch.uint8),
+                ("start_positions", chunk.start_positions, torch.int16),
+                ("end_positions", chunk.end_positions, torch.int16),
+                ("start_candidates", chunk.start_candidates, torch.int16),
+                ("end_candidates", chunk.end_candidates, torch.int16),
+            ):
+                parts.setdefault(name, []).append(t.to(dtype))
+            bar.update(min(FEATURE_CHUNK, len(examples) - i))
+    width = max(t.shape[1] for t in parts["start_candidates"])  # K: most occurrences in one window
+    for name in ("start_candidates", "end_candidates"):
+        parts[name] = [F.pad(t, (0, width - t.shape[1]), value=-1) for t in parts[name]]
+    return {f"train.{name}": torch.cat(ts) for name, ts in parts.items()}
 
 
 def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
@@ -733,15 +808,17 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
     )
     if cfg.freeze_layers > source.config.num_layers:
         raise TrainConfigError(f"freeze_layers={cfg.freeze_layers} > num_layers={source.config.num_layers}")
+    precision = resolve_dtype(cfg.precision, plan.devices[0])  # PrecisionError names the device
+    logger.info("precision: %s autocast, fp32 master weights (%s)", precision.name, precision.reason)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    data = prepare_data(cfg, source)
+    data = prepare_data(cfg, source, show_progress=show_progress)
     per_epoch = data.n_train // cfg.batch_size
     if per_epoch < 1:
         raise TrainConfigError(f"batch_size={cfg.batch_size} exceeds the {data.n_train} training features")
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.floor(cfg.epochs * per_epoch))
     warmup = math.floor(cfg.warmup_ratio * total)
-    start_step, resume_from = 0, None
+    start_step, resume_from, loss_scale = 0, None, DynamicLossScale().scale
     if cfg.resume:
         latest = ckpt.latest_checkpoint(out)
         if latest is None:
@@ -761,6 +838,8 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
         if mismatch:
             raise ckpt.ResumeError(f"{latest}: cannot resume, (checkpoint, now) differ: {mismatch}")
         start_step, resume_from = int(state["step"]), str(latest)
+        if state.get("compute_dtype") == "float16" and precision.name == "float16":
+            loss_scale = float(state["loss_scale"])
         logger.info("resuming from %s at step %d of %d", latest, start_step, total)
     run = RunInfo(
         features=str(data.path),
@@ -773,6 +852,8 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
         data_sha256=data.data_sha256,
         base_model=str(source.checkpoint),
         tokenizer_dir=str(source.tokenizer_dir),
+        compute_dtype=precision.name,
+        loss_scale=loss_scale,
     )
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
     spec = GangSpec(
@@ -810,6 +891,13 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
             rate = seen[0] / (now - t_start[0]) if seen[0] else 0.0
             result.losses[payload["step"]] = payload["loss"]
             result.examples_per_s = rate
+            curve.step(
+                payload["step"],
+                loss=payload["loss"],
+                lr=payload["lr"],
+                grad_norm=payload["grad_norm"],
+                examples_per_s=rate,
+            )
             bar.update(payload["step"] - bar.n)
             bar.set_postfix(loss=f"{payload['loss']:.4f}", lr=f"{payload['lr']:.2e}", ex_s=f"{rate:.1f}")
             if cfg.log_every and payload["step"] % cfg.log_every == 0:
@@ -827,9 +915,12 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
             (out / "eval_results.json").write_text(
                 json.dumps({str(k): v for k, v in result.evals.items()}, indent=2)
             )
+            curve.evaluation(payload["step"], exact=metrics["exact"], f1=metrics["f1"])
+            curve.plot()
         elif kind == "checkpoint":
             logger.info("checkpoint at step %d written", payload["step"])
 
+    curve = Curve(out, start_step=start_step)
     t0 = time.perf_counter()
     gang = Gang(spec, name="train")
     with logging_redirect_tqdm():
@@ -839,5 +930,6 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
         finally:
             gang.stop()
             bar.close()
+            curve.plot()
     result.train_seconds = time.perf_counter() - t0
     return result

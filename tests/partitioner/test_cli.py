@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from serving.cli import main
@@ -48,3 +49,24 @@ def test_verify_fails_above_tolerance(capsys):
     assert main(["verify", "--model", "tiny-bert", "--pp", "2", "--tp", "1", "--tolerance", "0"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("FAIL model=tiny-bert pp=2 tp=1")
+
+
+def test_plan_memory_uses_the_dtype_bytes(capsys):
+    def serving_bytes(dtype: str) -> list[int]:
+        assert main(["plan", "--model", "minilm", "--pp", "2", "--dtype", dtype, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["dtype"] == dtype
+        return [s["serving_bytes"] for s in plan["stages"]]
+
+    fp32, bf16 = serving_bytes("float32"), serving_bytes("bfloat16")
+    assert all(b * 2 == f for b, f in zip(bf16, fp32, strict=True)), (fp32, bf16)
+
+
+def test_fp16_on_a_cpu_without_fp16_units_is_one_line(capsys, monkeypatch):
+    from partitioner import precision
+
+    caps = dataclasses.replace(precision.cpu_capabilities(), model="Test CPU", fp16=False)
+    monkeypatch.setattr(precision, "cpu_capabilities", lambda: caps)
+    assert main(["verify", "--model", "tiny-bert", "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: float16 is not supported on cpu (Test CPU") and "\n" not in err

@@ -12,13 +12,14 @@ import shutil
 import signal
 import socket
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 
 from models.encoder import EncoderForQA
 from models.registry import ModelSource, resolve_model
-from partitioner.gang import Gang, GangError
+from partitioner.gang import Gang, GangError, loopback_store
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.verify import compare, sample_batches, verify_partitioned
 from partitioner.worker import FaultSpec, GangSpec
@@ -155,3 +156,32 @@ def test_clean_stop_frees_processes_and_port():
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))  # nothing listens on the rendezvous port any more
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets LISTENing on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hexport = local.split(":")
+                if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                    found.add("127.0.0.1" if addr == "0100007F" else addr)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net")
+def test_rendezvous_store_listens_on_loopback_only():
+    """The unauthenticated TCPStore of a local gang is not reachable from other hosts (issue 11.5)."""
+    store = loopback_store(2, timeout=timedelta(seconds=5))
+    assert _listen_addresses(int(store.port)) == {"127.0.0.1"}
+    del store
+    gang = Gang(_spec(pp=2)).start()
+    try:
+        port = int(gang._store.port)
+        assert _listen_addresses(port) == {"127.0.0.1"}  # not 0.0.0.0 / :: (every interface)
+        assert gang.run([_batch()], timeout_s=60)[0].shape == (2, 12, 2)
+    finally:
+        gang.stop()
+    assert _listen_addresses(port) == set()

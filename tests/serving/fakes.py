@@ -39,12 +39,22 @@ class FakeGang:
     """A gang lookalike (see module doc)."""
 
     def __init__(
-        self, name: str, *, gate: threading.Event, start_s: float = 0.0, fail_start: bool = False
+        self,
+        name: str,
+        *,
+        gate: threading.Event,
+        start_s: float = 0.0,
+        fail_start: bool = False,
+        start_error: str | None = None,
+        batch_s: float = 0.0,
     ) -> None:
         self.name = name
         self.gate = gate
         self.start_s = start_s
         self.fail_start = fail_start
+        self.start_error = start_error
+        self.batch_s = batch_s  # compute time of every micro-batch after the warm-up
+        self.hung = threading.Event()  # set: no micro-batch completes any more (a SIGSTOPped rank)
         self.error: GangError | None = None
         self.batches: list[tuple[int, int]] = []  # (batch size, padded length) of every batch after warm-up
         self.token_types_seen: list[bool] = []
@@ -60,7 +70,7 @@ class FakeGang:
     def start(self) -> FakeGang:
         time.sleep(self.start_s)
         if self.fail_start:
-            raise GangError(f"{self.name}: injected start failure", rank=0)
+            raise GangError(self.start_error or f"{self.name}: injected start failure", rank=0)
         self._running = True
         self._thread = threading.Thread(target=self._work, daemon=True)
         self._thread.start()
@@ -96,9 +106,11 @@ class FakeGang:
             if item is None:
                 return
             mb, ids = item
-            while mb > 0 and not self.gate.wait(0.01):  # micro-batch 0 is the warm-up: never held
+            while mb > 0 and (not self.gate.wait(0.01) or self.hung.is_set()):  # mb 0: warm-up
                 if self.error is not None or self._stopped:
                     break
+            if mb > 0 and self.batch_s:
+                time.sleep(self.batch_s)
             if self.error is not None:
                 continue
             with self._lock:
@@ -107,6 +119,10 @@ class FakeGang:
                 if mb > 0:
                     self.batches.append((int(ids.shape[0]), int(ids.shape[1])))
                 fut.set_result(fake_logits(ids))
+
+    def hang(self) -> None:
+        """As if a rank were SIGSTOPped: the gang stays "healthy" but never answers again."""
+        self.hung.set()
 
     def kill(self, rank: int = 0) -> None:
         """As if ``kill -9`` hit a rank: every pending future fails at once, the gang is down."""
@@ -138,12 +154,19 @@ class FakeFactory:
         self.gate.set()
         self.start_s = start_s
         self.fail_start_models: set[str] = set()
+        self.start_error: str | None = None  # the failing gangs' GangError text (default: one line)
+        self.batch_s = 0.0  # compute time of every micro-batch of the gangs made from now on
         self.gangs: list[FakeGang] = []
         self.models: list[str] = []
 
     def __call__(self, source: Any, plan: Any, name: str) -> FakeGang:
         gang = FakeGang(
-            name, gate=self.gate, start_s=self.start_s, fail_start=source.name in self.fail_start_models
+            name,
+            gate=self.gate,
+            start_s=self.start_s,
+            fail_start=source.name in self.fail_start_models,
+            start_error=self.start_error,
+            batch_s=self.batch_s,
         )
         self.gangs.append(gang)
         self.models.append(source.name)

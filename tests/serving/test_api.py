@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from serving.app import build_app
 from serving.replicas import ReplicaState
 from serving.serve_cli import DrainingServer
-from serving.settings import ServeSettings
+from serving.settings import ServeSettings, available_cores
 from tests.serving.fakes import FakeFactory
 
 CONTEXT = (
@@ -56,6 +56,8 @@ def serving(factory: FakeFactory | None = None, **overrides: Any) -> Iterator[tu
         "admin_token": TOKEN,
     }
     kw.update(overrides)
+    if not {"replicas", "min_replicas", "max_replicas", "threads_per_rank"} & set(kw):
+        kw["replicas"] = 1  # the tests count on one fake gang (the default sizes to the machine's cores)
     app = build_app(ServeSettings(**kw), backend_factory=factory)
     with TestClient(app) as client:
         wait_until(lambda: client.get("/readyz").status_code == 200, what="readiness")
@@ -382,12 +384,17 @@ def test_killed_replica_in_flight_work_is_retried_on_another() -> None:
 
 
 def test_last_replica_killed_answers_503_then_recovers() -> None:
-    with serving(restart_backoff_s=0.5) as (client, factory):
+    # one batch holds all three (a 200 ms batching delay), so none is left queued for the restart
+    with serving(restart_backoff_s=0.5, max_queue_delay_ms=200.0) as (client, factory):
         manager = client.app.state.manager
+        engine = client.app.state.engine
         factory.gate.clear()
         with ThreadPoolExecutor(4) as pool:
             futures = _submit_async(client, pool, 3)
-            wait_until(lambda: manager.routable()[0].inflight_batches > 0, what="in flight")
+            wait_until(
+                lambda: engine.ongoing == 3 and engine.scheduler.stats().queued_requests == 0,
+                what="all three in flight",
+            )
             manager.routable()[0].backend.kill()
             statuses = sorted(f.result(timeout=10).status_code for f in futures)
         assert set(statuses) <= {503} and statuses
@@ -503,7 +510,7 @@ def test_client_disconnect_over_real_http_cancels_queued_work() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     factory = FakeFactory()
-    settings = ServeSettings(model="tiny-bert", max_inflight_per_replica=1, max_batch_size=1)
+    settings = ServeSettings(model="tiny-bert", replicas=1, max_inflight_per_replica=1, max_batch_size=1)
     app = build_app(settings, backend_factory=factory)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -562,13 +569,15 @@ def test_serve_flags_and_environment_map_onto_settings(monkeypatch: pytest.Monke
     monkeypatch.delenv("SHARDSERVE_MAX_QUEUE_SIZE")
     monkeypatch.delenv("SHARDSERVE_LENGTH_BUCKETS")
     d = settings_from_args(build_parser().parse_args(["serve"]))
-    assert (d.model, d.host, d.port, d.replica_bounds, d.pp, d.tp) == (
+    cores = available_cores()
+    assert (d.model, d.host, d.port, d.replica_bounds, d.pp, d.tp, d.dtype) == (
         "default",
         "0.0.0.0",
         8000,
-        (1, 1),
+        (cores, cores),  # no flags: one single-rank replica per core (tests/serving/test_settings.py)
         1,
         1,
+        "auto",
     )
 
 
@@ -588,3 +597,278 @@ def test_invalid_settings_print_the_numbers() -> None:
         ServeSettings(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match=r"largest length bucket 256 < max_seq_len=384"):
         ServeSettings(length_buckets=[64, 256])
+
+
+# ------------------------------------------------------------------------------------- hardening (issue 11)
+
+WORKER_TRACEBACK = (
+    "gang-r1: rank 0 (stage 0, tp 0) failed while starting:\n"
+    "Traceback (most recent call last):\n"
+    '  File "/usr/lib/python3/site-packages/partitioner/worker.py", line 190, in worker_main\n'
+    "    program(ctx, queues, ready=ready)\n"
+    "models.hf_weights.CheckpointError: /srv/models/secret-run/final: no weights found"
+)
+
+
+def test_every_503_carries_retry_after() -> None:
+    """Starting, replica lost, shutting down: each 503 says when to come back (issue 11.9)."""
+    factory = FakeFactory(start_s=0.5)
+    app = build_app(
+        ServeSettings(model="tiny-bert", replicas=1, restart_backoff_s=0.5), backend_factory=factory
+    )
+    with TestClient(app) as client:
+        starting = client.get("/readyz")
+        assert starting.status_code == 503 and int(starting.headers["Retry-After"]) >= 1
+        wait_until(lambda: client.get("/readyz").status_code == 200, what="readiness")
+        manager = client.app.state.manager
+        factory.gate.clear()
+        with ThreadPoolExecutor(4) as pool:
+            futures = _submit_async(client, pool, 3)
+            wait_until(lambda: manager.routable()[0].inflight_batches > 0, what="in flight")
+            manager.routable()[0].backend.kill()
+            lost = [f.result(timeout=10) for f in futures]
+        factory.gate.set()
+        assert {r.status_code for r in lost} == {503}
+        assert all(int(r.headers["Retry-After"]) >= 1 for r in lost)
+        no_replica = client.get("/readyz")
+        assert no_replica.status_code == 503 and "Retry-After" in no_replica.headers
+        client.app.state.shutting_down = True
+        for r in (client.get("/readyz"), ask(client)):
+            assert r.status_code == 503 and "Retry-After" in r.headers, r.text
+
+
+def test_models_endpoint_shows_no_file_system_paths() -> None:
+    """Unauthenticated GET /v1/models names the checkpoint, never its absolute path (issue 11.7)."""
+    with serving() as (client, _):
+        source = client.app.state.manager.model.source
+        r = client.get("/v1/models")
+        assert r.status_code == 200
+        assert str(source.checkpoint) not in r.text and str(source.checkpoint.parent) not in r.text
+        info = r.json()[0]["checkpoint"]
+        assert info["checkpoint"] == source.checkpoint.name and info["arch"] == "bert"
+
+
+def test_reload_answers_alike_for_existing_and_missing_directories(tmp_path: Any) -> None:
+    """/admin/reload must not map the file system: a system directory, a missing one and a folder
+    with only config.json get the same reply (issue 11.7)."""
+    import shutil
+
+    from models.registry import resolve_model
+
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(resolve_model("tiny-bert").checkpoint / "config.json", no_weights)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serving() as (client, factory):
+        replies = []
+        for target in ("/etc", "/no/such/dir", str(tmp_path), str(no_weights)):
+            r = client.post("/admin/reload", json={"model": target}, headers=auth)
+            assert r.status_code == 422, r.text
+            replies.append(r.json()["detail"].replace(repr(target), "MODEL"))
+        assert len(set(replies)) == 1 and "Traceback" not in replies[0]
+        assert factory.models == ["tiny-bert"] * len(factory.models)  # nothing started for any of them
+
+
+def test_failed_reload_detail_is_one_line_without_paths() -> None:
+    """A gang that fails to start during a reload: its traceback stays in the log (issue 11.6)."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    factory = FakeFactory()
+    factory.fail_start_models.add("tiny-roberta")
+    factory.start_error = WORKER_TRACEBACK
+    with serving(factory) as (client, _):
+        r = client.post("/admin/reload", json={"model": "tiny-roberta"}, headers=auth)
+        assert r.status_code == 422 and r.json()["error"] == "reload_failed"
+        detail = r.json()["detail"]
+        assert "\n" not in detail and "Traceback" not in detail and "/srv/" not in detail
+        assert "/usr/lib" not in detail and "CheckpointError" in detail and "no weights found" in detail
+        assert ask(client).json()["model"] == "tiny-bert"
+
+
+def test_reload_while_another_reload_runs_is_409() -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serving() as (client, _):
+        client.app.state.manager._reloading = True  # as while a reload is rolling the gangs
+        try:
+            r = client.post("/admin/reload", json={"model": "tiny-roberta"}, headers=auth)
+        finally:
+            client.app.state.manager._reloading = False
+        assert r.status_code == 409 and r.json()["error"] == "reload_in_progress"
+
+
+def test_first_gang_that_cannot_start_is_fatal_not_retried_forever() -> None:
+    """The first gang fails: no endless restarts; readiness says why, in one path-free line (11.4)."""
+    factory = FakeFactory()
+    factory.fail_start_models.add("tiny-bert")
+    factory.start_error = WORKER_TRACEBACK
+    app = build_app(
+        ServeSettings(model="tiny-bert", replicas=1, restart_backoff_s=0.01), backend_factory=factory
+    )
+    with TestClient(app) as client:
+        manager = client.app.state.manager
+        wait_until(lambda: manager.fatal_error is not None, what="fatal error")
+        time.sleep(0.3)
+        assert len(factory.gangs) == 1  # not retried
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json()["error"] == "failed" and "Retry-After" in r.headers
+        fatal = r.json()["detail"]["fatal"]
+        assert "no weights found" in fatal and "/srv/" not in fatal and "\n" not in fatal
+        assert "/srv/models/secret-run/final" in manager.fatal_error  # the operator's terminal: the path
+        assert "shardserve_replica_failures_total 1.0" in client.get("/metrics").text
+
+
+def test_later_start_failures_back_off_and_show_in_metrics_and_readiness() -> None:
+    """After a gang was ready, failing restarts are retried with back-off, counted and shown (11.4)."""
+    with serving(replicas=1, restart_backoff_s=0.05) as (client, factory):
+        manager = client.app.state.manager
+        factory.fail_start_models.add("tiny-bert")
+        factory.start_error = WORKER_TRACEBACK
+        manager.routable()[0].backend.kill()
+        wait_until(lambda: manager.start_failures >= 3, what="three failed restarts")
+        assert manager.fatal_error is None  # never fatal once a gang served
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json()["error"] == "not_ready"
+        detail = r.json()["detail"]
+        assert detail["failed_starts"] >= 3 and detail["consecutive_failures"] >= 3
+        assert "no weights found" in detail["last_failure"] and "/srv/" not in detail["last_failure"]
+        failures = [
+            float(line.split()[-1])
+            for line in client.get("/metrics").text.splitlines()
+            if line.startswith("shardserve_replica_failures_total ")
+        ]
+        assert failures and failures[0] >= 4  # the kill + three failed restarts
+        starts = len(factory.gangs)
+        assert manager._backoff() > 0.05  # exponential: the pause grows with each failure
+        factory.fail_start_models.clear()
+        wait_until(lambda: manager.ready == 1, timeout=15, what="recovery once the model loads")
+        assert len(factory.gangs) > starts
+
+
+def test_admin_token_file_keeps_the_token_off_the_command_line(tmp_path: Any) -> None:
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("from-a-file\n")
+    with serving(admin_token=None, admin_token_file=str(token_file)) as (client, _):
+        assert (
+            client.get("/admin/replicas", headers={"Authorization": "Bearer from-a-file"}).status_code == 200
+        )
+        assert client.get("/admin/replicas", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401
+    with pytest.raises(ValueError, match="not both"):
+        ServeSettings(admin_token="x", admin_token_file=str(token_file))
+    with pytest.raises(ValueError, match="cannot be read"):
+        ServeSettings(admin_token_file=str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        ServeSettings(admin_token_file=str(tmp_path / "empty"))
+
+
+def test_a_maximal_request_does_not_starve_small_ones() -> None:
+    """Fairness (issue 11.1): while a ~120-window request is computed (~1.5 s), small requests sent after it
+    are answered before it (their windows are interleaved with its windows, not queued behind all
+    of them); each small latency stays far below the big request's time (bound stated: < 1 s)."""
+    factory = FakeFactory()
+    factory.batch_s = 0.05  # every micro-batch "computes" 50 ms
+    big_context = " ".join([CONTEXT] * 80)
+    kw = dict(replicas=1, max_seq_len=64, doc_stride=16, max_question_len=16, length_buckets="32,64")
+    with serving(factory, max_batch_size=4, max_windows_per_request=1000, **kw) as (client, _):
+        with ThreadPoolExecutor(2) as pool:
+            big = pool.submit(lambda: (ask(client, context=big_context), time.monotonic()))
+            engine = client.app.state.engine
+            wait_until(
+                lambda: engine.ongoing == 1 and engine.scheduler.stats().queued_windows > 0, what="big"
+            )
+            small_latencies, small_done_at = [], []
+            for _ in range(3):
+                t0 = time.monotonic()
+                r = ask(client)
+                small_latencies.append(time.monotonic() - t0)
+                small_done_at.append(time.monotonic())
+                assert r.status_code == 200
+            big_response, big_done_at = big.result(timeout=60)
+        assert big_response.status_code == 200 and big_response.json()["windows"] >= 100
+        assert max(small_done_at) < big_done_at  # none waited for the whole big request
+        assert max(small_latencies) < 1.0, small_latencies  # ~2 batches of 50 ms each, generously
+
+
+def test_windows_per_request_over_the_bound_is_413_with_the_numbers() -> None:
+    kw = dict(max_seq_len=64, doc_stride=16, max_question_len=16, length_buckets="32,64")
+    with serving(max_windows_per_request=10, **kw) as (client, factory):
+        r = ask(client, context=" ".join([CONTEXT] * 10))
+        assert r.status_code == 413 and r.json()["error"] == "too_large"
+        assert "max_windows_per_request=10" in r.json()["detail"] and "windows" in r.json()["detail"]
+        assert factory.batches() == []  # nothing of it was computed
+        assert ask(client).status_code == 200
+
+
+def test_full_queue_answers_429_before_tokenizing() -> None:
+    """Admission comes before tokenization (issue 11.2): with the tokenizer busy, requests beyond the
+    queue size get 429 at once (they used to wait for the tokenizer first, then get 429)."""
+    with serving(replicas=1, max_queue_size=3) as (client, _):
+        engine = client.app.state.engine
+        release = threading.Event()
+        encode = engine._encode
+        tokenized = []
+
+        def slow_encode(pairs: Any) -> Any:
+            release.wait(20)
+            tokenized.append(len(pairs))
+            return encode(pairs)
+
+        engine._encode = slow_encode
+        with ThreadPoolExecutor(12) as pool:
+            held = _submit_async(client, pool, 3)  # 3 places: being tokenized
+            wait_until(lambda: engine.scheduler._reserved == 3, what="3 places reserved")
+            t0 = time.monotonic()
+            rejected = [f.result(timeout=15) for f in _submit_async(client, pool, 8)]
+            elapsed = time.monotonic() - t0
+            assert not release.is_set() and tokenized == []  # all answered while the tokenizer is stuck
+            release.set()
+            assert [f.result(timeout=15).status_code for f in held] == [200, 200, 200]
+        assert [r.status_code for r in rejected] == [429] * 8
+        assert all(int(r.headers["Retry-After"]) >= 1 for r in rejected)
+        assert "being tokenized" in rejected[0].json()["detail"]
+        assert elapsed < 5.0  # generous: nothing waited for the tokenizer
+        assert tokenized == [1, 1, 1] and engine.scheduler._reserved == 0
+
+
+def test_hung_replica_leaves_readiness_and_its_requests_are_retried_in_time() -> None:
+    """A rank that stops answering (SIGSTOP) with work in flight (issue 11.3): after half the stall
+    timeout the replica no longer counts as ready nor gets work; after the stall timeout it is
+    failed and its requests answered by the other replica, long before their deadline."""
+    with serving(replicas=2, max_batch_size=1, stall_timeout_s=2.0, request_timeout_s=30.0) as (
+        client,
+        _,
+    ):
+        manager = client.app.state.manager
+        wait_until(lambda: manager.ready == 2, what="2 ready")
+        victim = manager.routable()[0]
+        victim.backend.hang()
+        with ThreadPoolExecutor(8) as pool:
+            t0 = time.monotonic()
+            futures = _submit_async(client, pool, 6)
+            wait_until(lambda: victim.inflight_batches > 0, what="work on the hung replica")
+            wait_until(
+                lambda: client.get("/readyz").json().get("ready_replicas") == 1, what="truthful readiness"
+            )
+            assert victim.state is ReplicaState.READY  # readiness dropped before the failure itself
+            statuses = [f.result(timeout=30).status_code for f in futures]
+            elapsed = time.monotonic() - t0
+        assert statuses == [200] * 6
+        assert elapsed < 15.0  # stall timeout 2 s + retry, far inside the 30 s deadline
+        assert victim.state is not ReplicaState.READY and "stalled" in (victim.error or "")
+        assert client.app.state.metrics.retried_windows._value.get() >= 1
+        wait_until(lambda: manager.ready == 2, timeout=15, what="replacement gang")
+
+
+def test_stall_timeout_must_be_inside_the_request_deadline() -> None:
+    assert ServeSettings().stall_after_s == pytest.approx(10.0)  # a third of the 30 s deadline
+    with pytest.raises(ValueError, match=r"stall_timeout_s=30.0 must be below request_timeout_s=30.0"):
+        ServeSettings(stall_timeout_s=30.0)
+
+
+def test_openapi_declares_that_question_and_context_must_not_be_empty() -> None:
+    """Empty strings were schema-valid but answered 422 (issue 11.10)."""
+    with serving() as (client, _):
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+        for name in ("QARequest", "QAItem"):
+            props = schemas[name]["properties"]
+            assert props["question"]["minLength"] == 1 and props["context"]["minLength"] == 1
+        assert ask(client, question="").status_code == 422

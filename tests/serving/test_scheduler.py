@@ -133,7 +133,8 @@ def _with_rate_8_per_s(windows_per_request: int) -> Scheduler:
     assert d is not None and d.reason == "full"
     assert s.batch_done(d.batch_id, now=0.5, ok=True) == Outcome(completed=["warm"])
     assert s.service_rate() == 8.0
-    submit_all(s, {"q1": [50] * windows_per_request, "q2": [50] * windows_per_request}, now=0.5)
+    for rid in ("q1", "q2"):  # deadlines long enough for their windows at that rate
+        assert s.submit(rid, [50] * windows_per_request, now=0.5, deadline=1000.0).accepted
     return s
 
 
@@ -294,9 +295,10 @@ def test_max_inflight_per_replica_respected_with_stale_views() -> None:
     assert s.stats().inflight_batches == {"r0": 2, "r1": 2}
     assert s.next_wakeup(0.0) == 10.0  # only q4's expiry: the full batch waits for capacity
     assert batches[1] is not None
-    assert s.batch_done(batches[1].batch_id, now=0.5, ok=True).completed == ["q1"]
+    # fair order: each request has windows in several batches, so none is complete yet
+    assert s.batch_done(batches[1].batch_id, now=0.5, ok=True).completed == []
     d = s.next_batch(0.5, views)
-    assert d is not None and (d.replica_id, d.items[0]) == ("r1", ("q4", 0))
+    assert d is not None and (d.replica_id, d.items) == ("r1", [("q1", 3), ("q2", 3), ("q3", 3), ("q4", 3)])
 
 
 def test_replica_failure_retries_once_at_front_then_fails() -> None:
@@ -352,3 +354,98 @@ def test_service_rate_excludes_idle_time() -> None:
         assert d is not None
         s.batch_done(d.batch_id, now=t0 + 0.5, ok=True)
     assert s.service_rate() == pytest.approx(8.0, rel=1e-12)
+
+
+# ---------------------------------------------------------------- fairness, bounds, reservations (issue 11)
+
+
+def _drain(s: Scheduler, now: float, n: int) -> list:
+    out = []
+    for _ in range(n):
+        d = s.next_batch(now, [R0])
+        assert d is not None
+        out.append(d)
+        s.batch_done(d.batch_id, now=now, ok=True)
+    return out
+
+
+def test_large_request_is_interleaved_with_a_later_small_one_in_the_same_bucket() -> None:
+    """Batching took the oldest windows first: a 100-window request held every replica until done."""
+    s = make(max_queue_size=8, max_windows_per_request=1000)
+    assert s.submit("big", [60] * 100, now=0.0).accepted
+    _drain(s, 0.0, 2)  # 8 of its windows went out
+    assert s.submit("small", [30], now=1.0).accepted
+    d = s.next_batch(1.0, [R0])
+    assert d is not None and ("small", 0) in d.items  # in the very next batch, not after 23 more
+    assert d.items == [("big", 8), ("small", 0), ("big", 9), ("big", 10)]
+
+
+def test_small_request_in_another_bucket_waits_at_most_one_batch_of_a_large_one() -> None:
+    s = make(max_windows_per_request=1000)
+    assert s.submit("big", [200] * 100, now=0.0).accepted
+    _drain(s, 0.0, 2)
+    assert s.submit("small", [10], now=1.0).accepted
+    served = []
+    for d in _drain(s, 1.25, 3):  # the small bucket's delay is over at 1.25
+        served.append([rid for rid, _ in d.items])
+    small_at = next(i for i, rids in enumerate(served) if "small" in rids)
+    assert small_at <= 1, served
+
+
+def test_two_large_requests_share_the_replicas_round_robin() -> None:
+    s = make(max_windows_per_request=1000)
+    assert s.submit("a", [60] * 40, now=0.0).accepted
+    _drain(s, 0.0, 5)  # a: windows 0..19
+    assert s.submit("b", [60] * 40, now=0.5).accepted
+    items = [it for d in _drain(s, 0.5, 4) for it in d.items]
+    assert [rid for rid, _ in items] == ["a", "b"] * 8
+
+
+def test_single_window_requests_keep_fifo_order() -> None:
+    s = make(max_batch_size=2)
+    submit_all(s, {f"q{i}": [10] for i in range(6)}, now=0.0)
+    assert [d.items for d in _drain(s, 0.0, 3)] == [
+        [("q0", 0), ("q1", 0)],
+        [("q2", 0), ("q3", 0)],
+        [("q4", 0), ("q5", 0)],
+    ]
+
+
+def test_windows_per_request_are_bounded_with_the_numbers() -> None:
+    s = make(max_windows_per_request=5)
+    adm = s.submit("huge", [10] * 6, now=0.0)
+    assert not adm.accepted and adm.reason == "too_large"
+    assert "6 windows" in adm.detail and "max_windows_per_request=5" in adm.detail
+    assert s.submit("ok", [10] * 5, now=0.0).accepted
+    assert s.stats().rejected["too_large"] == 1
+
+
+def test_reservations_count_against_the_queue_before_tokenization() -> None:
+    s = make(max_queue_size=2)
+    assert s.reserve().accepted and s.reserve().accepted
+    full = s.reserve()  # two requests are being tokenized: the third is refused at once
+    assert not full.accepted and full.reason == "queue_full" and full.retry_after_s == 1
+    assert "2 being tokenized" in full.detail
+    assert not s.submit("unreserved", [10], now=0.0).accepted
+    assert s.submit("a", [10], now=0.0, reserved=True).accepted  # uses its place
+    s.unreserve()  # the other one failed to tokenize
+    assert s.reserve().accepted and s.submit("b", [10] * 2000, now=0.0, reserved=True).reason == "too_large"
+    assert s.reserve().accepted  # the rejected submit gave its place back
+    with pytest.raises(ValueError, match="unreserve"):
+        s.unreserve()
+        s.unreserve()
+
+
+def test_request_that_cannot_meet_its_deadline_is_refused_up_front() -> None:
+    """At the measured rate a 400-window request needs ~10 s: with a 5 s deadline it is refused at
+    admission instead of being partly computed and answered 504 (wasted work)."""
+    s = make(max_queue_delay_ms=0.0, max_windows_per_request=1000, max_queue_size=8)
+    submit_all(s, {"warm": [10] * 4}, now=0.0)
+    d = s.next_batch(0.0, [R0])
+    assert d is not None
+    s.batch_done(d.batch_id, now=0.1, ok=True)  # 4 windows in 0.1 s: 40 windows/s
+    late = s.submit("big", [10] * 400, now=1.0, deadline=6.0)
+    assert not late.accepted and late.reason == "too_large"
+    assert "400 windows" in late.detail and "40.0 windows/s" in late.detail
+    assert s.submit("big", [10] * 400, now=1.0, deadline=21.0).accepted  # 10 s fits in 20 s
+    assert s.submit("one", [10], now=1.0, deadline=1.001).accepted  # single windows are never refused

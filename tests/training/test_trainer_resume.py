@@ -34,8 +34,9 @@ from training.export_overlay import export_overlay
 from training.trainer import train
 
 
-def test_killed_then_resumed_run_equals_uninterrupted(tmp_path):
-    common = dict(pp=2, tp=1, schedule="1f1b", max_steps=6, save_every=2, dropout=0.1)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, precision):
+    common = dict(pp=2, tp=1, schedule="1f1b", max_steps=6, save_every=2, dropout=0.1, precision=precision)
     full = train(base_config(tmp_path / "a", **common), show_progress=False)
     want = load_file(str(full.final_checkpoint / "model.safetensors"))
 
@@ -51,6 +52,10 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path):
     assert resumed.losses[6] == pytest.approx(full.losses[6], abs=1e-6)
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert worst <= 1e-6, worst
+    # the learning curve holds every step once (the crashed run's step 5 was dropped on resume)
+    rows = (out / "curve.csv").read_text().splitlines()
+    assert [int(r.split(",")[0]) for r in rows[1:] if ",train," in r] == [1, 2, 3, 4, 5, 6]
+    assert (out / "curve.png").stat().st_size > 1000
     # and the runs did train, with dropout active: the weights moved from the base
     base = to_hf_state_dict("bert", merged_state_dict(build_model(resolve_model("tiny-bert"))))
     assert max(float((want[k] - base[k]).abs().max()) for k in base) > 1e-3
@@ -162,7 +167,7 @@ def test_sigkilled_cli_run_resumes_to_the_same_weights(tmp_path):
         "--lr", "1e-3", "--warmup-ratio", str(cfg.warmup_ratio), "--max-grad-norm", "0.5", "--dropout", "0.1",
         "--adam-eps", str(cfg.adam_eps), "--weight-decay", str(cfg.weight_decay),
         "--max-seq-len", "64", "--doc-stride", "24", "--max-question-len", "16", "--seed", "3",
-        "--save-every", "2", "--no-progress", "--log-every", "0",
+        "--save-every", "2", "--no-progress", "--log-every", "0", "--precision", "fp32",
     ]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=os.getcwd(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

@@ -1,0 +1,216 @@
+"""Numeric precision: which dtype a gang computes in, picked per device, and why.
+
+One home for the product's precision setting. Serving, ``verify``, ``eval``, ``plan`` and the
+benchmarks take ``--dtype {auto,float32,bfloat16,float16}`` (weights and activations in that dtype,
+span logits in fp32); ``train`` takes ``--precision {fp32,bf16,fp16}`` (autocast over fp32 master
+weights and fp32 optimizer state). ``auto`` asks torch what the device can do:
+
+- CUDA: bf16 when ``torch.cuda.is_bf16_supported()`` (Ampere and newer), else fp32 (fp16 has too
+  little range to be a safe default); ``float16`` stays available explicitly.
+- CPU: bf16 when the CPU has bf16 units (Intel AMX or AVX512-BF16, as torch and oneDNN report
+  them), else fp32. A CPU without them still *runs* bf16 (emulated, slower than fp32), so an
+  explicit ``bfloat16`` is allowed with a warning; ``float16`` on a CPU without native fp16 units
+  (AMX-FP16 / oneDNN fp16) is refused with an error naming the CPU.
+
+    python -m partitioner.precision            # what this machine would pick, and why
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_PRECISION_TO_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+
+
+class PrecisionError(ValueError):
+    """A dtype the device cannot run; the message names the device and what it supports."""
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    """What this CPU offers for reduced precision, as torch / oneDNN report it."""
+
+    model: str
+    isa: str  # torch's vectorisation level: "AVX512", "AVX2", "DEFAULT", ...
+    amx: bool  # Intel AMX tiles (bf16 and int8 matrix units)
+    avx512_bf16: bool
+    vnni: bool  # int8 dot products (AVX512-VNNI / AVX-VNNI)
+    fp16: bool  # native fp16 compute (AMX-FP16 / AVX512-FP16 through oneDNN)
+
+    @property
+    def bf16(self) -> bool:
+        return self.amx or self.avx512_bf16
+
+    @property
+    def int8(self) -> bool:
+        return self.amx or self.vnni
+
+    def describe(self) -> str:
+        units = [
+            n for n, ok in (("AMX", self.amx), ("AVX512-BF16", self.avx512_bf16), ("VNNI", self.vnni)) if ok
+        ]
+        return f"{self.model} ({self.isa}; {', '.join(units) or 'no bf16/int8 units'})"
+
+
+def _probe(name: str) -> bool:
+    fn = getattr(torch.cpu, name, None)
+    try:
+        return bool(fn()) if fn is not None else False
+    except Exception:  # a private probe missing or failing means "not known to be there"
+        return False
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_capabilities() -> CpuCapabilities:
+    """Probe the CPU once (torch's own ISA probes, which oneDNN's kernel choice follows)."""
+    try:
+        mkldnn_fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        mkldnn_fp16 = False
+    return CpuCapabilities(
+        model=_cpu_model(),
+        isa=torch.backends.cpu.get_cpu_capability(),
+        amx=_probe("_is_amx_tile_supported"),
+        avx512_bf16=_probe("_is_avx512_bf16_supported"),
+        vnni=_probe("_is_vnni_supported"),
+        fp16=mkldnn_fp16 or _probe("_is_amx_fp16_supported"),
+    )
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a gang runs in, with the reason that is logged and shown."""
+
+    name: str  # "float32" | "bfloat16" | "float16"
+    reason: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.name]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def reduced(self) -> bool:
+        return self.name != "float32"
+
+
+def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeChoice:
+    """``--dtype`` (or a ``--precision`` alias) on ``device`` -> the dtype to run, with the reason.
+
+    Raises ``PrecisionError`` for a dtype the device cannot run (fp16 on a CPU without fp16 units,
+    bf16 on a GPU without bf16 support), naming the device.
+    """
+    requested = _PRECISION_TO_DTYPE.get(requested, requested)
+    if requested not in DTYPE_CHOICES:
+        raise PrecisionError(f"dtype {requested!r} unknown; choose from {', '.join(DTYPE_CHOICES)}")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PrecisionError(f"device {dev} requested but CUDA is not available")
+        name = torch.cuda.get_device_name(dev)
+        bf16_ok = torch.cuda.is_bf16_supported()
+        if requested == "auto":
+            if bf16_ok:
+                return DtypeChoice("bfloat16", f"auto: {name} supports bf16")
+            return DtypeChoice(
+                "float32", f"auto: {name} has no bf16 support (fp16 only with --dtype float16)"
+            )
+        if requested == "bfloat16" and not bf16_ok:
+            raise PrecisionError(f"bfloat16 is not supported on {dev} ({name}); use float16 or float32")
+        return DtypeChoice(requested, f"requested on {name}")
+    if dev.type != "cpu":
+        raise PrecisionError(f"device {dev} unsupported (cpu or cuda)")
+    caps = cpu_capabilities()
+    if requested == "auto":
+        if caps.bf16:
+            unit = "AMX" if caps.amx else "AVX512-BF16"
+            return DtypeChoice("bfloat16", f"auto: CPU {caps.model} has {unit}")
+        return DtypeChoice(
+            "float32", f"auto: CPU {caps.model} has no bf16 units (AMX/AVX512-BF16), bf16 would be emulated"
+        )
+    if requested == "float16" and not caps.fp16:
+        raise PrecisionError(
+            f"float16 is not supported on cpu ({caps.describe()}): no native fp16 units; "
+            "use bfloat16 or float32"
+        )
+    if requested == "bfloat16" and not caps.bf16:
+        logger.warning("bfloat16 on cpu %s without bf16 units: emulated, slower than float32", caps.model)
+        return DtypeChoice(requested, f"requested; emulated on {caps.describe()}")
+    return DtypeChoice(requested, f"requested on cpu {caps.model}")
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of autocast contexts for mixed-precision training (a no-op at fp32)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
+
+
+@dataclass
+class DynamicLossScale:
+    """fp16 loss scaling across a gang (as ``torch.amp.GradScaler``, but decided from the global
+    gradient norm that every rank already all-reduces, so all ranks skip or step together).
+
+    The loss is multiplied by ``scale`` before backward and the gradients divided by it after; a
+    non-finite global norm skips the step and halves the scale, ``growth_interval`` finite steps
+    in a row double it.
+    """
+
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    good_steps: int = 0
+
+    def update(self, grad_norm: float) -> bool:
+        """Record one step's (unscaled) global gradient norm; True: the step may be applied."""
+        if not math.isfinite(grad_norm):
+            self.scale /= 2.0
+            self.good_steps = 0
+            return False
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+        return True
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    caps = cpu_capabilities()
+    logger.info("cpu: %s (int8 units: %s)", caps.describe(), caps.int8)
+    logger.info("auto on cpu -> %s (%s)", *vars(resolve_dtype("auto", "cpu")).values())
+    if torch.cuda.is_available():
+        logger.info("auto on cuda -> %s (%s)", *vars(resolve_dtype("auto", "cuda")).values())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Pure helpers of the benchmark scripts (no timing, no model runs): span agreement, ratios, configs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_kernels
+import bench_serving
+
+
+def _logits(n: int = 2, s: int = 8) -> torch.Tensor:
+    out = torch.zeros(n, s, 2)
+    out[0, 3, 0], out[0, 5, 1] = 5.0, 5.0  # window 0: span (3, 5)
+    out[1, 2, 0], out[1, 2, 1] = 5.0, 5.0  # window 1: span (2, 2)
+    return out
+
+
+def test_best_spans_respect_context_order_and_length():
+    ctx = torch.ones(2, 8, dtype=torch.bool)
+    ctx[:, 0] = False  # CLS
+    assert bench_kernels.best_spans(_logits(), ctx).tolist() == [[3, 5], [2, 2]]
+    logits = _logits()
+    logits[0, 7, 0] = 9.0  # a start after every end: not a valid span
+    assert bench_kernels.best_spans(logits, ctx)[0].tolist() == [3, 5]
+    assert bench_kernels.best_spans(_logits(), ctx, max_len=2)[0].tolist() != [3, 5]
+
+
+def test_compare_logits_ignores_padding_and_counts_changed_spans():
+    ref = _logits()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    ctx = mask.bool()
+    out = ref.clone()
+    out[1, 7, 0] = 100.0  # on padding: ignored
+    assert bench_kernels.compare_logits(ref, out, mask, ctx) == (0.0, 1.0)
+    out[0, 4, 1] = 6.0  # window 0's best end moves
+    diff, agree = bench_kernels.compare_logits(ref, out, mask, ctx)
+    assert diff == pytest.approx(6.0) and agree == 0.5
+
+
+def test_parse_variants_rejects_unknown_names():
+    assert bench_kernels.parse_variants("fp32, bf16") == ["fp32", "bf16"]
+    with pytest.raises(ValueError, match="int4"):
+        bench_kernels.parse_variants("fp32,int4")
+
+
+def _result(name: str, qps: float) -> bench_serving.Result:
+    return bench_serving.Result(name, qps, None, None, 0, 0)
+
+
+def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
+    rows = [
+        _result("(a) raw batched bfloat16, 1 proc", 40.0),
+        _result("(a') raw batched bfloat16, 2 procs", 50.0),
+        _result("(b) naive FastAPI fp32", 10.0),
+        _result("(d) ONNX Runtime fp32, batch 32", 20.0),
+        _result("(d) ONNX Runtime int8, batch 1", 25.0),
+        _result("(c) shardserve default flags", 45.0),
+        _result("(c) shardserve flags #1", 30.0),
+        _result("(c) shardserve flags #2", 48.0),
+    ]
+    text = "\n".join(bench_serving.ratio_lines(rows))
+    assert "raw forward limit (a) [(a') raw batched bfloat16, 2 procs]: 0.90x  (target >= 0.9x: met)" in text
+    assert "naive fp32 server (b) [(b) naive FastAPI fp32]: 4.50x  (target >= 4x: met)" in text
+    assert (
+        "ONNX Runtime best raw (d) [(d) ONNX Runtime int8, batch 1]: 1.80x  (target >= 2x: NOT met)" in text
+    )
+    assert "best flags [(c) shardserve flags #2]: 48.0 q/s" in text
+
+
+def test_explicit_configs_expand_cores_and_drop_duplicates():
+    args = bench_serving.build_parser().parse_args(
+        ["--cores", "4", "--extra-config", "--replicas 1 --threads-per-rank {cores}", "--extra-config", ""]
+    )
+    configs = bench_serving.explicit_configs(args)
+    assert configs[0] == ["--pp", "1", "--tp", "1", "--replicas", "2", "--threads-per-rank", "1"]
+    assert configs[1:] == [["--replicas", "1", "--threads-per-rank", "4"]]
+
+
+def test_machine_info_says_when_onnxruntime_is_absent(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
+    info = bench_serving.machine_info("float32")
+    assert info["onnxruntime"] is None and info["dtype"] == "float32"
+    assert info["cpu"] and isinstance(info["bf16_units"], bool) and isinstance(info["int8_units"], bool)

@@ -9,12 +9,10 @@ Measures examples/s for the same model, batch shape and cores:
 
 and prints every figure with its ratio to the 1-thread unpartitioned model. The target on 2 CPU
 cores is pp=2 >= 1.8x unpartitioned-1t. Every row runs at --dtype (auto: bf16 on CPUs with AMX /
-AVX512-BF16, as ``shardserve serve`` picks; the CPU and its units are printed with the figures);
---compile adds the gang rows again with the experimental ``GangSpec.compile`` (torch.compile of each
-stage, warmed up before the ranks report ready; the warm-up is not timed).
+AVX512-BF16, as ``shardserve serve`` picks; the CPU and its units are printed with the figures).
 
     python benchmarks/bench_partitioned.py                       # MiniLM, batch 8 x 256 tokens
-    python benchmarks/bench_partitioned.py --dtype float32 --configs 2x1 --compile
+    python benchmarks/bench_partitioned.py --dtype float32 --configs 2x1
     python benchmarks/bench_partitioned.py --model tiny-bert --batches 8 --configs 2x1,1x2
 """
 
@@ -66,19 +64,11 @@ def bench_gang(
     *,
     threads_per_rank: int,
     dtype: str = "float32",
-    compile: bool = False,
 ) -> float:
     """Examples/s of a gang with every micro-batch submitted at once (streamed through the stages)."""
     seq_len = batches[0][0].shape[1]
     plan = make_plan(source.config, dims, seq_len=seq_len)
-    spec = GangSpec(
-        source,
-        plan,
-        threads_per_rank=threads_per_rank,
-        dtype=dtype,
-        compile=compile,
-        warmup_lengths=(seq_len,),
-    )
+    spec = GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype)
     with Gang(spec, name=f"bench-pp{dims.pp}-tp{dims.tp}", start_timeout_s=900) as gang:
         gang.run(batches[:2], timeout_s=600)  # warm-up: every stage has seen the shapes
         t0 = time.perf_counter()
@@ -129,11 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         help="compute dtype of every row (auto: bf16 on CPUs with bf16 units, else fp32; span logits "
         "fp32) (default: %(default)s)",
     )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="also measure each gang layout with torch.compile'd stages (experimental GangSpec.compile)",
-    )
     args = parser.parse_args(argv)
     choice = resolve_dtype(args.dtype, "cpu")
 
@@ -160,15 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("transformers-1t", bench_in_process(ref.to(choice.dtype), batches, threads=1, hf=True)))
     torch.set_num_threads(1)
     for dims in _parse_configs(args.configs):
-        for compiled in (False, True) if args.compile else (False,):
-            rows.append(
-                (
-                    f"gang pp={dims.pp} tp={dims.tp} (1 thread/rank{', compiled' if compiled else ''})",
-                    bench_gang(
-                        source, dims, batches, threads_per_rank=1, dtype=choice.name, compile=compiled
-                    ),
-                )
+        rows.append(
+            (
+                f"gang pp={dims.pp} tp={dims.tp} (1 thread/rank)",
+                bench_gang(source, dims, batches, threads_per_rank=1, dtype=choice.name),
             )
+        )
 
     base = rows[0][1]
     print(

@@ -50,12 +50,6 @@ class GangSpec:
     backend: str = "auto"  # "gloo", "nccl" or "auto"
     collective_timeout_s: float = 120.0
     head_seed: int = 0
-    # Experimental (issue 9): torch.compile each serving stage (inductor, frozen weights, dynamic
-    # shapes), warmed up at every ``warmup_lengths`` length (batch 1 and 2) before the rank reports
-    # ready. Off by default: kept only where benchmarks/bench_kernels.py shows it winning.
-    compile: bool = False
-    compile_backend: str = "inductor"  # any torch.compile backend ("eager" in fast tests)
-    warmup_lengths: tuple[int, ...] = ()
     fault: FaultSpec | None = None
     # "module:function" every rank runs after joining the group: fn(ctx, queues, *, ready) -> None.
     # Serving streams forward passes; training plugs in its own schedule with ``extra`` settings.

@@ -126,16 +126,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def startup_line(settings: Any, model: Any, url: str) -> str:
+def startup_line(settings: Any, model: Any, url: str, precision: Any) -> str:
     """``shardserve: serving MODEL at URL (precision ..., plan ..., replicas ...)``."""
     plan = model.plan()
     stages = ", ".join(f"stage {st.index}: layers {st.layer_start}-{st.layer_end - 1}" for st in plan.stages)
-    precision = getattr(model, "dtype", None) or getattr(settings, "dtype", None) or "float32"
     lo, hi = settings.replica_bounds
     replicas = str(lo) if lo == hi else f"{lo}..{hi} (autoscaling)"
     return (
-        f"shardserve: serving {model.source.name} at {url} (precision {precision}, plan pp={plan.dims.pp} "
-        f"tp={plan.dims.tp} [{stages}], replicas {replicas}, device {settings.device})"
+        f"shardserve: serving {model.source.name} at {url} (precision {precision.name}: {precision.reason}; "
+        f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas} x "
+        f"{settings.rank_threads} thread(s) per rank, device {settings.device})"
     )
 
 
@@ -166,7 +166,7 @@ class DrainingServer(uvicorn.Server):
         shown = f"[{host}]" if ":" in str(host) else host
         self.url = f"http://{shown}:{port}"
         state = self._app.state
-        print(startup_line(state.settings, state.manager.model, self.url), flush=True)
+        print(startup_line(state.settings, state.manager.model, self.url, state.precision), flush=True)
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's 0.1 s tick: print "ready" once, and stop when the first gang cannot start."""

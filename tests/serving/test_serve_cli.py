@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.registry import resolve_model
+from partitioner.precision import resolve_dtype
 from serving.cli import build_parser, main
 
 
@@ -84,7 +85,9 @@ def test_startup_and_ready_lines_name_the_real_url_model_precision_and_plan() ->
         m = re.match(r"shardserve: serving tiny-bert at (http://127\.0\.0\.1:(\d+)) \((.*)\)$", start.strip())
         assert m, start
         url, port, rest = m.group(1), int(m.group(2)), m.group(3)
-        assert port != 0 and "precision " in rest and "pp=2 tp=1" in rest and "stage 1: layers" in rest
+        assert port != 0 and "pp=2 tp=1" in rest and "stage 1: layers" in rest
+        want = resolve_dtype("auto")  # what --dtype auto picks on this machine, and why
+        assert f"precision {want.name}: {want.reason}" in rest, rest
         ready = proc.stdout.readline()  # printed once the first gang is warm
         assert ready.startswith(f"shardserve: ready at {url}"), ready
         assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200

@@ -259,6 +259,11 @@ class Scheduler:
             raise ValueError("unreserve() without a reserve()")
         self._reserved -= 1
 
+    def _too_large(self, detail: str) -> Admission:
+        """A request that can never be served as sent (HTTP 413): counted, with the numbers."""
+        self._rejected["too_large"] += 1
+        return Admission(accepted=False, reason="too_large", detail=detail)
+
     def _queue_full(self) -> Admission:
         cfg = self.config
         self._rejected["queue_full"] += 1
@@ -300,25 +305,15 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is already queued or in flight")
         longest = max(windows_token_counts)
         if longest > cfg.length_buckets[-1]:
-            self._rejected["too_large"] += 1
-            return Admission(
-                accepted=False,
-                reason="too_large",
-                detail=(
-                    f"window of {longest} tokens exceeds the largest length bucket "
-                    f"{cfg.length_buckets[-1]} (max_batch_tokens={cfg.max_batch_tokens})"
-                ),
+            return self._too_large(
+                f"window of {longest} tokens exceeds the largest length bucket "
+                f"{cfg.length_buckets[-1]} (max_batch_tokens={cfg.max_batch_tokens})"
             )
         if len(windows_token_counts) > cfg.max_windows_per_request:
-            self._rejected["too_large"] += 1
-            return Admission(
-                accepted=False,
-                reason="too_large",
-                detail=(
-                    f"the request needs {len(windows_token_counts)} windows, "
-                    f"max_windows_per_request={cfg.max_windows_per_request}: send shorter contexts or "
-                    "fewer items per call"
-                ),
+            return self._too_large(
+                f"the request needs {len(windows_token_counts)} windows, "
+                f"max_windows_per_request={cfg.max_windows_per_request}: send shorter contexts or "
+                "fewer items per call"
             )
         if self._queued_requests + self._reserved >= cfg.max_queue_size:
             return self._queue_full()
@@ -327,15 +322,10 @@ class Scheduler:
         if rate and len(windows_token_counts) > 1 and len(windows_token_counts) / rate > deadline - now:
             # it could not finish in time even with the replicas to itself: refuse now rather than
             # compute part of it and answer 504 (wasted work)
-            self._rejected["too_large"] += 1
-            return Admission(
-                accepted=False,
-                reason="too_large",
-                detail=(
-                    f"the request needs {len(windows_token_counts)} windows: about "
-                    f"{len(windows_token_counts) / rate:.1f} s at the measured {rate:.1f} windows/s, more "
-                    f"than its deadline of {max(0.0, deadline - now):.1f} s; send less text or a longer timeout_s"
-                ),
+            return self._too_large(
+                f"the request needs {len(windows_token_counts)} windows: about "
+                f"{len(windows_token_counts) / rate:.1f} s at the measured {rate:.1f} windows/s, more "
+                f"than its deadline of {max(0.0, deadline - now):.1f} s; send less text or a longer timeout_s"
             )
         req = _Request(request_id, len(windows_token_counts), deadline, remaining=len(windows_token_counts))
         seq = next(self._seq)

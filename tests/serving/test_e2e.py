@@ -242,18 +242,24 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
         items = [{"question": q, "context": c} for q, c in PAIRS] * 16  # 64 pairs, ~130 windows
         with ThreadPoolExecutor(6) as pool:
             futures = [
-                pool.submit(httpx.post, f"{base}/v1/qa/batch", json={"items": items}, timeout=120)
+                # a generous deadline: on a busy machine the measured rate is low, and a request that
+                # cannot finish before its deadline is refused up front (413) instead of admitted
+                pool.submit(
+                    httpx.post, f"{base}/v1/qa/batch", json={"items": items, "timeout_s": 240}, timeout=240
+                )
                 for _ in range(6)
             ]
 
             def ongoing() -> bool:
+                early = [f.result().status_code for f in futures if f.done()]
+                assert not early, f"requests answered before all were admitted: {early}"
                 text = httpx.get(f"{base}/metrics", timeout=5).text
                 line = next(x for x in text.splitlines() if x.startswith("shardserve_ongoing_requests "))
                 return float(line.split()[1]) >= 6  # every request admitted
 
-            wait_until(ongoing, timeout=30, what="requests in flight")
+            wait_until(ongoing, timeout=60, what="requests in flight")
             proc.send_signal(signal.SIGTERM)
-            responses = [f.result(timeout=120) for f in futures]
+            responses = [f.result(timeout=240) for f in futures]
         assert [r.status_code for r in responses] == [200] * 6
         for r in responses:
             results = r.json()["results"]

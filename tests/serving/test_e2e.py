@@ -250,14 +250,16 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
                 for _ in range(6)
             ]
 
-            def ongoing() -> bool:
-                early = [f.result().status_code for f in futures if f.done()]
-                assert not early, f"requests answered before all were admitted: {early}"
+            def all_admitted_some_in_flight() -> bool:
+                # fair scheduling may finish one request while the last are still being tokenized:
+                # every request must be admitted (in flight or answered) and some still in flight
+                done = sum(f.done() for f in futures)
                 text = httpx.get(f"{base}/metrics", timeout=5).text
                 line = next(x for x in text.splitlines() if x.startswith("shardserve_ongoing_requests "))
-                return float(line.split()[1]) >= 6  # every request admitted
+                in_flight = float(line.split()[1])
+                return in_flight >= 1 and in_flight + done >= 6
 
-            wait_until(ongoing, timeout=60, what="requests in flight")
+            wait_until(all_admitted_some_in_flight, timeout=60, what="requests admitted and in flight")
             proc.send_signal(signal.SIGTERM)
             responses = [f.result(timeout=240) for f in futures]
         assert [r.status_code for r in responses] == [200] * 6

@@ -40,8 +40,9 @@ COPY partitioner ./partitioner
 COPY serving ./serving
 COPY training ./training
 COPY loadtest ./loadtest
+COPY shardserve ./shardserve
 # the project itself (not editable); torch is already satisfied, so no other torch is pulled
-RUN pip install --no-cache-dir /src && python -c "import serving.cli, models.registry"
+RUN pip install --no-cache-dir /src && python -c "import shardserve.cli, models.registry"
 
 FROM python:${PYTHON_VERSION}-slim AS runtime
 ARG VARIANT

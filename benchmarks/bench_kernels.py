@@ -126,8 +126,8 @@ def load_windows(model: str, squad: Path, *, seq_len: int, n: int):
     text when the SQuAD file is absent)."""
     from transformers import AutoTokenizer
 
+    from models.qa_processing import encode_qa, pad_windows
     from models.registry import resolve_model
-    from serving.qa_processing import encode_qa, pad_windows
 
     source = resolve_model(model)
     pairs = _pairs(squad, n)

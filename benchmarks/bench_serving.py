@@ -133,8 +133,8 @@ def bench_raw(
     from transformers import AutoTokenizer
 
     from models.build import build_model
+    from models.qa_processing import encode_qa, pad_windows
     from models.registry import resolve_model
-    from serving.qa_processing import encode_qa, pad_windows
 
     torch.set_num_threads(threads)
     source = resolve_model(args.model)
@@ -260,9 +260,9 @@ def run_naive_server(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from models.build import build_model
+    from models.qa_processing import decode_spans, encode_qa, pad_windows
     from models.registry import resolve_model
     from partitioner.precision import DTYPES
-    from serving.qa_processing import decode_spans, encode_qa, pad_windows
 
     torch.set_num_threads(args.cores)
     source = resolve_model(args.model)
@@ -677,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                "--cores", str(cores), "--max-seq-len", str(args.max_seq_len), "--naive-dtype", naive_dtype]  # fmt: skip
         logger.info("%s, 1 request at a time, %d clients", name, args.clients)
         results.append(bench_server(cmd, port, pairs, args, name, f"{cores} threads, {naive_dtype}"))
-    base = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "serve", "--model", args.model,
+    base = [sys.executable, "-m", "shardserve.cli", "--log-level", "WARNING", "serve", "--model", args.model,
             "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
             "--max-queue-size", str(max(256, 4 * args.clients))]  # fmt: skip
     if "default" not in skip:

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from models.qa_processing import EncodedBatch, QAPrediction, decode_spans, encode_qa, pad_windows
 from serving.metrics import ServingMetrics
-from serving.qa_processing import EncodedBatch, QAPrediction, decode_spans, encode_qa, pad_windows
 from serving.replicas import Replica, ReplicaManager, ReplicaState
 from serving.scheduler import Dispatch, ReplicaView, Scheduler, SchedulerConfig
 

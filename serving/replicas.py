@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import torch
 
+from models.qa_processing import encode_qa, pad_windows
 from models.registry import ModelSource
 from partitioner.plan import ParallelDims, PartitionPlan, make_plan
 from serving.metrics import ServingMetrics
-from serving.qa_processing import encode_qa, pad_windows
 from serving.redact import one_line, scrub_paths
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
+from models.qa_processing import QAInputError, validate_qa_inputs
 from serving.engine import ClientGone, EngineError, PairResult, QAPair
-from serving.qa_processing import QAInputError, validate_qa_inputs
 from serving.redact import one_line
 from serving.schemas import (
     AnswerOut,

@@ -2,7 +2,7 @@
 
 Requests are strict: a wrong JSON type (``"top_k": "3"``) or an unknown field is a 422 with the
 offending location, never a silent coercion. Text limits that depend on settings (context length)
-are checked by the routes with ``serving.qa_processing.validate_qa_inputs``.
+are checked by the routes with ``models.qa_processing.validate_qa_inputs``.
 
 No answer (SQuAD 2.0): when a ``null_threshold`` is configured and the model prefers to abstain,
 ``no_answer`` is true and ``answers`` is EMPTY; without a threshold ``no_answer`` is always false.
@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serving.qa_processing import MAX_ANSWER_LENGTH_RANGE, TOP_K_RANGE
+from models.qa_processing import MAX_ANSWER_LENGTH_RANGE, TOP_K_RANGE
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 

@@ -1,6 +1,6 @@
 """``shardserve eval``: SQuAD exact match / F1 of a model, single-process or through a serving gang.
 
-The evaluation windows are exactly the serving windows (``serving.qa_processing.encode_qa``); the
+The evaluation windows are exactly the serving windows (``models.qa_processing.encode_qa``); the
 logits come from ``build_model`` (pp = tp = 1) or from a gang of ``pp * tp`` ranks running the
 serving schedule; answers are decoded like the server does and scored with the official SQuAD
 normalisation (``training/squad_metrics.py``: HasAns / NoAns blocks on v2.0 data).

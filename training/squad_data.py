@@ -2,7 +2,7 @@
 
 This module owns reading SQuAD-format files (with validation of every answer label), the
 deterministic train/eval split by article, and turning examples into model features. Windowing is
-NOT implemented here: it is `serving.qa_processing.encode_qa`, the same code the server runs, so
+NOT implemented here: it is `models.qa_processing.encode_qa`, the same code the server runs, so
 training and serving see identical windows and offsets.
 
 Usage::
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from serving.qa_processing import (
+from models.qa_processing import (
     EncodedBatch,
     QAPrediction,
     QAWindow,

@@ -50,7 +50,7 @@ def _free_port() -> int:
 def server(tmp_path: Path):
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "serving.cli", "--log-level", "INFO", "serve",
+        sys.executable, "-m", "shardserve.cli", "--log-level", "INFO", "serve",
         "--model", "tiny-bert", "--host", "127.0.0.1", "--port", str(port),
         "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
         "--upscale-delay-s", "2", "--downscale-delay-s", "4", "--look-back-period-s", "3",

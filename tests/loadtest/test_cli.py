@@ -10,8 +10,8 @@ import argparse
 
 import pytest
 
-from serving.cli import build_parser
-from serving.cli import main as shardserve_main
+from shardserve.cli import build_parser
+from shardserve.cli import main as shardserve_main
 
 
 def _loadtest_parser() -> argparse.ArgumentParser:

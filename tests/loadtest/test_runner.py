@@ -20,7 +20,7 @@ from loadtest.checks import is_loopback_host
 from loadtest.report import PLOTS
 from loadtest.runner import LOCUSTFILE, LoadTestConfig, LoadTestError, run_loadtest, wait_ready
 from loadtest.scenarios import GammaArrivals, ScenarioConfig
-from serving.cli import main as shardserve_main
+from shardserve.cli import main as shardserve_main
 from tests.loadtest.stub_server import StubServer
 
 # locust is never imported here: it monkey-patches the process with gevent on import

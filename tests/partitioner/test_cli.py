@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from serving.cli import main
+from shardserve.cli import main
 
 
 def test_plan_table(capsys):

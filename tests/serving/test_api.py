@@ -553,8 +553,8 @@ def test_client_disconnect_over_real_http_cancels_queued_work() -> None:
 
 
 def test_serve_flags_and_environment_map_onto_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.cli import build_parser
     from serving.serve_cli import settings_from_args
+    from shardserve.cli import build_parser
 
     monkeypatch.setenv("SHARDSERVE_MAX_QUEUE_SIZE", "7")
     monkeypatch.setenv("SHARDSERVE_PORT", "1234")
@@ -582,7 +582,7 @@ def test_serve_flags_and_environment_map_onto_settings(monkeypatch: pytest.Monke
 
 
 def test_serve_help_documents_every_setting() -> None:
-    from serving.cli import build_parser
+    from shardserve.cli import build_parser
 
     parser = build_parser()
     serve = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]

@@ -24,8 +24,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from models.build import build_model
+from models.qa_processing import decode_spans, encode_qa, pad_windows
 from serving.app import build_app
-from serving.qa_processing import decode_spans, encode_qa, pad_windows
 from serving.replicas import ReplicaState
 from serving.settings import ServeSettings
 from tests.serving.test_api import CONTEXT, TOKEN, wait_until
@@ -210,7 +210,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
         [
             sys.executable,
             "-m",
-            "serving.cli",
+            "shardserve.cli",
             "--log-level",
             "INFO",
             "serve",

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from models.registry import resolve_model
 from partitioner.precision import resolve_dtype
-from serving.cli import build_parser, main
+from shardserve.cli import build_parser, main
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:
@@ -69,7 +69,7 @@ def test_log_level_is_accepted_after_the_subcommand() -> None:
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "serving.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
+        [sys.executable, "-m", "shardserve.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

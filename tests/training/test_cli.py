@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.cli import main
+from shardserve.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

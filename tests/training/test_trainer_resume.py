@@ -27,7 +27,7 @@ from partitioner.gang import Gang, GangError
 from partitioner.lora import merged_state_dict
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.worker import GangSpec
-from serving.cli import main as shardserve_main
+from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
 from training.checkpoint import list_checkpoints
 from training.export_overlay import export_overlay
@@ -162,7 +162,7 @@ def test_sigkilled_cli_run_resumes_to_the_same_weights(tmp_path):
     want = load_file(str(train(cfg, show_progress=False).final_checkpoint / "model.safetensors"))
     out = tmp_path / "killed"
     argv = [
-        sys.executable, "-m", "serving.cli", "train", "--model", "tiny-bert", "--train-file", cfg.train_file,
+        sys.executable, "-m", "shardserve.cli", "train", "--model", "tiny-bert", "--train-file", cfg.train_file,
         "--output", str(out), "--pp", "2", "--batch-size", "8", "--micro-batch-size", "2", "--max-steps", "8",
         "--lr", "1e-3", "--warmup-ratio", str(cfg.warmup_ratio), "--max-grad-norm", "0.5", "--dropout", "0.1",
         "--adam-eps", str(cfg.adam_eps), "--weight-decay", str(cfg.weight_decay),

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from serving.qa_processing import (
+from models.qa_processing import (
     Answer,
     QAInputError,
     QAWindow,

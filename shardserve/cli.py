@@ -1,4 +1,4 @@
-"""The ``shardserve`` console script: one entry point, a subcommand per job.
+"""The ``shardserve`` console script: one entry point, a subcommand per job (each package adds its own).
 
 shardserve plan --model minilm --pp 2 --tp 2     # how the model is split
 shardserve verify --model tiny-bert --pp 2 --tp 2  # parity with transformers

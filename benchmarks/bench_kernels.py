@@ -126,7 +126,7 @@ def load_windows(model: str, squad: Path, *, seq_len: int, n: int):
     text when the SQuAD file is absent)."""
     from transformers import AutoTokenizer
 
-    from models.qa_processing import encode_qa, pad_windows
+    from models.qa_processing import WindowConfig, encode_qa, pad_windows
     from models.registry import resolve_model
 
     source = resolve_model(model)
@@ -137,9 +137,9 @@ def load_windows(model: str, squad: Path, *, seq_len: int, n: int):
         tok,
         [q for q, _ in pairs],
         [c for _, c in pairs],
-        max_seq_len=seq_len,
-        doc_stride=max(8, min(128, seq_len - q_len - 8) // 2),
-        max_question_len=q_len,
+        window=WindowConfig(
+            max_seq_len=seq_len, doc_stride=max(8, min(128, seq_len - q_len - 8) // 2), max_question_len=q_len
+        ),
     )
     windows = (enc.windows * (1 + n // max(1, len(enc.windows))))[:n]
     return source, pad_windows(windows, pad_token_id=enc.pad_token_id, pad_to_length=seq_len)

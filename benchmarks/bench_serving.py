@@ -133,7 +133,7 @@ def bench_raw(
     from transformers import AutoTokenizer
 
     from models.build import build_model
-    from models.qa_processing import encode_qa, pad_windows
+    from models.qa_processing import WindowConfig, encode_qa, pad_windows
     from models.registry import resolve_model
 
     torch.set_num_threads(threads)
@@ -143,9 +143,7 @@ def bench_raw(
         tok,
         [q for q, _ in pairs],
         [c for _, c in pairs],
-        max_seq_len=args.max_seq_len,
-        doc_stride=128,
-        max_question_len=64,
+        window=WindowConfig(max_seq_len=args.max_seq_len, doc_stride=128, max_question_len=64),
     )
     # batch 1 keeps arrival order (what a one-at-a-time server computes); batches are length-sorted
     windows = enc.windows if batch_size == 1 else sorted(enc.windows, key=lambda w: w.num_tokens)
@@ -260,7 +258,7 @@ def run_naive_server(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from models.build import build_model
-    from models.qa_processing import decode_spans, encode_qa, pad_windows
+    from models.qa_processing import WindowConfig, decode_spans, encode_qa, pad_windows
     from models.registry import resolve_model
     from partitioner.precision import DTYPES
 
@@ -283,9 +281,7 @@ def run_naive_server(args: argparse.Namespace) -> None:
                 tok,
                 [body["question"]],
                 [body["context"]],
-                max_seq_len=args.max_seq_len,
-                doc_stride=128,
-                max_question_len=64,
+                window=WindowConfig(max_seq_len=args.max_seq_len, doc_stride=128, max_question_len=64),
             )
             b = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
             out = model(b.input_ids, b.attention_mask, b.token_type_ids if types else None)  # (W, S, 2)

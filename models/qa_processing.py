@@ -9,7 +9,7 @@ Usage::
 
     tok = transformers.AutoTokenizer.from_pretrained(path)          # must be a *fast* tokenizer
     validate_qa_inputs(question, context, top_k=3, max_answer_length=30)   # raises QAInputError
-    enc = encode_qa(tok, [question], [context], max_seq_len=384, doc_stride=128, max_question_len=64)
+    enc = encode_qa(tok, [question], [context], window=WindowConfig(max_seq_len=384, doc_stride=128))
     batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)  # (n_windows, seq_len) tensors
     start, end = model(**batch.model_inputs())                       # (n_windows, seq_len) each
     preds = decode_encoded(enc, start, end, [context], top_k=3, max_answer_length=30)
@@ -166,6 +166,9 @@ class WindowConfig:
             )
 
 
+DEFAULT_WINDOW = WindowConfig()
+
+
 @dataclass
 class QAWindow:
     """One unpadded model input window of one (question, context) pair."""
@@ -306,24 +309,15 @@ def encode_qa(
     questions: Sequence[str],
     contexts: Sequence[str],
     *,
-    max_seq_len: int = 384,
-    doc_stride: int = 128,
-    max_question_len: int = 64,
-    question_overflow: QuestionOverflow = "truncate",
+    window: WindowConfig = DEFAULT_WINDOW,
 ) -> EncodedBatch:
     """Tokenize (question, context) pairs into overlapping, unpadded windows with context offsets.
 
     ``tokenizer`` must be a Hugging Face *fast* tokenizer. Raises `QAInputError` for an empty
-    question/context, a context that yields no tokens, or (``question_overflow="reject"``) a question
-    over ``max_question_len`` tokens; ``ValueError`` for inconsistent settings.
+    question/context, a context that yields no tokens, or (``window.question_overflow="reject"``) a
+    question over ``window.max_question_len`` tokens; ``ValueError`` for inconsistent settings.
     """
-    cfg = WindowConfig(
-        max_seq_len=max_seq_len,
-        doc_stride=doc_stride,
-        max_question_len=max_question_len,
-        question_overflow=question_overflow,
-    )
-    cfg.check_tokenizer(tokenizer)
+    window.check_tokenizer(tokenizer)
     if len(questions) != len(contexts):
         raise ValueError(f"got {len(questions)} questions but {len(contexts)} contexts")
     if not questions:
@@ -338,22 +332,24 @@ def encode_qa(
     enc_questions = list(questions)
     truncated = [False] * len(questions)
     for i, n in enumerate(q_lens):
-        if n <= max_question_len:
+        if n <= window.max_question_len:
             continue
-        if question_overflow == "reject":
+        if window.question_overflow == "reject":
             raise QAInputError(
-                "question", f"pair {i}: question has {n} tokens, max_question_len is {max_question_len}", n
+                "question",
+                f"pair {i}: question has {n} tokens, max_question_len is {window.max_question_len}",
+                n,
             )
-        enc_questions[i] = _truncate_question(tokenizer, questions[i], max_question_len)
+        enc_questions[i] = _truncate_question(tokenizer, questions[i], window.max_question_len)
         truncated[i] = True
-        logger.debug("question %d truncated from %d to <= %d tokens", i, n, max_question_len)
+        logger.debug("question %d truncated from %d to <= %d tokens", i, n, window.max_question_len)
 
     enc = tokenizer(
         enc_questions,
         list(contexts),
         truncation="only_second",
-        max_length=max_seq_len,
-        stride=doc_stride,
+        max_length=window.max_seq_len,
+        stride=window.doc_stride,
         return_overflowing_tokens=True,
         return_offsets_mapping=True,
         padding=False,

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from models.qa_processing import EncodedBatch, QAPrediction, decode_spans, encode_qa, pad_windows
+from models.qa_processing import (
+    EncodedBatch,
+    QAPrediction,
+    WindowConfig,
+    decode_spans,
+    encode_qa,
+    pad_windows,
+)
 from serving.metrics import ServingMetrics
 from serving.replicas import Replica, ReplicaManager, ReplicaState
 from serving.scheduler import Dispatch, ReplicaView, Scheduler, SchedulerConfig
@@ -223,9 +230,11 @@ class Engine:
             self.manager.model.tokenizer,
             [p.question for p in pairs],
             [p.context for p in pairs],
-            max_seq_len=self.max_seq_len,
-            doc_stride=self.doc_stride,
-            max_question_len=self.max_question_len,
+            window=WindowConfig(
+                max_seq_len=self.max_seq_len,
+                doc_stride=self.doc_stride,
+                max_question_len=self.max_question_len,
+            ),
         )
 
     def _admit(

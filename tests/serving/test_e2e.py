@@ -24,7 +24,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from models.build import build_model
-from models.qa_processing import decode_spans, encode_qa, pad_windows
+from models.qa_processing import WindowConfig, decode_spans, encode_qa, pad_windows
 from serving.app import build_app
 from serving.replicas import ReplicaState
 from serving.settings import ServeSettings
@@ -75,9 +75,9 @@ def reference_answer(client: TestClient, question: str, context: str) -> dict[st
         model.tokenizer,
         [question],
         [context],
-        max_seq_len=s.max_seq_len,
-        doc_stride=s.doc_stride,
-        max_question_len=s.max_question_len,
+        window=WindowConfig(
+            max_seq_len=s.max_seq_len, doc_stride=s.doc_stride, max_question_len=s.max_question_len
+        ),
     )
     batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
     net = _reference_model(model.source)

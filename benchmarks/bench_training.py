@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from models.qa_processing import WindowConfig
 from partitioner.precision import PRECISION_CHOICES, cpu_capabilities, resolve_dtype
 from training.trainer import TrainConfig, train
 
@@ -50,9 +51,11 @@ def run_one(args: argparse.Namespace, *, pp: int, micro: int, out: Path) -> floa
         max_steps=args.steps,
         lr=1e-4,
         dropout=0.0,
-        max_seq_len=args.seq_len,
-        doc_stride=args.seq_len // 2,
-        max_question_len=min(64, args.seq_len // 4),
+        window=WindowConfig(
+            max_seq_len=args.seq_len,
+            doc_stride=args.seq_len // 2,
+            max_question_len=min(64, args.seq_len // 4),
+        ),
         seed=0,
         log_every=0,
         threads_per_rank=max(1, (os.cpu_count() or 1) // pp),

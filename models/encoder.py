@@ -186,20 +186,3 @@ class EncoderForQA(nn.Module):
         """Whole-model convenience: (B, S) ids -> start, end logits, each (B, S)."""
         logits = self(input_ids, attention_mask, token_type_ids)
         return logits[..., 0], logits[..., 1]
-
-
-@torch.no_grad()
-def init_weights(module: nn.Module, *, std: float, generator: torch.Generator | None = None) -> None:
-    """BERT initialisation: normal(0, std) weights, zero biases, unit LayerNorms."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear | nn.Embedding):
-            m.weight.normal_(0.0, std, generator=generator)
-            if getattr(m, "bias", None) is not None:
-                m.bias.zero_()
-        elif isinstance(m, nn.LayerNorm):
-            m.weight.fill_(1.0)
-            m.bias.zero_()
-
-
-def num_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

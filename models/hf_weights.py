@@ -2,14 +2,18 @@
 
 ``CheckpointReader`` opens a local HF model directory (``model.safetensors``, a sharded
 ``model.safetensors.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``) and
-reads single tensors or slices of them lazily: safetensors slices come straight off the mmap, so a
-rank that owns a quarter of a matrix reads a quarter of its bytes.
+reads whole tensors or index regions of them (``Region``, a tuple of slices) lazily: safetensors
+regions come straight off the mmap, so a caller that wants a quarter of a matrix reads a quarter of
+its bytes.
 
 ``hf_name(arch, canonical)`` maps this project's canonical parameter names (``models/encoder.py``)
-to Hugging Face names; ``load_weights(module, source)`` fills every parameter of a (possibly
-partial, possibly sharded) ``EncoderForQA`` from a ``WeightSource``. A module with a
-``shard_specs`` dict (parameter local name -> ``ShardSlice``, set by ``partitioner/``) receives only
-those slices.
+to Hugging Face names; ``load_weights(module, source, config)`` fills every parameter of a
+(possibly partial) ``EncoderForQA`` from a ``WeightSource``. Its ``region_of`` hook (canonical
+name -> ``Region`` or None) lets a caller ask for only part of each stored tensor; what such a part
+means (a tensor-parallel shard) is ``partitioner/shard_loading.py``'s business, not this module's.
+
+    report = load_weights(model, source.weights(), config)                  # whole tensors
+    report = load_weights(part, weights, config, region_of=lambda name: (slice(0, 32),))
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,18 +34,15 @@ from models.config import EncoderConfig
 
 logger = logging.getLogger(__name__)
 
+Region = tuple[slice, ...]
+"""Which part of a stored tensor to read: one step-less slice per leading dimension (``t[region]``)."""
+
+RegionOf = Callable[[str], Region | None]
+"""Canonical parameter name -> the region of its stored tensor to load, None for all of it."""
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not match the config; the message names the file."""
-
-
-@dataclass(frozen=True)
-class ShardSlice:
-    """The part of a full tensor a rank holds: ``length`` entries from ``start`` along ``dim``."""
-
-    dim: int
-    start: int
-    length: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,8 +103,14 @@ def to_hf_state_dict(arch: str, state: dict[str, torch.Tensor]) -> dict[str, tor
 # ---------------------------------------------------------------------------------------------
 
 
-def _take(tensor: torch.Tensor, shard: ShardSlice | None) -> torch.Tensor:
-    return tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.length)
+def region_shape(shape: tuple[int, ...], region: Region | None) -> tuple[int, ...] | None:
+    """Shape of ``tensor[region]`` for a tensor of ``shape``; None when the region has too many dims."""
+    if region is None:
+        return tuple(shape)
+    if len(region) > len(shape):
+        return None
+    sliced = [len(range(*s.indices(size))) for s, size in zip(region, shape, strict=False)]
+    return (*sliced, *shape[len(region) :])
 
 
 class _SafetensorsFile:
@@ -117,14 +125,12 @@ class _SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handle.get_slice(name).get_shape())
 
-    def read(self, name: str, shard: ShardSlice | None) -> torch.Tensor:
+    def read(self, name: str, region: Region | None) -> torch.Tensor:
         try:
-            if shard is None:
+            if region is None:
                 return self.handle.get_tensor(name)
             sl = self.handle.get_slice(name)
-            index = [slice(None)] * len(sl.get_shape())
-            index[shard.dim] = slice(shard.start, shard.start + shard.length)
-            return sl[tuple(index)]
+            return sl[(*region, *[slice(None)] * (len(sl.get_shape()) - len(region)))]
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: cannot read tensor {name!r} ({exc})") from exc
 
@@ -147,8 +153,9 @@ class _TorchBinFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.state[name].shape)
 
-    def read(self, name: str, shard: ShardSlice | None) -> torch.Tensor:
-        return _take(self.state[name], shard).clone()
+    def read(self, name: str, region: Region | None) -> torch.Tensor:
+        tensor = self.state[name]
+        return (tensor if region is None else tensor[region]).clone()
 
 
 class CheckpointReader:
@@ -202,8 +209,9 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._files[self._where[name]].shape(name)
 
-    def read(self, name: str, shard: ShardSlice | None = None) -> torch.Tensor:
-        return self._files[self._where[name]].read(name, shard)
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only ``tensor[region]`` (read off the mmap for safetensors)."""
+        return self._files[self._where[name]].read(name, region)
 
 
 @dataclass
@@ -270,27 +278,28 @@ def load_weights(
     config: EncoderConfig,
     *,
     head_seed: int = 0,
+    region_of: RegionOf | None = None,
 ) -> LoadReport:
     """Fill every parameter of ``module`` (already materialised, e.g. by ``to_empty``) from ``source``.
 
-    Parameters listed in their module's ``shard_specs`` get only their slice. A missing QA head (base
-    encoder checkpoints such as the bundled MiniLM) is initialised with a fixed seed, identically
-    on every rank, and reported; any other missing tensor or shape mismatch is a CheckpointError.
+    ``region_of(name)`` (default: None for every name) picks the part of the stored tensor a
+    parameter receives; only that part is read. A missing QA head (base encoder checkpoints such
+    as the bundled MiniLM) is initialised with a fixed seed, identically for every caller, and
+    reported; any other missing tensor or shape mismatch is a CheckpointError.
 
     LoRA overlays: when an overlay holds ``X.lora_A`` (r, in) and ``X.lora_B`` (out, r) for a linear
-    ``X`` (scale already folded into B), ``X.weight`` receives ``W + B A``, slice-aware: a
-    row-sharded (column-parallel) weight takes the matching rows of B, a column-sharded
-    (row-parallel) one the matching columns of A.
+    ``X`` (scale already folded into B), ``X.weight`` receives ``W + B A``, region by region:
+    ``(W + B A)[rows, cols] = W[rows, cols] + B[rows, :] A[:, cols]``, so only those rows of B and
+    columns of A are read.
     """
     report = LoadReport()
     for name, param in module.named_parameters():
-        owner_name, _, local = name.rpartition(".")
-        shard: ShardSlice | None = getattr(module.get_submodule(owner_name), "shard_specs", {}).get(local)
+        region = region_of(name) if region_of is not None else None
         found = source.locate(name)
         if found is None:
             if name.startswith("qa_outputs."):
                 full = _init_head_tensor(name, config, seed=head_seed)
-                param.copy_(_take(full, shard))
+                param.copy_(full if region is None else full[region])
                 report.initialised.append(name)
                 continue
             raise CheckpointError(
@@ -298,19 +307,15 @@ def load_weights(
             )
         reader, stored = found
         full_shape = reader.shape(stored)
-        expected_full = list(param.shape)
-        if shard is not None:
-            expected_full[shard.dim] = full_shape[shard.dim] if len(full_shape) > shard.dim else -1
-        if tuple(expected_full) != full_shape or (
-            shard is not None and shard.start + shard.length > full_shape[shard.dim]
-        ):
+        if region_shape(full_shape, region) != tuple(param.shape):
+            where = "" if region is None else f" (reading region {region})"
             raise CheckpointError(
                 f"{reader.file_of(stored)}: tensor {stored!r} has shape {list(full_shape)}, but the config "
-                f"expects {list(param.shape)} (shard={shard})"
+                f"expects {list(param.shape)}{where}"
             )
-        tensor = reader.read(stored, shard)
+        tensor = reader.read(stored, region)
         if name.endswith(".weight"):
-            tensor = _add_lora_delta(tensor, source, name[: -len(".weight")], shard)
+            tensor = _add_lora_delta(tensor, source, name[: -len(".weight")], region)
         param.copy_(tensor.to(param.dtype))
         report.bytes_read += tensor.numel() * tensor.element_size()
     if report.initialised:
@@ -324,21 +329,21 @@ def load_weights(
 
 
 def _add_lora_delta(
-    weight: torch.Tensor, source: WeightSource, owner: str, shard: ShardSlice | None
+    weight: torch.Tensor, source: WeightSource, owner: str, region: Region | None
 ) -> torch.Tensor:
-    """``weight`` (a slice of (out, in)) plus the overlay's ``B A`` restricted to the same slice."""
+    """``weight`` (``W[region]`` of an (out, in) ``W``) plus the overlay's ``(B A)[region]``."""
     found_a = source.overlay_tensor(f"{owner}.lora_A")
     found_b = source.overlay_tensor(f"{owner}.lora_B")
     if found_a is None and found_b is None:
         return weight
     if found_a is None or found_b is None:
         raise CheckpointError(f"overlay has only one LoRA factor of {owner!r} (need lora_A and lora_B)")
-    a = (
-        found_a[0].read(found_a[1], shard if shard is not None and shard.dim == 1 else None).float()
-    )  # (r, in')
-    b = (
-        found_b[0].read(found_b[1], shard if shard is not None and shard.dim == 0 else None).float()
-    )  # (out', r)
+    a_region = b_region = None
+    if region is not None:
+        rows, cols = (*region, slice(None), slice(None))[:2]
+        a_region, b_region = (slice(None), cols), (rows,)
+    a = found_a[0].read(found_a[1], a_region).float()  # (r, in')
+    b = found_b[0].read(found_b[1], b_region).float()  # (out', r)
     delta = b @ a  # (out', in')
     if delta.shape != weight.shape:
         raise CheckpointError(

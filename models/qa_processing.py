@@ -29,16 +29,28 @@ Conventions (documented once, here):
 * **Long questions.** Questions longer than ``max_question_len`` tokens are truncated by default
   (``question_overflow="truncate"``): the question text is cut at the last whole word that fits, and
   ``EncodedBatch.question_truncated`` records it. ``question_overflow="reject"`` raises `QAInputError`.
-* **Score.** Per window, the start and end logits are softmax-normalised over the tokens a model may
-  point at (the context tokens plus the CLS token at index 0, as in the Hugging Face QA pipeline);
-  a span's ``score = p_start * p_end`` in ``[0, 1]``. Spans are ranked by this score; the same
-  character span found in several overlapping windows is reported once, with its best score.
+* **Score (calibrated across windows).** The start logits of ALL windows of one example are
+  softmax-normalised together, as ONE distribution over every position a model may point at: the
+  context tokens of every window (a token in the overlap of two windows is a position in each) plus
+  a single null position, the CLS logit (index 0) of the window with the lowest null score; the end
+  logits likewise. A span's ``score = p_start * p_end`` in ``[0, 1]`` is then comparable across
+  windows and questions. As the normalisers are shared by every span of the example, spans rank by
+  ``start_logit + end_logit`` (the Hugging Face ``run_qa`` rule), and a one-window context gets
+  exactly the per-window softmax over its context tokens + CLS (the Hugging Face QA pipeline's).
+  Before issue 11 each window was normalised on its own, so a window without the answer still
+  summed to 1 and its best span could outscore the right one from another window; on long
+  contexts (~14 windows) that cost 4 EM / 6 F1 points (``benchmarks/bench_long_context.py``,
+  ``docs/benchmarks.md``).
+  The same character span found in several overlapping windows is reported once, with its best
+  score.
 * **No answer (SQuAD 2.0).** ``null_score`` = min over windows of ``start_logit[0] + end_logit[0]``
   (the CLS token), and ``best_span_logit`` = max over valid spans of ``start_logit + end_logit``
-  (both in logit space, as in Hugging Face ``run_qa`` post-processing). With a float
-  ``null_threshold``, ``no_answer = null_score - best_span_logit > null_threshold``; ``None`` (the
-  default) disables no-answer so a SQuAD-1.1 model always answers. ``answers`` always holds the best
-  non-null spans; ``no_answer`` says the model prefers to abstain.
+  (both in logit space, as in Hugging Face ``run_qa`` post-processing; the best span is the top
+  answer). With a float ``null_threshold``, ``no_answer = null_score - best_span_logit >
+  null_threshold``; ``None`` (the default) disables no-answer so a SQuAD-1.1 model always answers.
+  The server takes its ``--null-threshold`` as the default and a request's ``null_threshold`` field
+  (`validate_null_threshold`: finite, in ``NULL_THRESHOLD_RANGE``) overrides it. ``answers`` always
+  holds the best non-null spans; ``no_answer`` says the model prefers to abstain.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 TOP_K_RANGE = (1, 20)
 MAX_ANSWER_LENGTH_RANGE = (1, 512)
+NULL_THRESHOLD_RANGE = (-1000.0, 1000.0)  # per-request bound (logit units; real diffs are within +-50)
 DEFAULT_MAX_CONTEXT_CHARS = 100_000
 DEFAULT_MAX_QUESTION_CHARS = 2_000
 
@@ -94,6 +107,26 @@ def validate_max_answer_length(max_answer_length: Any) -> int:
     return _check_int_range("max_answer_length", max_answer_length, *MAX_ANSWER_LENGTH_RANGE)
 
 
+def validate_null_threshold(null_threshold: Any) -> float | None:
+    """Return ``null_threshold`` if it is ``None`` or a finite number in ``NULL_THRESHOLD_RANGE``.
+
+    This is the bound of a *request's* threshold; ``decode_spans`` itself accepts any finite value
+    (a server may configure e.g. ``-1e6`` to always abstain). Raises `QAInputError`.
+    """
+    if null_threshold is None:
+        return None
+    lo, hi = NULL_THRESHOLD_RANGE
+    if isinstance(null_threshold, bool) or not isinstance(null_threshold, (int, float)):
+        raise QAInputError(
+            "null_threshold", f"must be a number or null, got {null_threshold!r}", null_threshold
+        )
+    if not math.isfinite(null_threshold) or not lo <= null_threshold <= hi:
+        raise QAInputError(
+            "null_threshold", f"must be in {lo:g}..{hi:g}, got {null_threshold}", null_threshold
+        )
+    return float(null_threshold)
+
+
 def _check_text(name: str, text: Any, max_chars: int) -> str:
     if not isinstance(text, str):
         raise QAInputError(name, f"must be a string, got {type(text).__name__}", None)
@@ -112,12 +145,14 @@ def validate_qa_inputs(
     max_answer_length: Any = 30,
     max_context_chars: int = DEFAULT_MAX_CONTEXT_CHARS,
     max_question_chars: int = DEFAULT_MAX_QUESTION_CHARS,
+    null_threshold: Any = None,
 ) -> None:
     """Validate one request; raise `QAInputError` (a ``ValueError``) naming the field and the reason."""
     _check_text("question", question, max_question_chars)
     _check_text("context", context, max_context_chars)
     validate_top_k(top_k)
     validate_max_answer_length(max_answer_length)
+    validate_null_threshold(null_threshold)
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,7 +439,7 @@ class Answer:
     """One answer span: ``context[start:end] == text``."""
 
     text: str
-    score: float  # p_start * p_end in [0, 1] (per-window softmax over context tokens + CLS)
+    score: float  # p_start * p_end in [0, 1], one softmax over all windows (module docstring)
     start: int  # character offset into the original context
     end: int  # exclusive character offset
     logit_score: float  # start_logit + end_logit (the space `null_score` lives in)
@@ -444,6 +479,12 @@ def _as_logit_rows(logits: Any, windows: Sequence[QAWindow], name: str) -> list[
             raise ValueError(f"{name}[{i}] contains non-finite values")
         out.append(t)
     return out
+
+
+def _joint_log_softmax(logits: torch.Tensor, pointable: torch.Tensor) -> torch.Tensor:
+    """Log-softmax of ``logits`` (W, L) over the ``pointable`` positions of ALL rows together; -inf elsewhere."""
+    flat = logits.masked_fill(~pointable, -math.inf).reshape(-1)  # (W * L,)
+    return torch.log_softmax(flat, dim=0).reshape(logits.shape)  # (W, L)
 
 
 def decode_spans(
@@ -500,13 +541,16 @@ def decode_spans(
         char_start[i, :k] = offs[:, 0]
         char_end[i, :k] = offs[:, 1]
 
-    null_score = float((start[:, 0] + end[:, 0]).min())
+    null_per_window = start[:, 0] + end[:, 0]  # (W,)
+    null_window = int(null_per_window.argmin())
+    null_score = float(null_per_window[null_window])
 
-    # Per-window probabilities over the pointable tokens: context tokens + CLS (index 0).
-    pointable = is_ctx.clone()
-    pointable[:, 0] = True
-    log_p_start = torch.log_softmax(start.masked_fill(~pointable, neg_inf), dim=1)  # (W, L)
-    log_p_end = torch.log_softmax(end.masked_fill(~pointable, neg_inf), dim=1)  # (W, L)
+    # One distribution over all windows: every window's context tokens + ONE null position (the
+    # CLS of the min-null window), so scores compare across windows (see the module docstring).
+    pointable = is_ctx.clone()  # (W, L)
+    pointable[null_window, 0] = True
+    log_p_start = _joint_log_softmax(start, pointable)  # (W, L)
+    log_p_end = _joint_log_softmax(end, pointable)  # (W, L)
 
     # Band of spans (s, s + a) with a in [0, A): gather end-side values by unfolding a padded row.
     band = min(max_answer_length, seq)

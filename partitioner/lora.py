@@ -18,7 +18,8 @@ Tensor parallelism (Megatron layout, see ``partitioner/tp_layers.py``):
 
 Initial ``A`` is drawn from a generator seeded by (seed, parameter name) over the FULL shape and
 then sliced, so every (pp, tp) layout starts from the same adapter. ``shard_specs`` of the linear
-gain the factors' slices, so the checkpoint gatherer treats them like any other sharded tensor.
+gain the factors' slices, so the checkpoint gatherer treats them like any other sharded tensor
+(and ``partitioner/shard_loading.py`` reads overlay factors slice by slice).
 
     n = apply_lora(stage, rank=16, alpha=32.0, targets=LORA_TARGETS, seed=0)
     merged = merged_state_dict(stage)          # W + (alpha/r) B A per linear, local shards
@@ -35,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from models.encoder import EncoderForQA
-from models.hf_weights import ShardSlice
 from partitioner.collectives import copy_to_tp, reduce_from_tp
+from partitioner.shard_loading import ShardSlice
 from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 LORA_TARGETS: tuple[str, ...] = (

@@ -3,7 +3,8 @@
 ``build_stage`` creates the whole ``EncoderForQA`` on the ``meta`` device (no memory), deletes
 what the stage does not own (embeddings before stage 0, layers outside its range, the head before
 the last stage), applies tensor parallelism, materialises the remainder on the rank's device, and
-reads exactly the rank's slices from the checkpoint (safetensors mmap + slice).
+reads exactly the rank's slices from the checkpoint (``partitioner/shard_loading.py``:
+safetensors mmap + slice).
 
     stage = build_stage(source, plan, rank=3, tp_group=group)   # eval mode
     out = stage(x, attention_mask)   # ids (B, S) or hidden (B, S, H) -> hidden (B, S, H) or logits (B, S, 2)
@@ -17,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from models.encoder import EncoderForQA
-from models.hf_weights import load_weights
 from models.registry import ModelSource
 from partitioner.plan import PartitionPlan
+from partitioner.shard_loading import load_shard
 from partitioner.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def build_stage(
     slice_stage(model, plan, stage_index)
     apply_tensor_parallel(model, tp_rank=tp_rank, tp_size=plan.dims.tp, group=tp_group)
     model = model.to_empty(device=plan.devices[rank]).to_compute_dtype(dtype)
-    report = load_weights(model, source.weights(), source.config, head_seed=head_seed)
+    report = load_shard(model, source.weights(), source.config, head_seed=head_seed)
     logger.debug("rank %d loaded %.1f MB of weights", rank, report.bytes_read / 1e6)
     model.load_report = report  # what was read from disk / initialised, for the gang's ready info
     return model.eval()

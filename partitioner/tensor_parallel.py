@@ -18,7 +18,15 @@ from models.encoder import EncoderForQA
 from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
-def _swap_linear(old: nn.Linear, cls: type, *, tp_rank: int, tp_size: int, group) -> nn.Module:
+def _swap_linear(
+    old: nn.Linear,
+    cls: type[ColumnParallelLinear | RowParallelLinear],
+    *,
+    tp_rank: int,
+    tp_size: int,
+    group: dist.ProcessGroup | None,
+) -> nn.Module:
+    """A sharded ``cls`` with ``old``'s shape, bias, device and dtype (parameters uninitialised)."""
     return cls(
         old.in_features,
         old.out_features,

@@ -13,8 +13,9 @@ RowParallelLinear splits A by rows, ``A = [A_1; …; A_t]``, and takes the match
 VocabParallelEmbedding splits the vocabulary; each rank looks up the ids in its range, zeroes the
 rest, and an all-reduce sums the partial embeddings.
 
-Weights use ``nn.Linear``'s (out, in) layout; ``shard_specs`` tells the shard loader which slice
-of the full checkpoint tensor each parameter holds.
+Weights use ``nn.Linear``'s (out, in) layout; Column and Row share one constructor
+(``_ParallelLinear``, split along dim 0 or 1). ``shard_specs`` tells the shard loader
+(``partitioner/shard_loading.py``) which slice of the full checkpoint tensor each parameter holds.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.hf_weights import ShardSlice
 from partitioner.collectives import copy_to_tp, reduce_from_tp
+from partitioner.shard_loading import ShardSlice
 
 
 def shard_range(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -35,8 +36,12 @@ def shard_range(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return start, max(0, min(per, size - start))
 
 
-class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i + b_i; output stays sharded along the last dimension."""
+class _ParallelLinear(nn.Module):
+    """The constructor Column/Row share: an ``nn.Linear``-layout (out, in) weight split ``tp`` ways
+    along ``split_dim`` (0: output rows, 1: input columns). The bias is split with the output and
+    replicated otherwise; ``shard_specs`` names each sharded parameter's slice of the full tensor."""
+
+    split_dim: int
 
     def __init__(
         self,
@@ -47,50 +52,38 @@ class ColumnParallelLinear(nn.Module):
         tp_size: int,
         group: dist.ProcessGroup | None,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if out_features % tp_size:
-            raise ValueError(f"out_features={out_features} not divisible by tp={tp_size}")
+        full = [out_features, in_features]
+        if full[self.split_dim] % tp_size:
+            name = ("out_features", "in_features")[self.split_dim]
+            raise ValueError(f"{name}={full[self.split_dim]} not divisible by tp={tp_size}")
         self.group = group
-        self.out_local = out_features // tp_size
-        start = tp_rank * self.out_local
-        self.weight = nn.Parameter(torch.empty(self.out_local, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(self.out_local, device=device, dtype=dtype)) if bias else None
-        self.shard_specs = {
-            "weight": ShardSlice(0, start, self.out_local),
-            "bias": ShardSlice(0, start, self.out_local),
-        }
+        local = full[self.split_dim] // tp_size
+        shape = list(full)
+        shape[self.split_dim] = local  # (out / tp, in) or (out, in / tp)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
+        spec = ShardSlice(self.split_dim, tp_rank * local, local)
+        self.shard_specs = {"weight": spec, **({"bias": spec} if self.split_dim == 0 else {})}
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Y_i = X A_i + b_i; output stays sharded along the last dimension."""
+
+    split_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., in) replicated -> (..., out / tp)
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Y = all_reduce(X_i A_i) + b; input arrives sharded along its last dimension."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        tp_rank: int,
-        tp_size: int,
-        group: dist.ProcessGroup | None,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__()
-        if in_features % tp_size:
-            raise ValueError(f"in_features={in_features} not divisible by tp={tp_size}")
-        self.group = group
-        self.in_local = in_features // tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.shard_specs = {"weight": ShardSlice(1, tp_rank * self.in_local, self.in_local)}
+    split_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., in / tp) -> (..., out) replicated
@@ -109,8 +102,8 @@ class VocabParallelEmbedding(nn.Module):
         tp_rank: int,
         tp_size: int,
         group: dist.ProcessGroup | None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.group = group

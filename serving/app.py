@@ -1,9 +1,15 @@
 """The FastAPI application factory: ``build_app(settings)`` + lifespan + ``app.state`` (vLLM style).
 
 Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model, loads the
-tokenizer, creates the replica manager, the engine and the supervisor, and starts the gangs in
-the background (so /healthz answers at once and /readyz turns 200 when a gang is warm). On
-shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops the gangs.
+tokenizer (``serving.model_loader``), creates the scheduler (the in-flight ledger), the replica
+manager, the engine (wired to the manager with ``manager.attach``) and the supervisor, and starts
+the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
+warm). On shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops
+the gangs.
+
+``AccessMiddleware`` (``serving/access.py``, outermost) gives each request its ``X-Request-ID`` and
+writes the access log; routes under /v1 and /v2/models need ``--api-key`` when one is set; the Open
+Inference Protocol (KServe v2) routes are ``serving/kserve_v2.py``.
 
 ``RequestGuard`` (a pure ASGI middleware) checks every request body BEFORE FastAPI parses it:
 ``Content-Length`` / streamed size over ``max_body_bytes`` -> 413, invalid UTF-8 -> 400.
@@ -27,46 +33,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import AutoTokenizer
 
-from models.hf_weights import CheckpointReader
-from models.registry import ModelSource, resolve_model
-from partitioner.plan import ParallelDims
+from models.qa_processing import WindowConfig
 from partitioner.precision import DtypeChoice, resolve_dtype
+from serving import kserve_v2
+from serving.access import AccessMiddleware, include_protected
 from serving.engine import Engine
 from serving.metrics import ServingMetrics
-from serving.replicas import BackendFactory, DevicePool, ModelGeneration, ReplicaManager, gang_factory
+from serving.model_loader import device_pool, load_generation
+from serving.openapi import allowed_methods, install_openapi
+from serving.replicas import BackendFactory, ModelGeneration, ReplicaManager, gang_factory
 from serving.routes import admin_router, api_router, health_router
+from serving.scheduler import Scheduler
 from serving.settings import ServeSettings
 from serving.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
-
-
-def load_generation(settings: ServeSettings, name: str, *, generation: int) -> ModelGeneration:
-    """Resolve a model, check its weights can be opened, load its fast tokenizer, validate the
-    partition; raises ValueError / CheckpointError / OSError on a misfit (before any gang starts)."""
-    source: ModelSource = resolve_model(name)
-    for path in (source.checkpoint, *source.overlays):
-        CheckpointReader(path)  # headers only (safetensors / mmap): no weights -> CheckpointError now
-    if settings.max_seq_len > source.config.max_seq_len:
-        raise ValueError(
-            f"max_seq_len={settings.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"{source.tokenizer_dir} has no fast tokenizer (offsets are required)")
-    model = ModelGeneration(generation, source, ParallelDims(pp=settings.pp, tp=settings.tp), tokenizer)
-    model.plan()  # raises InfeasiblePlanError (a ValueError) with the numbers
-    return model
-
-
-def device_pool(settings: ServeSettings) -> DevicePool:
-    """The device pool of these settings; ValueError when not even one gang fits."""
-    pool = DevicePool.for_device(settings.device, cpu_slots=settings.pool_slots)
-    if pool.gangs_that_fit(settings.world_size) < 1:
-        raise ValueError(f"the device pool has {pool.capacity} slots, a gang needs {settings.world_size}")
-    return pool
 
 
 @asynccontextmanager
@@ -83,29 +65,34 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stall_timeout_s=settings.stall_after_s,
         start_timeout_s=settings.gang_start_timeout_s,
     )
+    scheduler = Scheduler(settings.scheduler_config())  # the one ledger of in-flight work
     manager = ReplicaManager(
         factory=factory,
         pool=pool,
         model=model,
         metrics=metrics,
+        ledger=scheduler,
         drain_timeout_s=settings.drain_timeout_s,
         restart_backoff_s=settings.restart_backoff_s,
         fail_fast=True,
         stall_timeout_s=settings.stall_after_s,
     )
     engine = Engine(
-        scheduler_config=settings.scheduler_config(),
+        scheduler=scheduler,
         manager=manager,
         metrics=metrics,
-        max_seq_len=settings.max_seq_len,
-        doc_stride=settings.doc_stride,
-        max_question_len=settings.max_question_len,
+        window=WindowConfig(
+            max_seq_len=settings.max_seq_len,
+            doc_stride=settings.doc_stride,
+            max_question_len=settings.max_question_len,
+        ),
         null_threshold=settings.null_threshold,
         max_request_timeout_s=settings.max_request_timeout_s,
         stall_timeout_s=settings.stall_after_s,
     )
+    manager.attach(engine)  # replica changes wake the engine; a failed replica's work fails over
     supervisor = Supervisor(
-        engine=engine,
+        ledger=scheduler,
         manager=manager,
         metrics=metrics,
         config=settings.autoscaling_config(),
@@ -212,11 +199,13 @@ async def _send_error(send: Any, status: int, code: str, detail: str) -> None:
 
 
 def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's request validation as a ``ValidationErrorResponse`` (the shape of every 422)."""
     errors = [
         {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
         for e in exc.errors()
     ]
-    return JSONResponse({"error": "invalid_request", "detail": errors}, status_code=422)
+    detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or "invalid request"
+    return JSONResponse({"error": "invalid_request", "detail": detail, "errors": errors}, status_code=422)
 
 
 def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -227,6 +216,9 @@ def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse
     headers = dict(getattr(exc, "headers", None) or {})
     if exc.status_code == 503 and not any(k.lower() == "retry-after" for k in headers):
         headers["Retry-After"] = "1"  # every 503 says when to come back
+    if exc.status_code == 405:  # Starlette names only the first route of the path (GET of GET+POST)
+        code = "method_not_allowed"
+        headers["Allow"] = ", ".join(allowed_methods(request))
     return JSONResponse(
         {"error": code, "detail": detail}, status_code=exc.status_code, headers=headers or None
     )
@@ -254,9 +246,13 @@ def build_app(
     app.state.preloaded_model = model
     app.state.shutting_down = False
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(AccessMiddleware)  # outermost: request id + access log of every answer, 413s too
     app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
-    app.include_router(api_router)
+    include_protected(app, api_router, settings=settings)  # behind --api-key when one is set
     app.include_router(health_router)
     app.include_router(admin_router)
+    app.include_router(kserve_v2.open_router)  # Open Inference Protocol: metadata + health (open)
+    include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
+    install_openapi(app, settings)  # the document with the settings' limits (question length, ...)
     return app

@@ -6,13 +6,22 @@ READY (routable) -> DRAINING (no new work; in-flight micro-batches finish) -> ST
 the moment a rank dies, raises or stalls (the engine then retries its in-flight work elsewhere)
 and, after a back-off, a fresh gang replaces it.
 
+The manager does not count in-flight work: it reads the one ledger (``InflightLedger``, which
+``serving.scheduler.Scheduler`` satisfies) for ``Replica.inflight_batches`` (least-loaded drain
+choice, drain completion, stall detection, busy sampling). It tells one ``ReplicaListener`` (the
+engine, attached explicitly by whoever builds both: the app lifespan, or a test) when the replica
+set changed and the moment a replica failed, so that its in-flight work is retried elsewhere.
+
 The manager runs on the server's event loop; blocking gang calls (start, warm-up, stop) run in
 threads. ``reconcile()`` moves the set of gangs toward ``target`` (set by ``--replicas``, the
 autoscaler or POST /admin/replicas); ``reload()`` rolls every gang onto another checkpoint. The
 device pool bounds how many gangs fit: CPU slots (one per rank, ``--cpu-slots``) or CUDA devices.
 
     pool = DevicePool.for_settings(settings)
-    manager = ReplicaManager(factory=gang_factory(settings), pool=pool, model=generation, ...)
+    scheduler = Scheduler(settings.scheduler_config())  # the in-flight ledger
+    manager = ReplicaManager(factory=gang_factory(settings), pool=pool, model=generation,
+                             ledger=scheduler, ...)
+    manager.attach(engine)         # the engine hears of replica changes and failures
     manager.set_target(2)          # starts gangs in the background; manager.routable() lists READY ones
 
 Tests use a fake backend with the Gang's interface (``tests/serving/fakes.py``).
@@ -56,8 +65,18 @@ class Backend(Protocol):
     @property
     def healthy(self) -> bool: ...
 
-    @property
-    def inflight(self) -> int: ...
+
+class InflightLedger(Protocol):
+    """The one count of in-flight micro-batches (``serving.scheduler.Scheduler`` satisfies it)."""
+
+    def inflight(self, replica_id: str) -> int: ...
+
+
+class ReplicaListener(Protocol):
+    """What the manager tells its user (the engine): the replica set changed; a replica failed."""
+
+    def replicas_changed(self) -> None: ...
+    def replica_failed(self, replica: Replica) -> None: ...
 
 
 BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
@@ -175,17 +194,22 @@ class Replica:
     replica_id: str
     model: ModelGeneration
     slots: list[int]
+    ledger: InflightLedger = field(repr=False)  # where its in-flight micro-batches are counted
     state: ReplicaState = ReplicaState.STARTING
     backend: Backend | None = None
-    inflight_batches: int = 0  # maintained by the engine
     error: str | None = None
     created_at: float = field(default_factory=time.monotonic)
     stage_busy_s: list[float] = field(default_factory=list)
     active_s: float = 0.0
     start_task: asyncio.Task | None = None
     # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
-    # to an idle gang (maintained by the engine)
+    # to an idle gang (set by serving.dispatcher, which sees both)
     last_progress: float = field(default_factory=time.monotonic)
+
+    @property
+    def inflight_batches(self) -> int:
+        """Micro-batches in flight on this gang, as the ledger counts them (a view, not a count)."""
+        return self.ledger.inflight(self.replica_id)
 
     def stalled_for(self, now: float) -> float:
         """Seconds with work in flight and no batch completed (0 when idle)."""
@@ -227,6 +251,7 @@ class ReplicaManager:
         pool: DevicePool,
         model: ModelGeneration,
         metrics: ServingMetrics,
+        ledger: InflightLedger,
         drain_timeout_s: float = 30.0,
         restart_backoff_s: float = 1.0,
         warmup_timeout_s: float = 120.0,
@@ -237,6 +262,7 @@ class ReplicaManager:
         self.pool = pool
         self.model = model
         self.metrics = metrics
+        self.ledger = ledger
         self.drain_timeout_s = drain_timeout_s
         self.restart_backoff_s = restart_backoff_s
         self.warmup_timeout_s = warmup_timeout_s
@@ -253,14 +279,19 @@ class ReplicaManager:
         self.next_retry_at: float | None = None  # monotonic time of the next restart after a back-off
         self.target = 0
         self.replicas: dict[str, Replica] = {}
-        self.on_change: Callable[[], None] = lambda: None  # the engine wakes its loop
-        self.on_failed: Callable[[Replica], None] = lambda r: None  # the engine fails over
+        self.listener: ReplicaListener | None = None  # set once by attach()
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._reloading = False
         self._closed = False
         self._consecutive_failures = 0
         self.restarts = 0
+
+    def attach(self, listener: ReplicaListener) -> None:
+        """Tell ``listener`` (the engine) of replica changes and failures from now on (once)."""
+        if self.listener is not None and self.listener is not listener:
+            raise RuntimeError("the replica manager already has a listener")
+        self.listener = listener
 
     # ------------------------------------------------------------------ views
     def routable(self) -> list[Replica]:
@@ -305,7 +336,8 @@ class ReplicaManager:
     def _changed(self) -> None:
         for state in ReplicaState:
             self.metrics.replicas.labels(state=state.value).set(self.count(state))
-        self.on_change()
+        if self.listener is not None:
+            self.listener.replicas_changed()
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -358,7 +390,7 @@ class ReplicaManager:
                 model.dims.world_size,
             )
             return None
-        replica = Replica(f"r{next(self._ids)}", model, slots)
+        replica = Replica(f"r{next(self._ids)}", model, slots, self.ledger)
         self.replicas[replica.replica_id] = replica
         self._changed()
         replica.start_task = self._spawn(self._start(replica))
@@ -384,7 +416,8 @@ class ReplicaManager:
             await self._retire(replica, ReplicaState.FAILED)
             if self.fail_fast and not self.ever_ready and not self._closed:
                 self.fatal_error = f"the first replica gang could not start: {one_line(err, scrub=False)}"
-                self.on_change()
+                if self.listener is not None:
+                    self.listener.replicas_changed()
                 return False
             backoff = self._backoff()
             self.next_retry_at = time.monotonic() + backoff
@@ -461,7 +494,8 @@ class ReplicaManager:
         logger.error("replica %s failed: %s", replica.replica_id, reason)
         self.metrics.replica_failures.inc()
         self._changed()
-        self.on_failed(replica)
+        if self.listener is not None:
+            self.listener.replica_failed(replica)
         self._spawn(self._restart(replica, replace=not was_draining))
 
     async def _restart(self, replica: Replica, *, replace: bool) -> None:

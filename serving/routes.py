@@ -4,9 +4,11 @@ Handlers are thin: validate settings-dependent limits (``validate_qa_inputs``), 
 the engine, turn ``EngineError`` into a JSON error with its status (429 carries ``Retry-After``),
 and watch for the client disconnecting so its queued work is cancelled. Every error body is
 ``{"error": code, "detail": reason}``. Admin routes need ``Authorization: Bearer <admin_token>``
-(401 otherwise, and always 401 when no token is configured).
+(401 otherwise, and always 401 when no token is configured). With ``--api-key`` the QA routes need
+``Authorization: Bearer <api_key>`` (``serving/access.py``, which also owns request ids and the access
+log); the Open Inference Protocol (v2) routes are ``serving/kserve_v2.py``, on ``answer_pairs``.
 
-Status codes: 200; 400 invalid UTF-8; 401 admin auth; 409 reload conflict (another reload, another
+Status codes: 200; 400 invalid UTF-8; 401 admin auth or API key; 409 reload conflict (another reload, another
 tokenizer); 413 body too large, more than max_windows_per_request windows, or more windows than the
 deadline allows at the measured rate; 422 invalid input (types, missing fields, empty text, limits,
 top_k range); 429 queue full (checked before tokenizing); 503 not ready / shutting down / replica
@@ -22,20 +24,23 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import PurePath
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Request, Response, Security
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
 from models.qa_processing import QAInputError, validate_qa_inputs
-from serving.engine import ClientGone, EngineError, PairResult, QAPair
+from serving.access import note_windows, request_id_of
+from serving.model_loader import load_generation
+from serving.openapi import responses
+from serving.qa_types import ClientGone, EngineError, PairResult, QAPair
 from serving.redact import one_line
 from serving.schemas import (
     AnswerOut,
-    ErrorResponse,
     ModelInfo,
     QABatchRequest,
     QABatchResponse,
@@ -49,17 +54,7 @@ from serving.schemas import (
 
 logger = logging.getLogger(__name__)
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": why}
-    for code, why in [
-        (400, "body is not valid UTF-8"),
-        (413, "body larger than max_body_bytes"),
-        (422, "invalid input"),
-        (429, "queue full (see Retry-After)"),
-        (503, "not ready, shutting down or replica failed"),
-        (504, "deadline passed before the request was computed"),
-    ]
-}
+_ERRORS = responses(400, 413, 422, 429, 500, 503, 504)  # every status the QA routes answer
 
 api_router = APIRouter(tags=["question answering"])
 health_router = APIRouter(tags=["health"])
@@ -70,10 +65,15 @@ RETRY_AFTER_503_S = 1  # a 503 (starting, restarting, draining) says when to com
 
 
 def _error(status: int, code: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The JSON error body; every 503 (and 429) carries ``Retry-After``."""
+    """The JSON error body; every 503 (and 429) carries ``Retry-After``; a 422 has the shape of
+    ``ValidationErrorResponse`` (``errors`` is empty: the server's own checks name the field in
+    ``detail``)."""
     if status in (429, 503) and not any(k.lower() == "retry-after" for k in headers or {}):
         headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_503_S)}
-    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+    body: dict[str, Any] = {"error": code, "detail": detail}
+    if status == 422:
+        body["errors"] = []
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _disconnect_watcher(request: Request) -> Callable[[], Awaitable[None]]:
@@ -117,6 +117,7 @@ async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_
                     max_answer_length=it.max_answer_length,
                     max_context_chars=settings.max_context_chars,
                     max_question_chars=settings.max_question_chars,
+                    null_threshold=it.null_threshold,
                 )
             except QAInputError as err:
                 loc = f"items[{i}].{err.field}" if endpoint == "batch" else err.field
@@ -126,7 +127,9 @@ async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_
                 503, "shutting_down" if state.shutting_down else "starting", "the server is not serving"
             )
         engine = state.engine
-        pairs = [QAPair(it.question, it.context, it.top_k, it.max_answer_length) for it in items]
+        pairs = [
+            QAPair(it.question, it.context, it.top_k, it.max_answer_length, it.null_threshold) for it in items
+        ]
         try:
             job = await engine.submit_async(pairs, timeout_s=timeout_s)
         except QAInputError as err:
@@ -135,7 +138,10 @@ async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_
             logger.info("tokenizer rejected a request: %s", err)
             return _error(422, "invalid_input", f"the text cannot be tokenized: {err}")
         results = await engine.wait(job, disconnected=_disconnect_watcher(request))
-        return results, job.model_name, job.request_id
+        note_windows(request, sum(r.windows for r in results))
+        rid = request_id_of(request) or job.request_id  # the X-Request-ID (serving/access.py)
+        logger.debug("request %s was engine job %s", rid, job.request_id)
+        return results, settings.public_model_name(job.model_name), rid
     except EngineError as err:
         headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
         return _error(err.status, err.code, err.detail, headers)
@@ -147,6 +153,10 @@ def _observe(request: Request, endpoint: str, t0: float, status: int) -> None:
     m = request.app.state.metrics
     m.requests.labels(endpoint=endpoint, status=str(status)).inc()
     m.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+
+
+# the shared QA path, public for the Open Inference Protocol routes (serving/kserve_v2.py)
+answer_pairs, observe, pair_result = _answer, _observe, _result
 
 
 @api_router.post("/v1/qa", response_model=QAResponse, responses=_ERRORS)
@@ -187,7 +197,7 @@ async def qa_batch(body: QABatchRequest, request: Request) -> Any:
     )
 
 
-@api_router.get("/v1/models", response_model=list[ModelInfo])
+@api_router.get("/v1/models", response_model=list[ModelInfo], responses=responses(503))
 async def models(request: Request) -> Any:
     """The served model: name, checkpoint, partition plan, generation, replica gangs."""
     state = request.app.state
@@ -196,7 +206,7 @@ async def models(request: Request) -> Any:
     model = state.manager.model
     return [
         ModelInfo(
-            model=model.source.name,
+            model=state.settings.public_model_name(model.source.name),
             checkpoint=public_checkpoint(model.source.describe()),
             plan=model.plan().to_dict(),
             generation=model.generation,
@@ -225,7 +235,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "alive"}
 
 
-@health_router.get("/readyz", responses={503: {"model": ErrorResponse}})
+@health_router.get("/readyz", responses=responses(503))
 async def readyz(request: Request) -> Any:
     """200 only while at least one replica gang is loaded, warm and healthy, and not shutting down."""
     state = request.app.state
@@ -248,16 +258,22 @@ async def metrics(request: Request) -> Response:
 # ---------------------------------------------------------------------------------------- admin
 
 
-def require_admin(request: Request) -> None:
-    """Bearer-token check of every /admin route (401 when unset, missing or wrong)."""
+_bearer = HTTPBearer(auto_error=False, description="the server's admin_token (401 when unset or wrong)")
+
+
+def require_admin(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
+) -> None:
+    """Bearer-token check of every /admin route (401 when unset, missing or wrong); the OpenAPI
+    document declares it as an HTTP bearer security scheme."""
     token = request.app.state.settings.admin_token
     challenge = {"WWW-Authenticate": "Bearer"}
     if not token:
         raise HTTPException(
             401, {"error": "admin_disabled", "detail": "no admin token is configured"}, challenge
         )
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    given = credentials.credentials.strip() if credentials is not None else ""
+    if credentials is None or not hmac.compare_digest(given.encode(), token.encode()):
         raise HTTPException(
             401, {"error": "unauthorized", "detail": "missing or wrong bearer token"}, challenge
         )
@@ -270,13 +286,15 @@ def _supervisor(request: Request) -> Any:
     return sup
 
 
-@admin_router.get("/replicas", dependencies=[Depends(require_admin)])
+@admin_router.get("/replicas", dependencies=[Depends(require_admin)], responses=responses(401, 503))
 async def get_replicas(request: Request) -> dict[str, Any]:
     """Replica gangs, target, autoscaling state and decision counts."""
     return _supervisor(request).describe()
 
 
-@admin_router.post("/replicas", dependencies=[Depends(require_admin)])
+@admin_router.post(
+    "/replicas", dependencies=[Depends(require_admin)], responses=responses(400, 401, 413, 422, 503)
+)
 async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
     """``{"replicas": n}`` pins the count (autoscaling pauses); ``{"min_replicas", "max_replicas"}`` resumes it."""
     sup = _supervisor(request)
@@ -296,10 +314,11 @@ async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
     return sup.describe()
 
 
-@admin_router.post("/reload", dependencies=[Depends(require_admin)])
+@admin_router.post(
+    "/reload", dependencies=[Depends(require_admin)], responses=responses(400, 401, 409, 413, 422, 503)
+)
 async def reload(body: ReloadRequest, request: Request) -> Any:
     """Load another checkpoint into fresh gangs, switch traffic to them, drain the old ones."""
-    from serving.app import load_generation
     from serving.replicas import ReloadError, ReloadInProgress
 
     state = request.app.state

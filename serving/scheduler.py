@@ -1,13 +1,17 @@
 """Serving scheduler: bounded admission, length-bucketed dynamic batching and replica dispatch.
 
 Owns the request queue of the HTTP process as PURE LOGIC: no threads, no asyncio, no clock reads.
+It is also THE ledger of in-flight work (DESIGN.md principle 10): requests admitted and not yet
+answered (``ongoing``), and micro-batches in flight per replica (``inflight(replica_id)``,
+``is_inflight(batch_id)``). Routing, draining, stall detection, autoscaling and the metrics all
+read these counts; nothing else in ``serving/`` counts in-flight work.
 Every time-dependent method takes ``now`` (seconds, one monotonic clock for all calls), so the
 whole policy is unit-tested with a fake clock (``tests/serving/test_scheduler.py``).
 
 Work items are *windows* (token sequences of one question, ``n_tokens <= max(length_buckets)``).
 A request completes when all its windows completed. Windows are batched only with windows of the
 same length bucket; a micro-batch goes to the least-loaded accepting replica that has fewer than
-``max_inflight_per_replica`` batches in flight.
+``max_inflight_per_replica`` batches in flight (load = batches this scheduler has in flight there).
 
 How a driver (asyncio/thread code, written elsewhere; one thread or event loop at a time,
 the scheduler holds no lock) uses it::
@@ -20,6 +24,7 @@ the scheduler holds no lock) uses it::
     sleep until sched.next_wakeup(now), or earlier on a submit / completion / replica change
     # on results:   out = sched.batch_done(d.batch_id, now=now, ok=True); answer out.completed
     # on gang death: out = sched.replica_failed(replica_id); answer 503 for out.failed
+    # ledger reads:  sched.ongoing, sched.inflight(replica_id), sched.is_inflight(batch_id)
     # client gone:  sched.cancel(rid)
 
 Fair order (start-time fair queuing over windows): the scheduler counts dispatched windows
@@ -31,6 +36,13 @@ it runs waits for at most about one batch of it. ``max_windows_per_request`` bou
 request (413 with the numbers above it). Admission can be reserved before the (slow) tokenization
 (``reserve()`` / ``submit(..., reserved=True)`` / ``unreserve()``): a full queue then answers 429
 at once, and requests being tokenized count against ``max_queue_size``.
+
+Capacity (AlpaServe's view: a request meets its SLO only if the work ahead of it fits): once a
+service rate has been measured, a request is refused with 429 ``overloaded`` when the queued
+windows that fair order puts before it (``windows_ahead``), plus its own, cannot be computed before
+its deadline at that rate. ``reserve()`` checks with an estimate of its windows (before tokenizing,
+so an overloaded server says no at once); ``submit()`` checks again with the real count. Admitted work then finishes in time
+instead of every request sharing the replicas until all of them answer 504.
 
 Release rule for a bucket's candidate batch (its first windows in fair order, greedily up to
 ``max_batch_size`` windows and ``max_batch_tokens`` padded tokens = size * longest window):
@@ -59,7 +71,7 @@ RETRY_AFTER_MAX_S = 60  # Retry-After ceiling
 RATE_EWMA_TAU_S = 10.0  # time constant of the service-rate EWMA (busy seconds)
 MAX_WINDOW_ATTEMPTS = 2  # a window is dispatched at most twice: first try + one retry
 
-AdmissionReason = Literal["accepted", "queue_full", "too_large"]
+AdmissionReason = Literal["accepted", "queue_full", "overloaded", "too_large"]
 ReleaseReason = Literal["full", "deadline", "timeout"]
 
 
@@ -109,20 +121,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ReplicaView:
-    """What the driver knows of one replica when it asks for a batch."""
+    """A replica the driver offers for a batch (its load is the scheduler's own count)."""
 
     replica_id: str
-    inflight: int = 0  # batches in flight as the driver counts them
     accepting: bool = True  # healthy, ready and not draining
 
 
 @dataclass(frozen=True)
 class Admission:
-    """Result of submit(): accepted, or rejected with a reason (429 queue_full / 413 too_large)."""
+    """Result of reserve()/submit(): accepted, or rejected with a reason (429 queue_full or
+    overloaded / 413 too_large)."""
 
     accepted: bool
     reason: AdmissionReason
-    retry_after_s: int | None = None  # set for queue_full: the Retry-After header value
+    retry_after_s: int | None = None  # set for 429s: the Retry-After header value
     deadline: float | None = None  # absolute deadline of an accepted request
     detail: str = ""
 
@@ -146,6 +158,8 @@ class Outcome:
     completed: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     retried_windows: int = 0  # windows re-queued (at the front) for their one retry
+    # requests with a window re-queued (alive, waiting for their retry); detail, not compared
+    retried_requests: list[str] = field(default_factory=list, compare=False)
 
 
 @dataclass(frozen=True)
@@ -176,6 +190,7 @@ class _Request:
     failures: dict[int, int] = field(default_factory=dict)  # window index -> failed attempts
     alive: bool = True  # False once completed / expired / cancelled / failed
     buckets: set[int] = field(default_factory=set)  # buckets holding a lane of its queued windows
+    first_tag: int = 0  # fair-queuing tag of its window 0 (window k has first_tag + k)
 
 
 @dataclass(eq=False)
@@ -222,6 +237,7 @@ class Scheduler:
         self._buckets: list[dict[str, deque[_Window]]] = [{} for _ in config.length_buckets]
         self._vtime = 0  # virtual time: windows dispatched so far (fair-queuing tags start here)
         self._reserved = 0  # admissions reserved before tokenization (count as queued requests)
+        self._reserved_windows = 0  # their estimated windows (count as queued work)
         self._requests: dict[str, _Request] = {}  # live requests (queued or in flight)
         self._deadlines: list[tuple[float, int, _Request]] = []  # heap; lazily deleted
         self._seq = itertools.count()
@@ -237,32 +253,87 @@ class Scheduler:
         self._busy_mark: float | None = None  # last rate update while batches are in flight
         # counters
         self._batches_by_reason = {"full": 0, "deadline": 0, "timeout": 0}
-        self._rejected = {"queue_full": 0, "too_large": 0}
+        self._rejected = {"queue_full": 0, "overloaded": 0, "too_large": 0}
         self._padded_tokens = 0
         self._real_tokens = 0
         self._completed = self._expired = self._cancelled = self._failed = self._retried = 0
 
     # ------------------------------------------------------------------ admission
-    def reserve(self) -> Admission:
-        """Hold a queue place for a request about to be tokenized (429 at once when full).
+    def reserve(
+        self, *, now: float | None = None, deadline: float | None = None, windows_hint: int = 1
+    ) -> Admission:
+        """Hold a queue place for a request about to be tokenized: 429 at once when the queue is
+        full, or when (given ``now`` and ``deadline``, on the scheduler's clock) a request of about
+        ``windows_hint`` windows (an estimate before tokenizing) could not finish in time.
 
-        Follow with ``submit(..., reserved=True)`` (which uses the place) or ``unreserve()``.
+        Follow with ``submit(..., reserved=True, windows_hint=...)`` (which uses the place) or
+        ``unreserve(windows_hint)``, with the same hint.
         """
         if self._queued_requests + self._reserved >= self.config.max_queue_size:
             return self._queue_full()
+        if (
+            now is not None
+            and deadline is not None
+            and (late := self._overloaded(windows_hint, now, deadline))
+        ):
+            return late
         self._reserved += 1
+        self._reserved_windows += windows_hint
         return Admission(accepted=True, reason="accepted")
 
-    def unreserve(self) -> None:
+    def unreserve(self, windows_hint: int = 1) -> None:
         """Give back a place taken by ``reserve()`` (tokenization failed, client gone)."""
         if self._reserved <= 0:
             raise ValueError("unreserve() without a reserve()")
         self._reserved -= 1
+        self._reserved_windows = max(0, self._reserved_windows - windows_hint) if self._reserved else 0
 
     def _too_large(self, detail: str) -> Admission:
         """A request that can never be served as sent (HTTP 413): counted, with the numbers."""
         self._rejected["too_large"] += 1
         return Admission(accepted=False, reason="too_large", detail=detail)
+
+    def windows_ahead(self, n_windows: int) -> int:
+        """Queued windows that fair order puts before a request of ``n_windows`` admitted now.
+
+        Its windows get the tags ``V .. V+n-1``; a queued request's windows still waiting are (about)
+        its last ones, tags ``first_tag + done .. first_tag + n - 1``: those at or below ``V+n-1`` go
+        first. Requests reserved before tokenizing count with their estimated windows (as if admitted
+        now). One pass over the live requests (at most max_queue_size + in flight).
+        """
+        last = self._vtime + n_windows - 1
+        ahead = 0
+        for r in self._requests.values():
+            if r.queued:
+                first_waiting = r.first_tag + r.n_windows - r.queued
+                ahead += min(r.queued, max(0, last - first_waiting + 1))
+        return ahead + min(self._reserved_windows, self._reserved * n_windows)
+
+    def _overloaded(self, n_windows: int, now: float, deadline: float) -> Admission | None:
+        """429 when the windows fair order puts before a request of ``n_windows``, plus its own,
+        cannot be done by ``deadline`` at the measured rate. None: they can, or no rate was measured
+        yet, or less than one batch is ahead (it rides the next batch)."""
+        rate = self.service_rate()
+        if not rate:
+            return None
+        ahead = self.windows_ahead(n_windows)
+        if ahead <= self.config.max_batch_size:
+            return None
+        needed_s = (ahead + n_windows) / rate
+        if needed_s <= deadline - now:
+            return None
+        self._rejected["overloaded"] += 1
+        retry_after = self._retry_after_s()
+        return Admission(
+            accepted=False,
+            reason="overloaded",
+            retry_after_s=retry_after,
+            detail=(
+                f"{ahead} queued windows go before this request's {n_windows}: about {needed_s:.1f} s at the "
+                f"measured {rate:.1f} windows/s, more than its deadline of {max(0.0, deadline - now):.1f} s; "
+                f"retry in {retry_after} s"
+            ),
+        )
 
     def _queue_full(self) -> Admission:
         cfg = self.config
@@ -287,15 +358,17 @@ class Scheduler:
         now: float,
         deadline: float | None = None,
         reserved: bool = False,
+        windows_hint: int = 1,
     ) -> Admission:
         """Queue a request's windows, or reject it (too_large before queue_full).
 
         ``deadline`` is absolute (same clock as ``now``); default ``now + default_deadline_s``.
-        ``reserved``: a place was taken by ``reserve()``; it is used (or, on rejection, given back).
+        ``reserved``: a place was taken by ``reserve(windows_hint=...)``; it is used (or, on
+        rejection, given back).
         Raises ValueError for caller bugs: no windows, a window < 1 token, a duplicate live id.
         """
         if reserved:
-            self.unreserve()  # the place becomes this request's queue entry (or is freed)
+            self.unreserve(windows_hint)  # the place becomes this request's queue entry (or is freed)
         cfg = self.config
         if not windows_token_counts:
             raise ValueError(f"request {request_id!r} has no windows")
@@ -327,7 +400,15 @@ class Scheduler:
                 f"{len(windows_token_counts) / rate:.1f} s at the measured {rate:.1f} windows/s, more "
                 f"than its deadline of {max(0.0, deadline - now):.1f} s; send less text or a longer timeout_s"
             )
-        req = _Request(request_id, len(windows_token_counts), deadline, remaining=len(windows_token_counts))
+        if late := self._overloaded(len(windows_token_counts), now, deadline):
+            return late
+        req = _Request(
+            request_id,
+            len(windows_token_counts),
+            deadline,
+            remaining=len(windows_token_counts),
+            first_tag=self._vtime,
+        )
         seq = next(self._seq)
         for index, n_tokens in enumerate(windows_token_counts):
             bucket = bisect.bisect_left(cfg.length_buckets, n_tokens)
@@ -411,7 +492,7 @@ class Scheduler:
         """Form and assign one releasable micro-batch, or None (nothing due / no replica free).
 
         Expires overdue requests first (fetch them with expire()), so an expired window is never
-        dispatched. Replica load = max(view.inflight, batches this scheduler has in flight there).
+        dispatched. Replica load = the batches this scheduler has in flight there.
         """
         self._expire(now)
         replica = self._pick_replica(replicas)
@@ -487,7 +568,7 @@ class Scheduler:
         """Least-loaded accepting replica below max_inflight_per_replica; ties: first listed."""
         best, best_load = None, 0
         for r in replicas:
-            load = max(r.inflight, self._inflight_per_replica.get(r.replica_id, 0))
+            load = self.inflight(r.replica_id)
             if (
                 r.accepting
                 and load < self.config.max_inflight_per_replica
@@ -596,7 +677,8 @@ class Scheduler:
                 heapq.heappush(self._deadlines, (req.deadline, next(self._seq), req))
         self._queued_windows += len(retry)
         self._retried += len(retry)
-        return Outcome(failed=failed, retried_windows=len(retry))
+        retried_requests = list(dict.fromkeys(w.req.request_id for w in retry))
+        return Outcome(failed=failed, retried_windows=len(retry), retried_requests=retried_requests)
 
     def _release_slot(self, replica_id: str) -> None:
         left = self._inflight_per_replica.get(replica_id, 0) - 1
@@ -613,6 +695,20 @@ class Scheduler:
             self._rate_windows = self._rate_windows * decay + windows_done
             self._rate_seconds = self._rate_seconds * decay + dt
         self._busy_mark = now if self._inflight else None
+
+    # ------------------------------------------------------------------ the in-flight ledger
+    @property
+    def ongoing(self) -> int:
+        """Requests admitted and not yet answered: queued, in flight, or both (not reservations)."""
+        return len(self._requests)
+
+    def inflight(self, replica_id: str) -> int:
+        """Micro-batches in flight on ``replica_id`` (dispatched, not yet done or failed over)."""
+        return self._inflight_per_replica.get(replica_id, 0)
+
+    def is_inflight(self, batch_id: int) -> bool:
+        """Whether ``batch_id`` is still awaited (False once done, or failed over with its replica)."""
+        return batch_id in self._inflight
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> SchedulerStats:

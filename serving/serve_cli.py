@@ -93,7 +93,8 @@ def settings_error_line(err: ValidationError) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from models.hf_weights import CheckpointError
-    from serving.app import build_app, device_pool, load_generation
+    from serving.app import build_app
+    from serving.model_loader import device_pool, load_generation
 
     try:
         settings = settings_from_args(args)
@@ -114,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
         lifespan="on",
+        access_log=False,  # serving/access.py writes one line per request (logger shardserve.access)
     )
     server = DrainingServer(config, app)
     server.run()
@@ -205,7 +207,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="run the HTTP question-answering server",
         description=(
             "Serve extractive question answering over HTTP (POST /v1/qa, /v1/qa/batch; GET /v1/models, "
-            "/healthz, /readyz, /metrics; /admin/* with --admin-token; OpenAPI at /docs). Each replica is "
+            "/healthz, /readyz, /metrics; /admin/* with --admin-token; the Open Inference Protocol (KServe v2) "
+            "under /v2; OpenAPI at /docs). Each replica is "
             "a gang of pp x tp worker processes. Defaults: the embedded default model on 0.0.0.0:8000, "
             "1 replica, pp=1, tp=1. Every flag also reads SHARDSERVE_<FLAG> from the environment."
         ),

@@ -41,6 +41,24 @@ def auto_replicas(*, device: str, world_size: int) -> int:
     return max(1, available_cores() // world_size)
 
 
+def _secret_from_file(data: Any, *, secret: str, file: str) -> Any:
+    """Settings input with ``secret`` read from the first line of the file named by ``file``."""
+    if not isinstance(data, dict) or not data.get(file):
+        return data
+    if data.get(secret):
+        raise ValueError(f"give {secret} or {file}, not both")
+    path = Path(str(data[file])).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ValueError(f"{file} {str(path)!r} cannot be read: {reason}") from None
+    value = lines[0].strip() if lines else ""
+    if not value:
+        raise ValueError(f"{file} {str(path)!r} is empty")
+    return {**data, secret: value}
+
+
 class ServeSettings(BaseSettings):
     """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars)."""
 
@@ -124,7 +142,7 @@ class ServeSettings(BaseSettings):
     null_threshold: float | None = Field(
         None,
         description="SQuAD 2.0 no-answer threshold: answer 'no answer' when null_score - best_span "
-        "> threshold (unset: always answer)",
+        "> threshold (unset: always answer); a request's own null_threshold field overrides it",
     )
 
     # ---- limits on input
@@ -148,6 +166,25 @@ class ServeSettings(BaseSettings):
         description="read the admin bearer token from this file (first line; keeps it out of `ps`); "
         "not together with admin_token",
     )
+    api_key: str | None = Field(
+        None,
+        description="API key of the inference endpoints (/v1/*, /v2/models/*): clients send "
+        "`Authorization: Bearer <api_key>`, else 401 (unset: open). /healthz, /readyz, /metrics, /v2 and "
+        "/v2/health/* stay open",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="read the API key from this file (first line; keeps it out of `ps`); not together "
+        "with api_key",
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the model's public name in /v1/models, QA answers and the /v2/models/<name> routes "
+        "(letters, digits, . _ -; stays the same across /admin/reload; default: the loaded model's name)",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM / scale-down: wait this long for work")
     stall_timeout_s: float | None = Field(
         None,
@@ -162,20 +199,12 @@ class ServeSettings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _read_admin_token_file(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not data.get("admin_token_file"):
-            return data
-        if data.get("admin_token"):
-            raise ValueError("give admin_token or admin_token_file, not both")
-        path = Path(str(data["admin_token_file"])).expanduser()
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-            raise ValueError(f"admin_token_file {str(path)!r} cannot be read: {reason}") from None
-        token = lines[0].strip() if lines else ""
-        if not token:
-            raise ValueError(f"admin_token_file {str(path)!r} is empty")
-        return {**data, "admin_token": token}
+        return _secret_from_file(data, secret="admin_token", file="admin_token_file")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_api_key_file(cls, data: Any) -> Any:
+        return _secret_from_file(data, secret="api_key", file="api_key_file")
 
     @model_validator(mode="before")
     @classmethod
@@ -228,6 +257,10 @@ class ServeSettings(BaseSettings):
     @property
     def world_size(self) -> int:
         return self.pp * self.tp
+
+    def public_model_name(self, loaded: str) -> str:
+        """The model's name for clients: ``served_model_name``, else the loaded model's ``loaded``."""
+        return self.served_model_name or loaded
 
     @property
     def auto_sized(self) -> bool:

@@ -3,12 +3,14 @@
 One asyncio task ticks every ``TICK_S``: it fails replicas whose gang went unhealthy while idle
 (``ReplicaManager.check_health``; a gang with work in flight fails through its futures first),
 samples per-stage busy time for the metrics, and every ``autoscale_interval_s`` feeds the pure
-``Autoscaler`` (ongoing requests = queued + in flight) and applies its target by starting or
-draining whole gangs. Every applied decision is logged and counted
+``Autoscaler`` (ongoing requests = queued + in flight, read from the scheduler, the one in-flight
+ledger) and applies its target by starting or draining whole gangs. Every applied decision is
+logged and counted
 (``shardserve_autoscale_decisions_total{direction}``). ``pin(n)`` (POST /admin/replicas) fixes the
 count and pauses autoscaling; ``set_bounds(lo, hi)`` resumes it with new bounds.
 
-    sup = Supervisor(engine=engine, manager=manager, metrics=metrics, config=settings.autoscaling_config())
+    sup = Supervisor(ledger=scheduler, manager=manager, metrics=metrics,
+                     config=settings.autoscaling_config())
     await sup.start(); ...; await sup.stop()
 """
 
@@ -23,9 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from serving.autoscaler import Autoscaler, AutoscalingConfig
-from serving.engine import Engine
 from serving.metrics import ServingMetrics
 from serving.replicas import ReplicaManager
+from serving.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,14 @@ class Supervisor:
     def __init__(
         self,
         *,
-        engine: Engine,
+        ledger: Scheduler,
         manager: ReplicaManager,
         metrics: ServingMetrics,
         config: AutoscalingConfig,
         interval_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.engine = engine
+        self.ledger = ledger
         self.manager = manager
         self.metrics = metrics
         self.interval_s = interval_s
@@ -84,7 +86,18 @@ class Supervisor:
         return applied
 
     def set_bounds(self, lo: int, hi: int) -> None:
-        """New autoscaling bounds (validated by AutoscalingConfig); autoscaling resumes."""
+        """New autoscaling bounds (validated by AutoscalingConfig); autoscaling resumes.
+
+        A bound over the device pool's cap is a ValueError naming the cap (it used to be accepted and
+        then silently capped by the autoscaler, issue 11.10)."""
+        cap = self.manager.pool_limit()
+        for name, value in (("min_replicas", lo), ("max_replicas", hi)):
+            if value > cap:
+                raise ValueError(
+                    f"{name}={value} exceeds the cap of {cap} replica gang(s): the device pool has "
+                    f"{self.manager.pool.capacity} slot(s) and a gang takes "
+                    f"{self.manager.model.dims.world_size}"
+                )
         config = dataclasses.replace(self.config, min_replicas=lo, max_replicas=hi)
         counts = self.autoscaler.counts
         self.autoscaler = Autoscaler(config)
@@ -132,7 +145,7 @@ class Supervisor:
         m = self.manager
         self.autoscaler.observe(
             now,
-            ongoing_requests=self.engine.ongoing,
+            ongoing_requests=self.ledger.ongoing,
             current_replicas=m.ready,
             pending_replicas=m.starting,
             max_replicas_allowed_by_device_pool=m.pool_limit(),

@@ -1,4 +1,5 @@
-"""Training checkpoints: per-rank shard files, their merge, the HF directory, and atomic publication.
+"""Training checkpoints: save and resume of a run (`CheckpointManager`, as torchtitan's), per-rank
+shard files, their merge, the HF directory, and atomic publication.
 
 A checkpoint directory ``OUT/checkpoint-{step}`` (and ``OUT/final``) holds:
 
@@ -14,6 +15,17 @@ A checkpoint directory ``OUT/checkpoint-{step}`` (and ``OUT/final``) holds:
 Every rank writes its files into ``OUT/.tmp-{name}``; after a barrier rank 0 merges the shards,
 writes the HF files and renames the temporary directory into place, so a reader (or a resumed run)
 never sees a half-written checkpoint. Everything is read back with safetensors only.
+
+The driver asks `resume_point` where a ``--resume`` run starts (the newest checkpoint, refused if
+its layout, seed, length or data differ); each rank owns a `CheckpointManager` that restores its
+state (`load`) and writes its part of every checkpoint (`save`, when `due`)::
+
+    manager = CheckpointManager(ctx, stage, opt, cfg=cfg, run=run)
+    manager.load()
+    for step in ...:
+        ...
+        if manager.due(step + 1):
+            manager.save(step + 1, loss_scale=1.0)
 """
 
 from __future__ import annotations
@@ -23,15 +35,21 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from models.hf_weights import ShardSlice
+from models.hf_weights import save_hf_checkpoint
+from partitioner.lora import merged_state_dict
+from partitioner.shard_loading import ShardSlice
+from partitioner.worker import RankContext
+from training.config import RunInfo, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -197,3 +215,155 @@ def load_rank_state(path: Path, module: nn.Module, opt: torch.optim.Optimizer | 
                     state[key] = t.to(p.device) if key != "step" else t
             if state:
                 opt.state[p] = state
+
+
+# ------------------------------------------------------------------------------------------------
+# Save and resume of a run
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: step 0 from the base model, or the step of a checkpoint."""
+
+    step: int = 0
+    path: str | None = None  # the checkpoint directory resumed from
+    loss_scale: float | None = None  # fp16 runs: the checkpoint's dynamic loss scale
+
+
+def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, compute_dtype: str) -> ResumePoint:
+    """The newest ``checkpoint-*`` of ``cfg.output`` when ``cfg.resume`` (else step 0); a checkpoint
+    written with another layout, seed, length or data is a `ResumeError` naming the differences."""
+    if not cfg.resume:
+        return ResumePoint()
+    out = Path(cfg.output)
+    latest = latest_checkpoint(out)
+    if latest is None:
+        raise ResumeError(f"--resume: no checkpoint-* with {STATE_FILE} under {out}")
+    state = read_state(latest)
+    now = {
+        "pp": cfg.pp,
+        "tp": cfg.tp,
+        "seed": cfg.seed,
+        "total_steps": total_steps,
+        "data_sha256": data_sha256,
+    }
+    mismatch = {k: (state.get(k), v) for k, v in now.items() if state.get(k) != v}
+    if mismatch:
+        raise ResumeError(f"{latest}: cannot resume, (checkpoint, now) differ: {mismatch}")
+    scale = None
+    if state.get("compute_dtype") == "float16" and compute_dtype == "float16":
+        scale = float(state["loss_scale"])
+    logger.info("resuming from %s at step %d of %d", latest, int(state["step"]), total_steps)
+    return ResumePoint(step=int(state["step"]), path=str(latest), loss_scale=scale)
+
+
+def trainer_state(cfg: TrainConfig, run: RunInfo, step: int, *, loss_scale: float) -> dict[str, Any]:
+    """The ``trainer_state.json`` of a checkpoint at ``step`` (keys and order are the on-disk format)."""
+    per_epoch = run.n_train // cfg.batch_size
+    return {
+        "step": step,
+        "total_steps": run.total_steps,
+        "epoch": step // per_epoch,
+        "batch_in_epoch": step % per_epoch,
+        "examples_seen": step * cfg.batch_size,
+        "seed": cfg.seed,
+        "pp": cfg.pp,
+        "tp": cfg.tp,
+        "schedule": cfg.schedule,
+        "compute_dtype": run.compute_dtype,
+        "loss_scale": loss_scale,
+        "lora_rank": cfg.lora_rank,
+        "freeze_layers": cfg.freeze_layers,
+        "data_sha256": run.data_sha256,
+        "config": cfg.to_dict(),
+    }
+
+
+def overlay_tensors(training_state: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """The trained tensors of a parameter-efficient run (optimizer moments dropped), the LoRA scale
+    folded into ``lora_B`` so that the overlay's update is plainly ``B A``."""
+    overlay = {k: v for k, v in training_state.items() if not k.startswith("optim.")}
+    for k in [k for k in overlay if k.endswith(".lora_B")]:
+        overlay[k] = overlay[k] * (cfg.lora_alpha / cfg.lora_rank)
+    return {k: v.contiguous() for k, v in overlay.items()}
+
+
+class CheckpointManager:
+    """One rank's side of a run's checkpoints: restore on resume, write every ``save_every`` steps
+    and at the end (rank 0 assembles and publishes; the others wait at barriers)."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        stage: nn.Module,
+        opt: torch.optim.Optimizer | None,
+        *,
+        cfg: TrainConfig,
+        run: RunInfo,
+    ) -> None:
+        self.ctx, self.stage, self.opt, self.cfg, self.run = ctx, stage, opt, cfg, run
+        self.names = {p: n for n, p in stage.named_parameters()}
+        self.world = ctx.plan.dims.world_size
+
+    def load(self) -> None:
+        """Restore this rank's trainable parameters and AdamW moments (a no-op for a fresh run)."""
+        if self.run.resume_from is not None:
+            path = Path(self.run.resume_from) / "training_state" / f"rank{self.ctx.rank}.safetensors"
+            load_rank_state(path, self.stage, self.opt)
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is written once ``step`` optimizer steps are done."""
+        every = self.cfg.save_every
+        return bool(every and step % every == 0) or step == self.run.total_steps
+
+    def save(self, step: int, *, loss_scale: float) -> None:
+        """Write ``OUT/checkpoint-{step}`` (``OUT/final`` at the last step); collective over the gang."""
+        final = step == self.run.total_steps
+        out = Path(self.cfg.output)
+        name = "final" if final else f"checkpoint-{step}"
+        tmp = out / f".tmp-{name}"
+        if self.ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        self._write_rank_files(tmp)
+        self._barrier()
+        if self.ctx.rank == 0:
+            self._assemble(tmp, step, loss_scale=loss_scale)
+            publish(tmp, out / name)
+            if not final:
+                prune_checkpoints(out, keep=self.cfg.keep_checkpoints)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _write_rank_files(self, tmp: Path) -> None:
+        """This rank's resume state (trainable tensors + AdamW moments) and its merged-LoRA weights."""
+        rank, tp_rank = self.ctx.rank, self.ctx.tp_rank
+        specs = shard_specs_of(self.stage)
+        state = {n: p.detach() for n, p in self.stage.named_parameters() if p.requires_grad}
+        if self.opt is not None:
+            state.update(optimizer_tensors(self.opt, self.names))
+        write_shard(tmp / "training_state" / f"rank{rank}.safetensors", state, specs, tp_rank=tp_rank)
+        weights = merged_state_dict(self.stage)
+        write_shard(tmp / "shards" / f"rank{rank}.safetensors", weights, specs, tp_rank=tp_rank)
+
+    def _assemble(self, tmp: Path, step: int, *, loss_scale: float) -> None:
+        """Rank 0: the HF directory from the merged shards, the overlay (PEFT runs), the trainer state."""
+        full = merge_shards(sorted((tmp / "shards").glob("rank*.safetensors")))
+        save_hf_checkpoint(
+            full,
+            self.ctx.spec.source.config,
+            tmp,
+            base_config=Path(self.run.base_model) / "config.json",
+            tokenizer_dir=Path(self.run.tokenizer_dir),
+        )
+        shutil.rmtree(tmp / "shards")
+        if self.cfg.peft:
+            trained = merge_shards(sorted((tmp / "training_state").glob("rank*.safetensors")))
+            save_file(overlay_tensors(trained, self.cfg), str(tmp / OVERLAY_FILE), metadata={"format": "pt"})
+        state = trainer_state(self.cfg, self.run, step, loss_scale=loss_scale)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))

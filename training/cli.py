@@ -14,9 +14,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from partitioner.precision import DTYPE_CHOICES, PRECISION_CHOICES, PrecisionError
 from partitioner.train_schedules import SCHEDULES
+
+if TYPE_CHECKING:
+    from models.qa_processing import WindowConfig
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +219,15 @@ def output_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def window_config(args: argparse.Namespace) -> WindowConfig:
+    """The ``--max-seq-len`` / ``--doc-stride`` / ``--max-question-len`` flags as one window (ValueError if bad)."""
+    from models.qa_processing import WindowConfig
+
+    return WindowConfig(
+        max_seq_len=args.max_seq_len, doc_stride=args.doc_stride, max_question_len=args.max_question_len
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from training.squad_data import SquadFormatError
     from training.trainer import TrainConfig, TrainConfigError, train
@@ -226,6 +239,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        window = window_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         cfg = TrainConfig(
@@ -252,9 +270,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             adam_eps=args.adam_eps,
             seed=args.seed,
             dropout=args.dropout,
-            max_seq_len=args.max_seq_len,
-            doc_stride=args.doc_stride,
-            max_question_len=args.max_question_len,
+            window=window,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             freeze_layers=args.freeze_layers,
@@ -297,6 +313,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    try:
+        window = window_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     cfg = EvalConfig(
         model=args.model,
         data=args.data,
@@ -304,9 +325,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         split_seed=args.split_seed,
         pp=args.pp,
         tp=args.tp,
-        max_seq_len=args.max_seq_len,
-        doc_stride=args.doc_stride,
-        max_question_len=args.max_question_len,
+        window=window,
         batch_size=args.batch_size,
         max_answer_length=args.max_answer_length,
         null_threshold=args.null_threshold,

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from models.qa_processing import WindowConfig
+
 logger = logging.getLogger(__name__)
+
+EVAL_WINDOW = WindowConfig(max_seq_len=256, doc_stride=128, max_question_len=64)  # the CLI defaults
 
 
 class EvalConfigError(ValueError):
@@ -33,9 +37,7 @@ class EvalConfig:
     split_seed: int = 0
     pp: int = 1
     tp: int = 1
-    max_seq_len: int = 256
-    doc_stride: int = 128
-    max_question_len: int = 64
+    window: WindowConfig = EVAL_WINDOW  # the serving windows scored (--max-seq-len, ...)
     batch_size: int = 32
     max_answer_length: int = 30
     null_threshold: float | None = None
@@ -48,6 +50,8 @@ class EvalConfig:
             raise EvalConfigError(f"pp={self.pp}, tp={self.tp} and batch_size={self.batch_size} must be >= 1")
         if self.holdout_articles < 0:
             raise EvalConfigError(f"holdout_articles={self.holdout_articles} must be >= 0")
+        if not isinstance(self.window, WindowConfig):
+            raise EvalConfigError(f"window={self.window!r} must be a models.qa_processing.WindowConfig")
 
 
 def _examples(cfg: EvalConfig) -> list:
@@ -87,13 +91,7 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
     source = resolve_model(cfg.model)
     examples = _examples(cfg)
     tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
-    feats = build_eval_features(
-        tok,
-        examples,
-        max_seq_len=cfg.max_seq_len,
-        doc_stride=cfg.doc_stride,
-        max_question_len=cfg.max_question_len,
-    )
+    feats = build_eval_features(tok, examples, window=cfg.window)
     b = feats.batch
     n = len(feats)
     batches = []
@@ -118,7 +116,7 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
                 bar.update(ids.shape[0])
     else:
         dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
-        plan = make_plan(source.config, dims, seq_len=cfg.max_seq_len)
+        plan = make_plan(source.config, dims, seq_len=cfg.window.max_seq_len)
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
         spec = GangSpec(source, plan, threads_per_rank=threads, dtype=choice.name)
         with Gang(spec, name="eval") as gang:

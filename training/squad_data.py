@@ -9,9 +9,10 @@ Usage::
 
     examples = load_squad("../shared/data/squad/squad-v1.1-train-pool.json")
     train_ex, eval_ex = split_by_article(examples, eval_fraction=0.1, seed=0)
-    train = build_train_features(tok, train_ex, max_seq_len=384, doc_stride=128, max_question_len=64)
+    window = WindowConfig(max_seq_len=384, doc_stride=128, max_question_len=64)
+    train = build_train_features(tok, train_ex, window=window)
     loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True)   # dicts of tensors
-    ev = build_eval_features(tok, eval_ex, max_seq_len=384, doc_stride=128, max_question_len=64)
+    ev = build_eval_features(tok, eval_ex, window=window)
     start, end = model(**ev.batch.model_inputs())                    # (n_windows, seq_len) each
     preds = postprocess_eval_predictions(ev, start, end, max_answer_length=30)   # id -> QAPrediction
     training.squad_metrics.evaluate(eval_ex, prediction_texts(preds))
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from models.qa_processing import (
+    DEFAULT_WINDOW,
     EncodedBatch,
     QAPrediction,
     QAWindow,
@@ -42,7 +44,6 @@ from models.qa_processing import (
     WindowConfig,
     decode_encoded,
     encode_qa,
-    pad_windows,
 )
 
 logger = logging.getLogger(__name__)
@@ -365,24 +366,22 @@ def label_window(window: QAWindow, char_span: tuple[int, int] | None) -> tuple[i
     return start_tok, end_tok
 
 
+def _encode(tokenizer: Any, examples: Sequence[SquadExample], window: WindowConfig) -> EncodedBatch:
+    """The serving windows of ``examples`` (one `encode_qa` call for train and eval features alike)."""
+    return encode_qa(
+        tokenizer, [ex.question for ex in examples], [ex.context for ex in examples], window=window
+    )
+
+
 def build_train_features(
     tokenizer: Any,
     examples: Sequence[SquadExample],
     *,
-    max_seq_len: int = 384,
-    doc_stride: int = 128,
-    max_question_len: int = 64,
+    window: WindowConfig = DEFAULT_WINDOW,
     pad_to_multiple_of: int | None = None,
 ) -> TrainFeatures:
     """Window every example with `encode_qa` and label start/end token positions (CLS = 0)."""
-    encoded = encode_qa(
-        tokenizer,
-        [ex.question for ex in examples],
-        [ex.context for ex in examples],
-        window=WindowConfig(
-            max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=max_question_len
-        ),
-    )
+    encoded = _encode(tokenizer, examples, window)
     spans = [_answer_char_span(ex) for ex in examples]
     labels = [label_window(w, spans[w.example_index]) for w in encoded.windows]
     occurrences = [_occurrence_spans(ex) for ex in examples]
@@ -435,23 +434,12 @@ def build_eval_features(
     tokenizer: Any,
     examples: Sequence[SquadExample],
     *,
-    max_seq_len: int = 384,
-    doc_stride: int = 128,
-    max_question_len: int = 64,
+    window: WindowConfig = DEFAULT_WINDOW,
     pad_to_multiple_of: int | None = None,
 ) -> EvalFeatures:
     """Window examples for evaluation (same windows as serving), keeping offsets for decoding."""
-    encoded = encode_qa(
-        tokenizer,
-        [ex.question for ex in examples],
-        [ex.context for ex in examples],
-        window=WindowConfig(
-            max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=max_question_len
-        ),
-    )
-    batch = pad_windows(
-        encoded.windows, pad_token_id=encoded.pad_token_id, pad_to_multiple_of=pad_to_multiple_of
-    )
+    encoded = _encode(tokenizer, examples, window)
+    batch = encoded.pad(pad_to_multiple_of=pad_to_multiple_of)
     return EvalFeatures(examples=list(examples), encoded=encoded, batch=batch)
 
 

@@ -1,9 +1,10 @@
 """The trainer: fine-tune a QA model over the SAME partitions and gang runtime that serve it.
 
-``train(TrainConfig(...))`` (the driver, ``shardserve train``) tokenizes the SQuAD data once into a
-feature file, builds the serving ``PartitionPlan`` and starts a gang whose ranks run
-``train_rank``. Every rank builds its stage with ``build_stage`` (each loads only its shard),
-optionally adds LoRA / freezes layers (``partitioner/lora.py``), and then per optimizer step:
+``train(TrainConfig(...))`` (the driver, ``shardserve train``; settings in ``training/config.py``)
+tokenizes the SQuAD data once into a feature file (``training/features.py``), builds the serving
+``PartitionPlan`` and starts a gang whose ranks run ``train_rank``. Every rank builds its stage
+with ``build_stage`` (each loads only its shard), optionally adds LoRA / freezes layers
+(``partitioner/lora.py``), restores its state on ``--resume``, and then per optimizer step:
 
 1. reads the step's global batch from the seeded permutation of the features (identical on every
    rank; stage 0 takes inputs, the last stage labels), split into ``n_micro`` micro-batches;
@@ -20,8 +21,8 @@ dropout masks differently). Precision (``--precision``): fp32, or bf16/fp16 auto
 AdamW state (``partitioner/precision.py``; fp16 with dynamic loss scaling); ``auto`` picks bf16
 where the device has bf16 units.
 
-Checkpoints (``training/checkpoint.py``) are written by the ranks every ``save_every`` steps and
-at the end (``OUT/final``). The driver shows a tqdm bar (step, loss, examples/s) and logs periodic
+Checkpoints are ``training/checkpoint.py``'s: its ``CheckpointManager`` restores a rank and writes
+its part every ``save_every`` steps and at the end (``OUT/final``). The driver shows a tqdm bar (step, loss, examples/s) and logs periodic
 evaluation (``training/evaluate.py`` metrics on logits computed by the gang itself).
 
     shardserve train --model tiny-bert --train-file data.json --pp 2 --tp 1 --output /tmp/run
@@ -31,12 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,156 +45,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from models.hf_weights import save_hf_checkpoint
 from models.registry import ModelSource, resolve_model
 from partitioner.gang import Gang
-from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft, merged_state_dict
+from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
-from partitioner.precision import DTYPES, PRECISION_CHOICES, DynamicLossScale, autocast_for, resolve_dtype
+from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
 from partitioner.stages import build_stage
-from partitioner.train_schedules import SCHEDULES, StageExecutor, run_forward_only, run_schedule
+from partitioner.train_schedules import StageExecutor, run_forward_only, run_schedule
 from partitioner.worker import GangSpec, RankContext
 from training import checkpoint as ckpt
+from training.config import RunInfo, TrainConfig, TrainConfigError
 from training.curve import Curve
+from training.features import EVAL_INPUTS, prepare_data, read_features
 
 logger = logging.getLogger(__name__)
 
 MASK_FILL = -1e9  # logit given to padding positions before the span cross-entropy
-ANSWER_OCCURRENCES: tuple[str, ...] = ("first", "all")
-FEATURE_CHUNK = 2048  # questions tokenized at a time when building the feature file
-FEATURES_FORMAT = 2  # bump when the feature file's tensors change (part of the cache key)
-
-
-class TrainConfigError(ValueError):
-    """Inconsistent training settings; the message names the offending numbers."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a training run needs (validated once; picklable, sent to every rank)."""
-
-    model: str
-    train_file: str
-    output: str
-    eval_file: str | None = None
-    holdout_articles: int = 0  # hold out this many whole articles of the train file for evaluation
-    split_seed: int = 0
-    max_train_examples: int | None = None  # use only the first N training questions (tests)
-    max_eval_examples: int | None = None
-    pp: int = 1
-    tp: int = 1
-    boundaries: tuple[int, ...] | None = None
-    schedule: str = "1f1b"
-    batch_size: int = 32  # global batch (examples per optimizer step)
-    micro_batch_size: int = 8
-    epochs: float = 1.0
-    max_steps: int | None = None  # overrides epochs
-    lr: float = 5e-5
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    seed: int = 0
-    dropout: float | None = None  # override the model's hidden/attention dropout
-    max_seq_len: int = 256
-    doc_stride: int = 128
-    max_question_len: int = 64
-    lora_rank: int = 0  # 0: no LoRA
-    lora_alpha: float = 16.0
-    freeze_layers: int = 0  # freeze the embeddings and layers [0, k)
-    freeze_embeddings: bool = False  # freeze the embeddings only (implied by freeze_layers > 0)
-    eval_every: int = 0  # steps; 0: only at the end
-    eval_batch_size: int = 32
-    save_every: int = 0  # steps; 0: only the final checkpoint
-    keep_checkpoints: int = 2
-    resume: bool = False
-    device: str = "cpu"
-    precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 where the device has bf16 units)
-    threads_per_rank: int | None = None
-    log_every: int = 10
-    group_by_length: bool = False  # batches of similar-length windows (less padding)
-    answer_occurrences: str = "all"  # "first": the labelled occurrence only; "all": every occurrence
-    fail_at_step: int | None = None  # testing: the last rank exits hard when it reaches this step
-
-    def __post_init__(self) -> None:
-        def bad(msg: str) -> None:
-            raise TrainConfigError(msg)
-
-        if self.pp < 1 or self.tp < 1:
-            bad(f"pp={self.pp} and tp={self.tp} must be >= 1")
-        if self.schedule not in SCHEDULES:
-            bad(f"schedule={self.schedule!r} unknown; choose from {SCHEDULES}")
-        if self.batch_size < 1 or self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
-            bad(
-                f"batch_size={self.batch_size} must be a positive multiple of "
-                f"micro_batch_size={self.micro_batch_size}"
-            )
-        if not self.lr > 0:
-            bad(f"lr={self.lr} must be > 0")
-        if self.weight_decay < 0 or not 0 <= self.warmup_ratio < 1:
-            bad(
-                f"weight_decay={self.weight_decay} must be >= 0 and warmup_ratio={self.warmup_ratio} in [0, 1)"
-            )
-        if self.max_grad_norm < 0:
-            bad(f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping)")
-        if self.max_steps is not None and self.max_steps < 1:
-            bad(f"max_steps={self.max_steps} must be >= 1")
-        if self.epochs <= 0:
-            bad(f"epochs={self.epochs} must be > 0")
-        if self.dropout is not None and not 0 <= self.dropout < 1:
-            bad(f"dropout={self.dropout} must be in [0, 1)")
-        if self.doc_stride >= self.max_seq_len or self.max_question_len >= self.max_seq_len:
-            bad(
-                f"doc_stride={self.doc_stride} and max_question_len={self.max_question_len} must be "
-                f"< max_seq_len={self.max_seq_len}"
-            )
-        if self.lora_rank < 0 or self.freeze_layers < 0:
-            bad(f"lora_rank={self.lora_rank} and freeze_layers={self.freeze_layers} must be >= 0")
-        if self.holdout_articles < 0:
-            bad(f"holdout_articles={self.holdout_articles} must be >= 0")
-        if self.eval_every < 0 or self.save_every < 0 or self.keep_checkpoints < 1:
-            bad(
-                f"eval_every={self.eval_every}, save_every={self.save_every} must be >= 0 and "
-                f"keep_checkpoints={self.keep_checkpoints} >= 1"
-            )
-        if self.device not in ("cpu", "cuda"):
-            bad(f"device={self.device!r} must be 'cpu' or 'cuda'")
-        if self.answer_occurrences not in ANSWER_OCCURRENCES:
-            bad(f"answer_occurrences={self.answer_occurrences!r} unknown; choose from {ANSWER_OCCURRENCES}")
-        if self.precision not in PRECISION_CHOICES:
-            bad(f"precision={self.precision!r} unknown; choose from {PRECISION_CHOICES}")
-
-    @property
-    def n_micro(self) -> int:
-        return self.batch_size // self.micro_batch_size
-
-    @property
-    def peft(self) -> bool:
-        return self.lora_rank > 0 or self.freeze_layers > 0
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What the driver computed for the ranks (picklable)."""
-
-    features: str  # safetensors file with train.* and eval.* tensors
-    n_train: int
-    n_eval: int
-    total_steps: int
-    warmup_steps: int
-    start_step: int
-    resume_from: str | None
-    data_sha256: str
-    base_model: str  # the model's checkpoint dir (config.json for the HF output)
-    tokenizer_dir: str
-    compute_dtype: str = "float32"  # autocast dtype ("float32": none); master weights stay fp32
-    loss_scale: float = 1.0  # fp16: the dynamic loss scale to start from (resumed runs continue it)
 
 
 @dataclass
@@ -354,13 +222,10 @@ def stage_trains(plan: PartitionPlan, cfg: TrainConfig, stage: int) -> bool:
 # The rank program
 # ------------------------------------------------------------------------------------------------
 
-
-class _Features:
-    """The feature tensors a rank needs, read from the driver's safetensors file."""
-
-    def __init__(self, path: str, prefix: str, names: tuple[str, ...]) -> None:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            self.t = {n: f.get_tensor(f"{prefix}.{n}") for n in names}
+LABELS: dict[str, tuple[str, str]] = {  # answer_occurrences -> (start, end) label tensors
+    "first": ("start_positions", "end_positions"),
+    "all": ("start_candidates", "end_candidates"),
+}
 
 
 def _global_grad_norm(stage: nn.Module, ctx: RankContext, world: int) -> torch.Tensor:
@@ -378,49 +243,67 @@ def _global_grad_norm(stage: nn.Module, ctx: RankContext, world: int) -> torch.T
     return total.sqrt()
 
 
+def _build_trainable_stage(
+    ctx: RankContext, cfg: TrainConfig
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """This rank's stage (its shard only), PEFT applied, in train mode, and its AdamW (None: frozen)."""
+    torch.manual_seed(cfg.seed)
+    stage = build_stage(
+        ctx.spec.source, ctx.plan, rank=ctx.rank, tp_group=ctx.tp_group, head_seed=ctx.spec.head_seed
+    )
+    apply_peft(stage, cfg)
+    stage.train()
+    if not any(p.requires_grad for p in stage.parameters()):
+        return stage, None
+    groups = param_groups(stage, cfg.weight_decay)
+    return stage, torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps)
+
+
+def _clip_and_step(
+    stage: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    ctx: RankContext,
+    cfg: TrainConfig,
+    *,
+    lr: float,
+    scaler: DynamicLossScale | None,
+) -> float:
+    """Unscale (fp16), clip by the global gradient norm, AdamW step at ``lr``; returns the norm.
+
+    A non-finite fp16 norm skips the step on every rank alike (the norm is all-reduced)."""
+    trainable = [p for p in stage.parameters() if p.requires_grad and p.grad is not None]
+    if scaler is not None:
+        for p in trainable:
+            p.grad.div_(scaler.scale)
+    norm = float(_global_grad_norm(stage, ctx, ctx.plan.dims.world_size))
+    apply = scaler.update(norm) if scaler is not None else True  # same on every rank
+    if cfg.max_grad_norm > 0 and apply:
+        coef = cfg.max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in trainable:
+                p.grad.mul_(coef)
+    if opt is not None and apply:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    return norm
+
+
 def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict], None]) -> None:
-    """One rank of a training gang (``GangSpec.program``)."""
+    """One rank of a training gang (``GangSpec.program``): build, restore, then the step loop."""
     cfg: TrainConfig = ctx.spec.extra["train"]
     run: RunInfo = ctx.spec.extra["run"]
     ctrl = queues["ctrl"]
     plan = ctx.plan
     pp, world = plan.dims.pp, plan.dims.world_size
-    torch.manual_seed(cfg.seed)
-    stage = build_stage(
-        ctx.spec.source, plan, rank=ctx.rank, tp_group=ctx.tp_group, head_seed=ctx.spec.head_seed
-    )
-    apply_peft(stage, cfg)
-    stage.train()
-    trainable = [p for p in stage.parameters() if p.requires_grad]
-    names = {p: n for n, p in stage.named_parameters()}
-    opt = (
-        torch.optim.AdamW(
-            param_groups(stage, cfg.weight_decay), lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps
-        )
-        if trainable
-        else None
-    )
-    if run.resume_from is not None:
-        ckpt.load_rank_state(
-            Path(run.resume_from) / "training_state" / f"rank{ctx.rank}.safetensors", stage, opt
-        )
+    stage, opt = _build_trainable_stage(ctx, cfg)
+    checkpoints = ckpt.CheckpointManager(ctx, stage, opt, cfg=cfg, run=run)
+    checkpoints.load()
+    labels = LABELS[cfg.answer_occurrences]
     want = ("attention_mask",) + (("input_ids", "token_type_ids") if ctx.is_first else ())
-    labels = (
-        ("start_candidates", "end_candidates")
-        if cfg.answer_occurrences == "all"
-        else (
-            "start_positions",
-            "end_positions",
-        )
-    )
-    want += labels if ctx.is_last else ()
-    data = _Features(run.features, "train", want)
-    lengths = data.t["attention_mask"].sum(dim=1) if cfg.group_by_length else None  # (n_train,)
-    eval_data = (
-        _Features(run.features, "eval", ("input_ids", "attention_mask", "token_type_ids"))
-        if ctx.is_first and run.n_eval
-        else None
-    )
+    data = read_features(run.features, "train", want + (labels if ctx.is_last else ()))
+    lengths = data["attention_mask"].sum(dim=1) if cfg.group_by_length else None  # (n_train,)
+    eval_data = read_features(run.features, "eval", EVAL_INPUTS) if ctx.is_first and run.n_eval else None
     comm = P2PCommunicator(device=ctx.device, backend=ctx.backend) if pp > 1 else None
     autocast = autocast_for(ctx.device, DTYPES[run.compute_dtype])
     # fp16 needs loss scaling (its range underflows small gradients); fp32/bf16 train unscaled.
@@ -428,7 +311,10 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
     backward_needed = any(stage_trains(plan, cfg, s) for s in range(ctx.stage + 1))
     send_input_grad = not ctx.is_first and any(stage_trains(plan, cfg, s) for s in range(ctx.stage))
     ready(
-        {"trainable": sum(p.numel() for p in trainable), "params": sum(p.numel() for p in stage.parameters())}
+        {
+            "trainable": sum(p.numel() for p in stage.parameters() if p.requires_grad),
+            "params": sum(p.numel() for p in stage.parameters()),
+        }
     )
 
     dev = ctx.device
@@ -444,18 +330,16 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
 
         def get_inputs(mb: int, idx: torch.Tensor = idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             rows = idx[mb * micro : (mb + 1) * micro]
-            mask = data.t["attention_mask"][rows]  # (b, S)
-            ids, types, mask = trim(
-                data.t["input_ids"][rows], data.t["token_type_ids"][rows], mask, mask=mask
-            )
+            mask = data["attention_mask"][rows]  # (b, S)
+            ids, types, mask = trim(data["input_ids"][rows], data["token_type_ids"][rows], mask, mask=mask)
             return ids.long().to(dev), mask.long().to(dev), types.long().to(dev)
 
         def compute_loss(
             mb: int, logits: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor = idx
         ) -> torch.Tensor:
             rows = idx[mb * micro : (mb + 1) * micro]
-            starts = data.t[labels[0]][rows].long().to(dev)  # (b,) or (b, K)
-            ends = data.t[labels[1]][rows].long().to(dev)
+            starts = data[labels[0]][rows].long().to(dev)  # (b,) or (b, K)
+            ends = data[labels[1]][rows].long().to(dev)
             scale = scaler.scale if scaler is not None else 1.0
             return span_loss(logits, mask, starts, ends) * (scale / cfg.n_micro)
 
@@ -475,44 +359,19 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         run_schedule(ex, cfg.schedule, cfg.n_micro, num_stages=pp, stage=ctx.stage)
-        loss_scale = scaler.scale if scaler is not None else 1.0
-        if scaler is not None:
-            for p in trainable:
-                if p.grad is not None:
-                    p.grad.div_(loss_scale)
-        norm = _global_grad_norm(stage, ctx, world)
-        apply = scaler.update(float(norm)) if scaler is not None else True  # same on every rank
-        if cfg.max_grad_norm > 0 and apply:
-            coef = cfg.max_grad_norm / (float(norm) + 1e-6)
-            if coef < 1.0:
-                for p in trainable:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        if opt is not None and apply:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
+        loss_scale = scaler.scale if scaler is not None else 1.0  # the scale this step's loss carried
+        norm = _clip_and_step(stage, opt, ctx, cfg, lr=lr, scaler=scaler)
         done = step + 1
         ctx.progress[ctx.rank] = done
         if ctx.is_last and ctx.tp_rank == 0:
-            ctrl.put(
-                (
-                    "step",
-                    ctx.rank,
-                    {
-                        "step": done,
-                        "loss": sum(ex.losses) / loss_scale,
-                        "lr": lr,
-                        "grad_norm": float(norm),
-                        "examples": len(idx),
-                    },
-                )
-            )
+            loss = sum(ex.losses) / loss_scale
+            report = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "examples": len(idx)}
+            ctrl.put(("step", ctx.rank, report))
         final = done == run.total_steps
         if run.n_eval and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
             _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, ctrl, autocast)
-        if (cfg.save_every and done % cfg.save_every == 0) or final:
-            _save(ctx, stage, opt, names, cfg, run, done, final=final, scaler=scaler)
+        if checkpoints.due(done):
+            checkpoints.save(done, loss_scale=scaler.scale if scaler is not None else 1.0)
             if ctx.rank == 0:
                 ctrl.put(("checkpoint", ctx.rank, {"step": done, "final": final}))
     if comm is not None:
@@ -523,7 +382,7 @@ def _evaluate_in_gang(
     ctx: RankContext,
     stage: nn.Module,
     comm: P2PCommunicator | None,
-    eval_data: _Features | None,
+    eval_data: dict[str, torch.Tensor] | None,
     run: RunInfo,
     cfg: TrainConfig,
     step: int,
@@ -534,16 +393,14 @@ def _evaluate_in_gang(
     stage.eval()
     bs = cfg.eval_batch_size
     n_micro = -(-run.n_eval // bs)
-    full_len = cfg.max_seq_len
+    full_len = cfg.window.max_seq_len
     chunks: list[torch.Tensor] = []
 
     def get_inputs(mb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert eval_data is not None
         sl = slice(mb * bs, (mb + 1) * bs)
-        mask = eval_data.t["attention_mask"][sl]
-        ids, types, mask = trim(
-            eval_data.t["input_ids"][sl], eval_data.t["token_type_ids"][sl], mask, mask=mask
-        )
+        mask = eval_data["attention_mask"][sl]
+        ids, types, mask = trim(eval_data["input_ids"][sl], eval_data["token_type_ids"][sl], mask, mask=mask)
         return ids.long().to(ctx.device), mask.long().to(ctx.device), types.long().to(ctx.device)
 
     def on_logits(mb: int, logits: torch.Tensor) -> None:
@@ -568,218 +425,9 @@ def _evaluate_in_gang(
     stage.train()
 
 
-def _save(
-    ctx: RankContext,
-    stage: nn.Module,
-    opt: torch.optim.Optimizer | None,
-    names: dict[nn.Parameter, str],
-    cfg: TrainConfig,
-    run: RunInfo,
-    step: int,
-    *,
-    final: bool,
-    scaler: DynamicLossScale | None = None,
-) -> None:
-    """Write this rank's shards into the temporary directory; rank 0 assembles and publishes."""
-    out = Path(cfg.output)
-    name = "final" if final else f"checkpoint-{step}"
-    tmp = out / f".tmp-{name}"
-    world = ctx.plan.dims.world_size
-    if ctx.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if world > 1:
-        dist.barrier()
-    specs = ckpt.shard_specs_of(stage)
-    trained = {n: p.detach() for n, p in stage.named_parameters() if p.requires_grad}
-    state = dict(trained)
-    if opt is not None:
-        state.update(ckpt.optimizer_tensors(opt, names))
-    ckpt.write_shard(
-        tmp / "training_state" / f"rank{ctx.rank}.safetensors", state, specs, tp_rank=ctx.tp_rank
-    )
-    ckpt.write_shard(
-        tmp / "shards" / f"rank{ctx.rank}.safetensors", merged_state_dict(stage), specs, tp_rank=ctx.tp_rank
-    )
-    if world > 1:
-        dist.barrier()
-    if ctx.rank == 0:
-        shard_files = sorted((tmp / "shards").glob("rank*.safetensors"))
-        full = ckpt.merge_shards(shard_files)
-        save_hf_checkpoint(
-            full,
-            ctx.spec.source.config,
-            tmp,
-            base_config=Path(run.base_model) / "config.json",
-            tokenizer_dir=Path(run.tokenizer_dir),
-        )
-        shutil.rmtree(tmp / "shards")
-        if cfg.peft:
-            overlay = {
-                k: v
-                for k, v in ckpt.merge_shards(
-                    sorted((tmp / "training_state").glob("rank*.safetensors"))
-                ).items()
-                if not k.startswith("optim.")
-            }
-            for k in [k for k in overlay if k.endswith(".lora_B")]:
-                overlay[k] = overlay[k] * (cfg.lora_alpha / cfg.lora_rank)  # fold the scale: delta = B A
-            save_file(
-                {k: v.contiguous() for k, v in overlay.items()},
-                str(tmp / ckpt.OVERLAY_FILE),
-                metadata={"format": "pt"},
-            )
-        per_epoch = run.n_train // cfg.batch_size
-        state_json = {
-            "step": step,
-            "total_steps": run.total_steps,
-            "epoch": step // per_epoch,
-            "batch_in_epoch": step % per_epoch,
-            "examples_seen": step * cfg.batch_size,
-            "seed": cfg.seed,
-            "pp": cfg.pp,
-            "tp": cfg.tp,
-            "schedule": cfg.schedule,
-            "compute_dtype": run.compute_dtype,
-            "loss_scale": scaler.scale if scaler is not None else 1.0,
-            "lora_rank": cfg.lora_rank,
-            "freeze_layers": cfg.freeze_layers,
-            "data_sha256": run.data_sha256,
-            "config": {k: v for k, v in dataclasses.asdict(cfg).items()},
-        }
-        (tmp / ckpt.STATE_FILE).write_text(json.dumps(state_json, indent=2, default=str))
-        ckpt.publish(tmp, out / name)
-        if not final:
-            ckpt.prune_checkpoints(out, keep=cfg.keep_checkpoints)
-    if world > 1:
-        dist.barrier()
-
-
 # ------------------------------------------------------------------------------------------------
 # The driver
 # ------------------------------------------------------------------------------------------------
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@dataclass
-class PreparedData:
-    """Features written for the ranks plus what the driver needs to score evaluations."""
-
-    path: Path
-    n_train: int
-    eval_features: Any  # training.squad_data.EvalFeatures | None
-    data_sha256: str
-
-
-def prepare_data(cfg: TrainConfig, source: ModelSource, *, show_progress: bool = False) -> PreparedData:
-    """Tokenize train (and eval) examples once into ``OUT/.cache/features-*.safetensors``."""
-    from transformers import AutoTokenizer
-
-    from training.squad_data import build_eval_features, load_squad, split_by_article
-
-    sha = sha256_file(cfg.train_file)
-    examples = load_squad(cfg.train_file)
-    eval_examples = []
-    if cfg.holdout_articles:
-        titles = list(dict.fromkeys(ex.title for ex in examples))
-        if cfg.holdout_articles >= len(titles):
-            raise TrainConfigError(
-                f"holdout_articles={cfg.holdout_articles} leaves no training article (file has {len(titles)})"
-            )
-        frac = cfg.holdout_articles / len(titles)
-        examples, eval_examples = split_by_article(examples, eval_fraction=frac, seed=cfg.split_seed)
-    if cfg.eval_file:
-        eval_examples = load_squad(cfg.eval_file)
-    if cfg.max_train_examples is not None:
-        examples = examples[: cfg.max_train_examples]
-    if cfg.max_eval_examples is not None:
-        eval_examples = eval_examples[: cfg.max_eval_examples]
-    key = hashlib.sha256(
-        json.dumps(
-            [
-                FEATURES_FORMAT,
-                sha,
-                cfg.eval_file and sha256_file(cfg.eval_file),
-                str(source.tokenizer_dir),
-                cfg.max_seq_len,
-                cfg.doc_stride,
-                cfg.max_question_len,
-                cfg.holdout_articles,
-                cfg.split_seed,
-                cfg.max_train_examples,
-                cfg.max_eval_examples,
-            ]
-        ).encode()
-    ).hexdigest()[:16]
-    out = Path(cfg.output) / ".cache" / f"features-{key}.safetensors"
-    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
-    kw = dict(max_seq_len=cfg.max_seq_len, doc_stride=cfg.doc_stride, max_question_len=cfg.max_question_len)
-    eval_features = build_eval_features(tok, eval_examples, **kw) if eval_examples else None
-    if out.is_file():
-        with safe_open(str(out), framework="pt", device="cpu") as f:
-            n_train = int(f.get_slice("train.input_ids").get_shape()[0])
-        logger.info("%d cached train features: %s", n_train, out)
-        return PreparedData(out, n_train, eval_features, sha)
-    tensors = _train_feature_tensors(tok, examples, cfg, show_progress=show_progress)
-    if eval_features is not None:
-        b = eval_features.batch
-        tensors.update(
-            {
-                "eval.input_ids": b.input_ids.int(),
-                "eval.attention_mask": b.attention_mask.to(torch.uint8),
-                "eval.token_type_ids": b.token_type_ids.to(torch.uint8),
-            }
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    tmp.rename(out)
-    n_train = len(tensors["train.input_ids"])
-    logger.info("%d train features, %d eval windows -> %s", n_train, len(eval_features or []), out)
-    return PreparedData(out, n_train, eval_features, sha)
-
-
-def _train_feature_tensors(
-    tok: Any, examples: list[Any], cfg: TrainConfig, *, show_progress: bool
-) -> dict[str, torch.Tensor]:
-    """Labelled training windows, tokenized ``FEATURE_CHUNK`` questions at a time (the windows'
-    offsets of one chunk are dropped before the next, so memory stays at the compact tensors):
-    token ids int32, masks / token types uint8, every window padded to ``max_seq_len``."""
-    from tqdm import tqdm
-
-    from training.squad_data import build_train_features
-
-    kw = dict(max_seq_len=cfg.max_seq_len, doc_stride=cfg.doc_stride, max_question_len=cfg.max_question_len)
-    parts: dict[str, list[torch.Tensor]] = {}
-    with tqdm(
-        total=len(examples), desc="features", unit="q", disable=not show_progress, dynamic_ncols=True
-    ) as bar:
-        for i in range(0, len(examples), FEATURE_CHUNK):
-            chunk = build_train_features(
-                tok, examples[i : i + FEATURE_CHUNK], pad_to_multiple_of=cfg.max_seq_len, **kw
-            )
-            for name, t, dtype in (
-                ("input_ids", chunk.input_ids, torch.int32),
-                ("attention_mask", chunk.attention_mask, torch.uint8),
-                ("token_type_ids", chunk.token_type_ids, torch.uint8),
-                ("start_positions", chunk.start_positions, torch.int16),
-                ("end_positions", chunk.end_positions, torch.int16),
-                ("start_candidates", chunk.start_candidates, torch.int16),
-                ("end_candidates", chunk.end_candidates, torch.int16),
-            ):
-                parts.setdefault(name, []).append(t.to(dtype))
-            bar.update(min(FEATURE_CHUNK, len(examples) - i))
-    width = max(t.shape[1] for t in parts["start_candidates"])  # K: most occurrences in one window
-    for name in ("start_candidates", "end_candidates"):
-        parts[name] = [F.pad(t, (0, width - t.shape[1]), value=-1) for t in parts[name]]
-    return {f"train.{name}": torch.cat(ts) for name, ts in parts.items()}
 
 
 def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
@@ -803,7 +451,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
         source.config,
         dims,
         boundaries=list(cfg.boundaries) if cfg.boundaries else None,
-        seq_len=cfg.max_seq_len,
+        seq_len=cfg.window.max_seq_len,
         devices=default_devices(dims.world_size, device=cfg.device),
     )
     if cfg.freeze_layers > source.config.num_layers:
@@ -818,37 +466,19 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
         raise TrainConfigError(f"batch_size={cfg.batch_size} exceeds the {data.n_train} training features")
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.floor(cfg.epochs * per_epoch))
     warmup = math.floor(cfg.warmup_ratio * total)
-    start_step, resume_from, loss_scale = 0, None, DynamicLossScale().scale
-    if cfg.resume:
-        latest = ckpt.latest_checkpoint(out)
-        if latest is None:
-            raise ckpt.ResumeError(f"--resume: no checkpoint-* with {ckpt.STATE_FILE} under {out}")
-        state = ckpt.read_state(latest)
-        mismatch = {
-            k: (state.get(k), v)
-            for k, v in {
-                "pp": cfg.pp,
-                "tp": cfg.tp,
-                "seed": cfg.seed,
-                "total_steps": total,
-                "data_sha256": data.data_sha256,
-            }.items()
-            if state.get(k) != v
-        }
-        if mismatch:
-            raise ckpt.ResumeError(f"{latest}: cannot resume, (checkpoint, now) differ: {mismatch}")
-        start_step, resume_from = int(state["step"]), str(latest)
-        if state.get("compute_dtype") == "float16" and precision.name == "float16":
-            loss_scale = float(state["loss_scale"])
-        logger.info("resuming from %s at step %d of %d", latest, start_step, total)
+    start = ckpt.resume_point(
+        cfg, total_steps=total, data_sha256=data.data_sha256, compute_dtype=precision.name
+    )
+    start_step = start.step
+    loss_scale = start.loss_scale if start.loss_scale is not None else DynamicLossScale().scale
     run = RunInfo(
         features=str(data.path),
         n_train=data.n_train,
-        n_eval=len(data.eval_features) if data.eval_features is not None else 0,
+        n_eval=data.n_eval,
         total_steps=total,
         warmup_steps=warmup,
         start_step=start_step,
-        resume_from=resume_from,
+        resume_from=start.path,
         data_sha256=data.data_sha256,
         base_model=str(source.checkpoint),
         tokenizer_dir=str(source.tokenizer_dir),

@@ -22,6 +22,8 @@ DEPLOY = REPO / "deploy"
 # oldest version with everything used here (pod-index labels, Indexed Jobs) .. the newest bundled
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
+from tests.deploy.kserve_schemas import is_kserve, validate_kserve  # noqa: E402 (needs the skip above)
+
 
 def _docs() -> list[tuple[str, dict[str, Any]]]:
     out = []
@@ -51,12 +53,21 @@ def test_every_manifest_passes_the_schema() -> None:
         "ConfigMap",
         "Job",
     }
+    assert {d["kind"] for _, d in docs} >= {"ServingRuntime", "InferenceService"}
     for version in K8S_VERSIONS:
         for filename, doc in docs:
             try:
-                kubernetes_validate.validate(doc, version, strict=True)
+                _validate(doc, version)
             except kubernetes_validate.ValidationError as exc:
                 pytest.fail(f"{filename} {doc['kind']}/{doc['metadata']['name']} (k8s {version}): {exc}")
+
+
+def _validate(doc: dict[str, Any], version: str) -> None:
+    """Strict schema validation; the KServe kinds through ``tests/deploy/kserve_schemas.py``."""
+    if is_kserve(doc):
+        validate_kserve(doc, version)
+    else:
+        kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_the_validator_rejects_a_broken_manifest() -> None:
@@ -150,3 +161,57 @@ def _dockerfile_uid() -> int:
     users = re.findall(r"^USER\s+(\d+)", (REPO / "Dockerfile").read_text(), flags=re.M)
     assert users, "Dockerfile has no numeric USER"
     return int(users[-1].split(":")[0])
+
+
+# ------------------------------------------------------------------------------------------ KServe
+
+
+def test_the_kserve_validator_rejects_a_broken_manifest() -> None:
+    runtime = _one("ServingRuntime", "shardserve")
+    for mutate, match in [
+        (
+            lambda d: d["spec"]["containers"][0]["ports"][0].update(containerPort="8080"),
+            "is not of type 'integer'",
+        ),
+        (lambda d: d["spec"]["containers"][0].update(readinessProbes={}), "readinessProbes"),
+        (lambda d: d["spec"].update(protocolVersion=["v2"]), "protocolVersion"),
+        (lambda d: d["spec"].update(protocolVersions=["v3"]), "'v3' is not one of"),
+    ]:
+        broken = yaml.safe_load(yaml.safe_dump(runtime))
+        mutate(broken)
+        with pytest.raises(kubernetes_validate.ValidationError, match=match):
+            validate_kserve(broken, K8S_VERSIONS[-1])
+    isvc = yaml.safe_load(yaml.safe_dump(_one("InferenceService", "squad-qa")))
+    isvc["spec"]["predictor"]["model"]["modelformat"] = {"name": "x"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_kserve(isvc, K8S_VERSIONS[-1])
+
+
+def test_kserve_runtime_serves_the_v2_protocol_on_open_probes() -> None:
+    runtime, isvc = _one("ServingRuntime", "shardserve"), _one("InferenceService", "squad-qa")
+    spec = runtime["spec"]
+    (c,) = spec["containers"]
+    assert c["name"] == "kserve-container" and "v2" in spec["protocolVersions"]
+    args = c["args"]
+    assert args[0] == "serve"
+    flags = dict(zip(args[1::2], args[2::2], strict=True))
+    assert flags["--served-model-name"] == "{{.Name}}"  # KServe fills in the InferenceService name
+    from serving.settings import ServeSettings
+
+    for flag in flags:  # every flag is a real `shardserve serve` flag
+        assert flag[2:].replace("-", "_") in ServeSettings.model_fields, flag
+    for env in c["env"]:
+        if env["name"].startswith("SHARDSERVE_"):
+            assert env["name"][len("SHARDSERVE_") :].lower() in ServeSettings.model_fields, env["name"]
+    port = int(flags["--port"])
+    assert [p["containerPort"] for p in c["ports"]] == [port] == [8080]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": port}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": port}
+    key = next(e for e in c["env"] if e["name"] == "SHARDSERVE_API_KEY")["valueFrom"]["secretKeyRef"]
+    assert key["optional"] is True  # no Secret: the API is open, the pod still starts
+    assert c["securityContext"]["runAsUser"] == _dockerfile_uid()
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"] and model["protocolVersion"] == "v2"
+    assert model["modelFormat"]["name"] in {f["name"] for f in spec["supportedModelFormats"]}
+    # the served name ({{.Name}} = the InferenceService name) is a valid served_model_name
+    assert ServeSettings(served_model_name=isvc["metadata"]["name"]).served_model_name == "squad-qa"

@@ -24,6 +24,7 @@ from models.qa_processing import (
     encode_qa,
     pad_windows,
     validate_max_answer_length,
+    validate_null_threshold,
     validate_qa_inputs,
     validate_top_k,
 )
@@ -254,24 +255,38 @@ def _token_of_char(window: QAWindow, char: int) -> int:
     return next(i for i, off in enumerate(window.offsets) if off is not None and off[0] <= char < off[1])
 
 
+def _joint_log_probs(windows, starts, ends):
+    """Reference joint distribution: per window, {token: (log p_start, log p_end)} over the context
+    tokens of ALL windows plus one null position, the CLS of the min-null window."""
+    null_w = min(range(len(windows)), key=lambda i: float(starts[i][0] + ends[i][0]))
+    positions = [
+        (i, j)
+        for i, w in enumerate(windows)
+        for j, off in enumerate(w.offsets)
+        if off is not None or (i == null_w and j == 0)
+    ]
+
+    def log_z(rows):
+        m = max(float(rows[i][j]) for i, j in positions)
+        return math.log(sum(math.exp(float(rows[i][j]) - m) for i, j in positions)) + m
+
+    zs, ze = log_z(starts), log_z(ends)
+    out = [{} for _ in windows]
+    for i, j in positions:
+        out[i][j] = (float(starts[i][j]) - zs, float(ends[i][j]) - ze)
+    return out
+
+
 def _brute_force(windows, starts, ends, context, top_k, max_len):
-    """Reference decoder: enumerate all spans in python."""
+    """Reference decoder: enumerate all spans in python (joint scoring over windows)."""
     best: dict[tuple[int, int], float] = {}
-    for w, s_log, e_log in zip(windows, starts, ends, strict=True):
-        allowed = [i for i, off in enumerate(w.offsets) if off is not None or i == 0]
-
-        def log_softmax(x, allowed=allowed):
-            m = max(x[i] for i in allowed)
-            z = math.log(sum(math.exp(x[i] - m) for i in allowed)) + m
-            return {i: x[i] - z for i in allowed}
-
-        ls, le = log_softmax(s_log.tolist()), log_softmax(e_log.tolist())
+    for w, lp in zip(windows, _joint_log_probs(windows, starts, ends), strict=True):
         ctx = [i for i, off in enumerate(w.offsets) if off is not None]
         for s in ctx:
             for e in ctx:
                 if s <= e < s + max_len:
                     key = (w.offsets[s][0], w.offsets[e][1])
-                    best[key] = max(best.get(key, -math.inf), ls[s] + le[e])
+                    best[key] = max(best.get(key, -math.inf), lp[s][0] + lp[e][1])
     ranked = sorted(best.items(), key=lambda kv: -kv[1])[:top_k]
     return [(k[0], k[1], math.exp(v)) for k, v in ranked]
 
@@ -366,11 +381,82 @@ def test_answer_in_overlap_is_reported_once(tok):
     texts = [(a.start, a.end) for a in pred.answers]
     assert texts[0] == span and texts.count(span) == 1
     assert pred.answers[0].text == answer_text
-    # the kept copy is window 1's (best) score
-    n_ptr1 = sum(off is not None for off in w1.offsets) + 1
-    p1 = math.exp(8.0) / (math.exp(8.0) + n_ptr1 - 1)
+    # the kept copy is window 1's (best) score, normalised over ALL windows' positions (+ one null)
+    n_ptr = sum(off is not None for w in enc.windows for off in w.offsets) + 1
+    p1 = math.exp(8.0) / (math.exp(8.0) + math.exp(6.0) + n_ptr - 2)
     assert pred.answers[0].score == pytest.approx(p1 * p1, rel=1e-5)
     assert len(set(texts)) == len(texts) == 5
+
+
+def _per_window_p(row: torch.Tensor, window: QAWindow, token: int) -> float:
+    """The pre-issue-11 score factor: softmax over ONE window's context tokens + CLS."""
+    allowed = [i for i, off in enumerate(window.offsets) if off is not None or i == 0]
+    return math.exp(float(row[token])) / sum(math.exp(float(row[i])) for i in allowed)
+
+
+def test_scores_compare_across_windows_regression(tok):
+    """Issue 11: a window without the answer (all logits low, one bump) must not outrank the
+    window that is confident about its span. Per-window softmax made the bump ~1.0 in its own
+    window and picked it (the 'the monks' bug); one distribution over all windows does not."""
+    context = _long_context(30)
+    enc = _encode_one(tok, context)
+    assert len(enc.windows) >= 5
+    decoy_w, answer_w = enc.windows[0], enc.windows[3]
+    starts = [torch.full((w.num_tokens,), -10.0) for w in enc.windows]
+    ends = [torch.full((w.num_tokens,), -10.0) for w in enc.windows]
+    d_tok = _token_of_char(decoy_w, context.index("bravo"))
+    starts[0][d_tok] = ends[0][d_tok] = 0.0  # decoy: a lone bump over a silent window
+    first, last = answer_w.context_token_range
+    a_tok = (first + last) // 2
+    starts[3][first : last + 1] = 5.0  # the answer window: busy, but one span clearly on top
+    ends[3][first : last + 1] = 5.0
+    starts[3][0] = ends[3][0] = 5.0
+    starts[3][a_tok], ends[3][a_tok + 1] = 9.0, 9.0
+    want = (answer_w.offsets[a_tok][0], answer_w.offsets[a_tok + 1][1])
+    decoy = decoy_w.offsets[d_tok]
+
+    # the old, per-window scoring preferred the decoy
+    old_decoy = _per_window_p(starts[0], decoy_w, d_tok) * _per_window_p(ends[0], decoy_w, d_tok)
+    old_answer = _per_window_p(starts[3], answer_w, a_tok) * _per_window_p(ends[3], answer_w, a_tok + 1)
+    assert old_decoy > 0.99 > 0.5 > old_answer
+
+    pred = decode_spans(enc.windows, starts, ends, context, top_k=3, max_answer_length=5)
+    best = pred.answers[0]
+    assert (best.start, best.end) == want and best.text == context[want[0] : want[1]]
+    assert best.logit_score == pytest.approx(18.0) == pytest.approx(pred.best_span_logit)
+    (ref,) = _brute_force(enc.windows, starts, ends, context, 1, 5)
+    assert best.score == pytest.approx(ref[2], rel=1e-5) and 0.0 < best.score <= 1.0
+    assert all((a.start, a.end) != decoy for a in pred.answers)
+    lp = _joint_log_probs(enc.windows, starts, ends)
+    assert math.exp(lp[0][d_tok][0] + lp[0][d_tok][1]) < 1e-3 * best.score  # the decoy's new score
+    # one distribution: the start probabilities of the null and every (window, token) sum to 1
+    assert sum(math.exp(v[0]) for d in lp for v in d.values()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_single_window_score_is_the_per_window_softmax(tok):
+    context = "The Eiffel Tower, in Paris, was completed in 1889 by Gustave Eiffel's company."
+    enc = _encode_one(tok, context, max_seq_len=128)
+    (w,) = enc.windows
+    g = torch.Generator().manual_seed(3)
+    start, end = torch.randn(w.num_tokens, generator=g) * 2, torch.randn(w.num_tokens, generator=g) * 2
+    for a in decode_spans(enc.windows, [start], [end], context, top_k=5, max_answer_length=8).answers:
+        s, e = _token_of_char(w, a.start), _token_of_char(w, a.end - 1)
+        assert a.score == pytest.approx(_per_window_p(start, w, s) * _per_window_p(end, w, e), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1000.5, 1e6, "1", True])
+def test_validate_null_threshold_rejects(bad):
+    with pytest.raises(QAInputError) as err:
+        validate_null_threshold(bad)
+    assert err.value.field == "null_threshold"
+    with pytest.raises(QAInputError):
+        validate_qa_inputs("q?", "ctx", null_threshold=bad)
+
+
+def test_validate_null_threshold_accepts():
+    assert validate_null_threshold(None) is None
+    assert validate_null_threshold(0) == 0.0 and isinstance(validate_null_threshold(0), float)
+    assert validate_null_threshold(-1000.0) == -1000.0 and validate_null_threshold(2.5) == 2.5
 
 
 def test_null_answer_threshold(tok):

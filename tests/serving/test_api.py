@@ -124,6 +124,32 @@ def test_no_answer_threshold_returns_empty_answers_with_flag() -> None:
         assert isinstance(body["null_score_diff"], float)
 
 
+def test_per_request_null_threshold_overrides_the_server() -> None:
+    """A request's ``null_threshold`` decides abstention for that pair, over the server's setting."""
+    with serving() as (client, _):  # no server threshold: always answers
+        first = ask(client).json()
+        diff = first["null_score_diff"]
+        assert first["no_answer"] is False and first["answers"]
+        abstain = ask(client, null_threshold=diff - 0.5).json()
+        assert abstain["no_answer"] is True and abstain["answers"] == []
+        answer = ask(client, null_threshold=diff + 0.5).json()
+        assert answer["no_answer"] is False and answer["answers"] == first["answers"]
+        for bad in (1e6, -1001, "0.5", True):
+            r = ask(client, null_threshold=bad)
+            assert r.status_code == 422, (bad, r.text)
+            assert "null_threshold" in r.text
+    with serving(null_threshold=-1e6) as (client, _):  # the server abstains ...
+        assert ask(client).json()["no_answer"] is True
+        body = ask(client, null_threshold=1000).json()  # ... unless the request says otherwise
+        assert body["no_answer"] is False and body["answers"]
+        items = [
+            {"question": QUESTION, "context": CONTEXT, "null_threshold": 1000.0},
+            {"question": QUESTION, "context": CONTEXT},
+        ]
+        results = client.post("/v1/qa/batch", json={"items": items}).json()["results"]
+        assert [res["no_answer"] for res in results] == [False, True]
+
+
 def test_models_health_and_openapi() -> None:
     with serving() as (client, _):
         assert client.get("/healthz").json() == {"status": "alive"}
@@ -804,7 +830,7 @@ def test_full_queue_answers_429_before_tokenizing() -> None:
     with serving(replicas=1, max_queue_size=3) as (client, _):
         engine = client.app.state.engine
         release = threading.Event()
-        encode = engine._encode
+        encode = engine.inputs.encode
         tokenized = []
 
         def slow_encode(pairs: Any) -> Any:
@@ -812,7 +838,7 @@ def test_full_queue_answers_429_before_tokenizing() -> None:
             tokenized.append(len(pairs))
             return encode(pairs)
 
-        engine._encode = slow_encode
+        engine.inputs.encode = slow_encode
         with ThreadPoolExecutor(12) as pool:
             held = _submit_async(client, pool, 3)  # 3 places: being tokenized
             wait_until(lambda: engine.scheduler._reserved == 3, what="3 places reserved")

@@ -1,5 +1,6 @@
 """Engine (scheduler driver) over fake gangs: dynamic batching, length buckets, token budget,
-disconnect cancellation, drain on stop, tokenization off the event loop. Each test runs its own event loop (``asyncio.run``).
+disconnect cancellation, drain on stop, tokenization off the event loop, one in-flight ledger.
+Each test runs its own event loop (``asyncio.run``).
 
 Run: python -m pytest tests/serving/test_engine.py -q
 """
@@ -14,12 +15,15 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from models.qa_processing import WindowConfig
 from models.registry import resolve_model
 from partitioner.plan import ParallelDims
-from serving.engine import ClientGone, Engine, EngineError, QAPair
+from serving.engine import Engine
+from serving.input_processor import InputProcessor
 from serving.metrics import ServingMetrics
+from serving.qa_types import ClientGone, EngineError, QAPair
 from serving.replicas import DevicePool, ModelGeneration, ReplicaManager
-from serving.scheduler import SchedulerConfig
+from serving.scheduler import Scheduler, SchedulerConfig
 from tests.serving.fakes import FakeFactory
 
 SHORT = QAPair("Who?", "Ann met Bob.")
@@ -51,9 +55,13 @@ def run_engine(
 
     async def main() -> None:
         metrics = ServingMetrics()
-        manager = ReplicaManager(factory=factory, pool=DevicePool(["cpu"] * 2), model=model, metrics=metrics)
         cfg = {"max_queue_delay_ms": 50.0, "max_inflight_per_replica": 2, **sched}
-        engine = Engine(scheduler_config=SchedulerConfig(**cfg), manager=manager, metrics=metrics)
+        scheduler = Scheduler(SchedulerConfig(**cfg))
+        manager = ReplicaManager(
+            factory=factory, pool=DevicePool(["cpu"] * 2), model=model, metrics=metrics, ledger=scheduler
+        )
+        engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics)
+        manager.attach(engine)
         await engine.start()
         manager.set_target(1)
         await _until(lambda: manager.ready == 1, "a ready replica")
@@ -105,7 +113,7 @@ def test_token_budget_limits_padded_tokens_per_batch(model: ModelGeneration) -> 
 
 def test_long_context_request_completes_when_all_windows_return(model: ModelGeneration) -> None:
     async def body(engine: Engine, factory: FakeFactory) -> None:
-        engine.max_seq_len, engine.doc_stride, engine.max_question_len = 64, 16, 16
+        engine.inputs.window = WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
         job = engine.submit([QAPair("What is topic 70?", LONG_CONTEXT)])
         (res,) = await engine.wait(job)
         assert res.windows > 5 and res.prediction.answers
@@ -170,14 +178,14 @@ def test_tokenization_runs_off_the_event_loop(model: ModelGeneration, monkeypatc
     tokenization finish, so tokenizing on the loop would block for 10 s and fail the test."""
     release = threading.Event()
     seen: dict[str, str] = {}
-    real_encode = Engine._encode
+    real_encode = InputProcessor.encode
 
-    def gated_encode(self: Engine, pairs: list[QAPair]) -> Any:
+    def gated_encode(self: InputProcessor, pairs: list[QAPair]) -> Any:
         seen["thread"] = threading.current_thread().name
         assert release.wait(timeout=10), "the event loop was blocked while tokenizing"
         return real_encode(self, pairs)
 
-    monkeypatch.setattr(Engine, "_encode", gated_encode)
+    monkeypatch.setattr(InputProcessor, "encode", gated_encode)
 
     async def body(engine: Engine, factory: FakeFactory) -> None:
         task = asyncio.ensure_future(engine.submit_async([SHORT]))
@@ -197,14 +205,15 @@ def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGener
 
     async def main() -> None:
         metrics = ServingMetrics()
+        scheduler = Scheduler(SchedulerConfig(max_queue_delay_ms=15.0, default_deadline_s=30.0))
         manager = ReplicaManager(
-            factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics
+            factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics, ledger=scheduler
         )
         manager.set_target(1)
         await _until(lambda: manager.ready == 1, "a ready replica")
-        cfg = SchedulerConfig(max_queue_delay_ms=15.0, default_deadline_s=30.0)
-        engine = Engine(scheduler_config=cfg, manager=manager, metrics=metrics, clock=lambda: next(ticks))
-        engine._loop = asyncio.get_running_loop()  # the loop task is not started: steps are driven here
+        # the loop task is not started: steps are driven here
+        engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics, clock=lambda: next(ticks))
+        manager.attach(engine)
         job = engine.submit([SHORT])
         wake = engine._step()  # one clock read: 10 ms after submit, the 15 ms delay has not passed
         assert wake == pytest.approx(job.submitted_at + 0.015)  # not the 30 s deadline
@@ -213,5 +222,53 @@ def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGener
         assert engine.scheduler.stats().batches_by_reason["timeout"] == 1
         assert (await engine.wait(job))[0].prediction.answers
         await manager.close(timeout_s=2)
+
+    asyncio.run(main())
+
+
+def test_one_ledger_counts_in_flight_work(model: ModelGeneration) -> None:
+    """The replica's in-flight count and the engine's ongoing count are views of the scheduler's."""
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        factory.gate.clear()
+        job = engine.submit([SHORT])
+        replica = engine.manager.routable()[0]
+        await _until(lambda: replica.inflight_batches == 1, "a batch in flight")
+        assert engine.scheduler.inflight(replica.replica_id) == 1
+        assert engine.ongoing == engine.scheduler.ongoing == 1
+        factory.gate.set()
+        assert (await engine.wait(job))[0].prediction.answers
+        assert replica.inflight_batches == 0 and engine.ongoing == 0
+
+    run_engine(model, body, max_queue_delay_ms=0.0)
+
+
+def test_failed_replica_work_fails_over_through_the_attached_listener(model: ModelGeneration) -> None:
+    """With the only gang killed, the manager tells the engine at once: a clean 503, no hang."""
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        factory.gate.clear()
+        job = engine.submit([SHORT])
+        replica = engine.manager.routable()[0]
+        await _until(lambda: replica.inflight_batches == 1, "a batch in flight")
+        factory.gangs[0].kill()
+        with pytest.raises(EngineError) as info:
+            await engine.wait(job)
+        assert (info.value.status, info.value.code) == (503, "replica_failed")
+        assert engine.ongoing == 0 and engine.scheduler.inflight(replica.replica_id) == 0
+
+    run_engine(model, body, max_queue_delay_ms=0.0)
+
+
+def test_engine_refuses_to_start_unwired(model: ModelGeneration) -> None:
+    async def main() -> None:
+        metrics = ServingMetrics()
+        scheduler = Scheduler(SchedulerConfig())
+        manager = ReplicaManager(
+            factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics, ledger=scheduler
+        )
+        engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics)
+        with pytest.raises(RuntimeError, match=r"manager\.attach"):
+            await engine.start()
 
     asyncio.run(main())

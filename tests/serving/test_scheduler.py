@@ -174,7 +174,7 @@ def test_window_too_large_rejected() -> None:
     assert (adm.accepted, adm.reason, adm.retry_after_s) == (False, "too_large", None)
     assert "257" in adm.detail and "256" in adm.detail
     st = s.stats()
-    assert (st.queued_windows, st.rejected) == (0, {"queue_full": 0, "too_large": 1})
+    assert (st.queued_windows, st.rejected) == (0, {"queue_full": 0, "overloaded": 0, "too_large": 1})
     assert s.submit("edge", [256], now=0.0).accepted
 
 
@@ -213,7 +213,7 @@ def test_expired_before_dispatch_is_reported_and_never_dispatched() -> None:
     s = make()
     assert s.submit("x", [10], now=0.0, deadline=1.0).accepted
     submit_all(s, {"y": [20]}, now=0.0)
-    busy = [ReplicaView("r0", inflight=2)]
+    busy: list[ReplicaView] = []  # no replica with capacity
     assert s.next_batch(0.5, busy) is None  # due, but no capacity
     assert s.next_wakeup(0.5) == 1.0  # x's expiry is the next timer
     d = s.next_batch(1.0, [R0])
@@ -277,18 +277,20 @@ def test_many_cancellations_compact_lazily() -> None:
 
 def test_least_loaded_replica_selected() -> None:
     s = make(max_queue_delay_ms=0.0)
+    submit_all(s, {"z": [10]}, now=0.0)
+    assert s.next_batch(0.0, [R0]) is not None  # r0 now has one batch in flight (the ledger's count)
     submit_all(s, {"a": [10]}, now=0.0)
-    d = s.next_batch(0.0, [ReplicaView("r0", inflight=1), ReplicaView("r1", inflight=0)])
+    d = s.next_batch(0.0, [ReplicaView("r0"), ReplicaView("r1")])
     assert d is not None and d.replica_id == "r1"
     submit_all(s, {"b": [10]}, now=0.0)
-    d = s.next_batch(0.0, [ReplicaView("r0", inflight=0), ReplicaView("r1", inflight=0, accepting=False)])
+    d = s.next_batch(0.0, [ReplicaView("r0"), ReplicaView("r1", accepting=False)])
     assert d is not None and d.replica_id == "r0"
 
 
 def test_max_inflight_per_replica_respected_with_stale_views() -> None:
     s = make()
     submit_all(s, {f"q{i}": [10] * 4 for i in range(5)}, now=0.0)
-    views = [ReplicaView("r0"), ReplicaView("r1")]  # the driver never updates inflight here
+    views = [ReplicaView("r0"), ReplicaView("r1")]  # the scheduler counts the load itself
     batches = [s.next_batch(0.0, views) for _ in range(4)]
     assert [b.replica_id for b in batches if b is not None] == ["r0", "r1", "r0", "r1"]
     assert s.next_batch(0.0, views) is None  # a full batch is ready but both replicas are full
@@ -449,3 +451,69 @@ def test_request_that_cannot_meet_its_deadline_is_refused_up_front() -> None:
     assert "400 windows" in late.detail and "40.0 windows/s" in late.detail
     assert s.submit("big", [10] * 400, now=1.0, deadline=21.0).accepted  # 10 s fits in 20 s
     assert s.submit("one", [10], now=1.0, deadline=1.001).accepted  # single windows are never refused
+
+
+# ---------------------------------------------------------------- the in-flight ledger
+
+
+def test_ledger_counts_requests_and_batches_in_flight() -> None:
+    s = make(max_queue_delay_ms=0.0)
+    submit_all(s, {"a": [10], "b": [100]}, now=0.0)
+    assert (s.ongoing, s.inflight("r0")) == (2, 0)
+    d1 = s.next_batch(0.0, [R0])
+    d2 = s.next_batch(0.0, [R0])
+    assert d1 is not None and d2 is not None
+    assert (s.inflight("r0"), s.is_inflight(d1.batch_id), s.is_inflight(d2.batch_id)) == (2, True, True)
+    assert s.batch_done(d1.batch_id, now=0.5, ok=True).completed == ["a"]
+    assert (s.ongoing, s.inflight("r0"), s.is_inflight(d1.batch_id)) == (1, 1, False)
+    out = s.replica_failed("r0")
+    assert out.retried_requests == ["b"] and out == Outcome(retried_windows=1)
+    assert (s.ongoing, s.inflight("r0"), s.is_inflight(d2.batch_id)) == (1, 0, False)
+    assert s.reserve().accepted and s.ongoing == 1  # a reservation is not an admitted request
+
+
+# ---------------------------------------------------------------- capacity (429 overloaded)
+
+
+def _rate_40_per_s(**overrides: object) -> Scheduler:
+    s = make(max_queue_delay_ms=0.0, max_windows_per_request=1000, max_queue_size=64, **overrides)
+    submit_all(s, {"warm": [10] * 4}, now=0.0)
+    d = s.next_batch(0.0, [R0])
+    assert d is not None
+    s.batch_done(d.batch_id, now=0.1, ok=True)  # 4 windows in 0.1 s: 40 windows/s
+    return s
+
+
+def test_windows_ahead_follow_fair_order() -> None:
+    s = _rate_40_per_s()
+    assert s.windows_ahead(5) == 0
+    assert s.submit("long", [10] * 100, now=0.2, deadline=100.0).accepted
+    # fair order: a request of n windows admitted now waits for n of the long one's, not all 100
+    assert [s.windows_ahead(n) for n in (1, 10, 100, 500)] == [1, 10, 100, 100]
+    assert s.submit("b", [10] * 10, now=0.2, deadline=100.0).accepted
+    assert s.windows_ahead(10) == 20
+
+
+def test_overloaded_queue_refuses_what_cannot_finish_in_time_with_retry_after() -> None:
+    s = _rate_40_per_s()
+    for i in range(10):  # 10 x 40 windows queued: 400 windows, 10 s of work at 40 windows/s
+        assert s.submit(f"q{i}", [10] * 40, now=0.2, deadline=100.0).accepted
+    # a 40-window request waits for ~all of them (fair order): 440 windows = 11 s > its 5 s deadline
+    late = s.submit("late", [10] * 40, now=0.2, deadline=5.2)
+    assert (late.accepted, late.reason) == (False, "overloaded")
+    assert late.retry_after_s is not None and late.retry_after_s >= 1
+    assert "400 queued windows go before" in late.detail and "40.0 windows/s" in late.detail
+    assert s.stats().rejected["overloaded"] == 1
+    # before tokenizing, the estimate says the same (and takes no queue place)
+    assert s.reserve(now=0.2, deadline=5.2, windows_hint=40).reason == "overloaded"
+    assert s.reserve(now=0.2, deadline=30.0, windows_hint=40).accepted  # 11 s fits in 29.8 s
+    s.unreserve()
+    # a single window waits for one window of each request ahead (10 <= a batch? no: 4 per batch),
+    # 11 windows = 0.3 s: well inside a 5 s deadline
+    assert s.submit("small", [10], now=0.2, deadline=5.2).accepted
+
+
+def test_less_than_a_batch_ahead_is_never_refused_as_overloaded() -> None:
+    s = _rate_40_per_s()
+    assert s.submit("big", [10] * 400, now=0.2, deadline=21.0).accepted
+    assert s.submit("one", [10], now=0.2, deadline=0.201).accepted  # rides the next batch

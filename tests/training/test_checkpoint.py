@@ -1,15 +1,72 @@
-"""Checkpoint publication: files readable like ordinary files (issue 11.12)."""
+"""Checkpoints: publication (files readable like ordinary files, issue 11.12) and the on-disk format.
+
+``trainer_state.json`` written by this code is, key for key and in order, what older code wrote
+(``OLD_STATE`` is a real run's checkpoint-1200), and older configs read back; `resume_point`
+finds and vets the checkpoint a ``--resume`` run continues; PEFT overlays carry the folded LoRA
+scale. The full write-then-resume round trip through a gang is tests/training/test_trainer_resume.py.
+
+    python -m pytest tests/training/test_checkpoint.py -q
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import stat
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from training.checkpoint import publish
+from models.qa_processing import WindowConfig
+from training.checkpoint import (
+    STATE_FILE,
+    ResumeError,
+    overlay_tensors,
+    publish,
+    resume_point,
+    trainer_state,
+)
+from training.config import RunInfo, TrainConfig, TrainConfigError
+
+# trainer_state.json of /work/runs/squad-full/checkpoint-1200, written by the pre-CheckpointManager code
+OLD_STATE = json.loads(
+    """{"step": 1200, "total_steps": 6088, "epoch": 0, "batch_in_epoch": 1200, "examples_seen": 38400,
+    "seed": 0, "pp": 2, "tp": 1, "schedule": "1f1b", "compute_dtype": "bfloat16", "loss_scale": 1.0,
+    "lora_rank": 0, "freeze_layers": 0,
+    "data_sha256": "faf4d664c32024e9ee88a093b4f1ef2bc51453d7df6214614866a95e8f50d1eb",
+    "config": {"model": "minilm", "train_file": "../shared/data/squad/squad-v1.1-train.json",
+    "output": "/work/runs/squad-full", "eval_file": "../shared/data/squad/squad-v1.1-train-pool.json",
+    "holdout_articles": 0, "split_seed": 0, "max_train_examples": null, "max_eval_examples": 1000,
+    "pp": 2, "tp": 1, "boundaries": null, "schedule": "1f1b", "batch_size": 32, "micro_batch_size": 4,
+    "epochs": 2.0, "max_steps": null, "lr": 0.0001, "weight_decay": 0.01, "warmup_ratio": 0.1,
+    "max_grad_norm": 1.0, "adam_betas": [0.9, 0.999], "adam_eps": 1e-08, "seed": 0, "dropout": null,
+    "max_seq_len": 256, "doc_stride": 128, "max_question_len": 64, "lora_rank": 0, "lora_alpha": 16.0,
+    "freeze_layers": 0, "freeze_embeddings": true, "eval_every": 500, "eval_batch_size": 32,
+    "save_every": 100, "keep_checkpoints": 2, "resume": true, "device": "cpu", "precision": "bf16",
+    "threads_per_rank": null, "log_every": 20, "group_by_length": true, "answer_occurrences": "all",
+    "fail_at_step": null}}"""
+)
+
+
+def _run_info(cfg: TrainConfig, **kw) -> RunInfo:
+    args = dict(
+        features="f.safetensors",
+        n_train=97408,  # 3044 batches of 32 per epoch: 2 epochs = 6088 steps
+        n_eval=1000,
+        total_steps=6088,
+        warmup_steps=608,
+        start_step=0,
+        resume_from=None,
+        data_sha256=OLD_STATE["data_sha256"],
+        base_model="base",
+        tokenizer_dir="base",
+        compute_dtype="bfloat16",
+    )
+    args.update(kw)
+    return RunInfo(**args)
 
 
 def _mode(p: Path) -> int:
@@ -42,3 +99,63 @@ def test_published_checkpoint_files_are_world_readable(tmp_path: Path) -> None:
         assert _mode(final / "model.safetensors") == 0o600
     finally:
         os.umask(old_umask)
+
+
+def test_old_config_reads_back_and_serializes_to_the_same_keys() -> None:
+    cfg = TrainConfig.from_dict(OLD_STATE["config"])
+    assert cfg.window == WindowConfig(max_seq_len=256, doc_stride=128, max_question_len=64)
+    assert cfg.adam_betas == (0.9, 0.999) and cfg.freeze_embeddings and cfg.group_by_length
+    again = json.loads(json.dumps(cfg.to_dict()))
+    assert list(again) == list(OLD_STATE["config"])  # same keys, same order
+    assert again == OLD_STATE["config"]
+    with pytest.raises(TrainConfigError, match="unknown"):
+        TrainConfig.from_dict({**OLD_STATE["config"], "window": {}})
+    with pytest.raises(TrainConfigError, match="doc_stride=128"):
+        TrainConfig.from_dict({**OLD_STATE["config"], "max_seq_len": 100})
+
+
+def test_trainer_state_is_the_on_disk_format() -> None:
+    cfg = TrainConfig.from_dict(OLD_STATE["config"])
+    state = json.loads(json.dumps(trainer_state(cfg, _run_info(cfg), 1200, loss_scale=1.0), default=str))
+    assert list(state) == list(OLD_STATE)
+    assert state == OLD_STATE
+
+
+def _write_checkpoint(out: Path, step: int, **changes) -> Path:
+    ckpt = out / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / STATE_FILE).write_text(json.dumps({**OLD_STATE, "step": step, **changes}))
+    return ckpt
+
+
+def test_resume_point_takes_the_newest_matching_checkpoint(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(TrainConfig.from_dict(OLD_STATE["config"]), output=str(tmp_path))
+    kw = dict(total_steps=6088, data_sha256=OLD_STATE["data_sha256"], compute_dtype="bfloat16")
+    with pytest.raises(ResumeError, match="no checkpoint"):
+        resume_point(cfg, **kw)
+    _write_checkpoint(tmp_path, 1100)
+    newest = _write_checkpoint(tmp_path, 1200)
+    point = resume_point(cfg, **kw)
+    assert (point.step, point.path, point.loss_scale) == (1200, str(newest), None)
+    assert resume_point(dataclasses.replace(cfg, resume=False), **kw).step == 0
+    with pytest.raises(ResumeError, match="'pp': \\(2, 1\\)"):
+        resume_point(dataclasses.replace(cfg, pp=1), **kw)
+    with pytest.raises(ResumeError, match="total_steps"):
+        resume_point(cfg, **{**kw, "total_steps": 100})
+    _write_checkpoint(tmp_path, 1300, compute_dtype="float16", loss_scale=1024.0)
+    assert resume_point(cfg, **{**kw, "compute_dtype": "float16"}).loss_scale == 1024.0
+    assert resume_point(cfg, **kw).loss_scale is None  # bf16 now: the fp16 scale does not carry over
+
+
+def test_overlay_folds_the_lora_scale_and_drops_optimizer_state() -> None:
+    cfg = dataclasses.replace(TrainConfig.from_dict(OLD_STATE["config"]), lora_rank=4, lora_alpha=8.0)
+    a, b = torch.randn(4, 6), torch.randn(5, 4)
+    state = {
+        "layers.0.mlp.up.lora_A": a,
+        "layers.0.mlp.up.lora_B": b,
+        "layers.0.mlp.up.bias": torch.ones(5),
+        "optim.layers.0.mlp.up.lora_B.exp_avg": torch.zeros(5, 4),
+    }
+    overlay = overlay_tensors(state, cfg)
+    assert set(overlay) == {"layers.0.mlp.up.lora_A", "layers.0.mlp.up.lora_B", "layers.0.mlp.up.bias"}
+    assert torch.equal(overlay["layers.0.mlp.up.lora_B"] @ overlay["layers.0.mlp.up.lora_A"], (b @ a) * 2.0)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from models.qa_processing import WindowConfig
 from training.squad_data import (
     SquadExample,
     SquadFormatError,
@@ -209,7 +210,9 @@ def _token_aligned(window, start, end):
 def test_train_labels_decode_to_gold_text(tok, v1, max_seq_len, doc_stride):
     examples = v1[0][:400]
     feats = build_train_features(
-        tok, examples, max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=32
+        tok,
+        examples,
+        window=WindowConfig(max_seq_len=max_seq_len, doc_stride=doc_stride, max_question_len=32),
     )
     n = len(feats)
     assert feats.input_ids.shape == feats.attention_mask.shape == feats.token_type_ids.shape
@@ -264,9 +267,7 @@ def test_label_window_cls_cases(tok):
     feats = build_train_features(
         tok,
         [SquadExample("x", "t", "which?", context, (("four five six", 14),))],
-        max_seq_len=12,
-        doc_stride=2,
-        max_question_len=4,
+        window=WindowConfig(max_seq_len=12, doc_stride=2, max_question_len=4),
     )
     labels = list(zip(feats.start_positions.tolist(), feats.end_positions.tolist(), strict=True))
     found = [
@@ -281,7 +282,9 @@ def test_label_window_cls_cases(tok):
 
 def test_unanswerable_v2_features_are_cls(tok, v2):
     examples = [ex for ex in v2[0] if ex.is_impossible][:100]
-    feats = build_train_features(tok, examples, max_seq_len=256, doc_stride=64, max_question_len=32)
+    feats = build_train_features(
+        tok, examples, window=WindowConfig(max_seq_len=256, doc_stride=64, max_question_len=32)
+    )
     assert len(feats) >= len(examples)
     assert feats.start_positions.eq(0).all() and feats.end_positions.eq(0).all()
 
@@ -297,7 +300,7 @@ def _oracle_logits(train_feats, n_rows, seq_len):
 
 def test_eval_features_oracle_round_trip_v1(tok, v1):
     examples = v1[0][:300]
-    kw = {"max_seq_len": 128, "doc_stride": 48, "max_question_len": 32}
+    kw = {"window": WindowConfig(max_seq_len=128, doc_stride=48, max_question_len=32)}
     ev = build_eval_features(tok, examples, **kw)
     tr = build_train_features(tok, examples, **kw)
     assert [w.input_ids for w in ev.encoded.windows] == [w.input_ids for w in tr.windows]  # same windowing
@@ -325,7 +328,7 @@ def test_eval_features_oracle_round_trip_v1(tok, v1):
 def test_eval_features_oracle_round_trip_v2_null(tok, v2):
     examples = v2[0][:300]
     assert 50 < sum(ex.is_impossible for ex in examples) < 250
-    kw = {"max_seq_len": 192, "doc_stride": 64, "max_question_len": 32}
+    kw = {"window": WindowConfig(max_seq_len=192, doc_stride=64, max_question_len=32)}
     ev = build_eval_features(tok, examples, **kw)
     tr = build_train_features(tok, examples, **kw)
     start, end = _oracle_logits(tr, len(ev), ev.batch.input_ids.shape[1])

@@ -23,16 +23,17 @@ from safetensors.torch import load_file
 
 from models.build import build_model
 from models.hf_weights import to_hf_state_dict
+from models.qa_processing import WindowConfig
 from models.registry import resolve_model
 from partitioner.lora import merged_state_dict
 from partitioner.precision import DTYPES, autocast_for, resolve_dtype
+from training.features import prepare_data
 from training.trainer import (
     TrainConfig,
     apply_peft,
     batch_indices,
     lr_at,
     param_groups,
-    prepare_data,
     span_loss,
     train,
     trim,
@@ -111,9 +112,7 @@ def base_config(tmp_path: Path, **kw) -> TrainConfig:
         weight_decay=0.01,
         max_grad_norm=0.5,
         dropout=0.0,
-        max_seq_len=64,
-        doc_stride=24,
-        max_question_len=16,
+        window=WindowConfig(max_seq_len=64, doc_stride=24, max_question_len=16),
         seed=3,
         log_every=0,
         adam_eps=1e-6,

@@ -1,0 +1,113 @@
+"""Overload: 256 concurrent clients with long contexts against a 1-replica server.
+
+Starts ``shardserve serve --replicas 1`` on loopback, lets ``loadtest.overload`` drive it past
+capacity, and prints, per HTTP status, the count and p50/p99/max latency, plus the server's memory
+(frontend + ranks) before, at peak and after. The figures that matter: 429s answered at once
+(p99 in milliseconds, not seconds) and bounded memory growth.
+
+    python benchmarks/bench_overload.py                       # default model, 256 clients, 20 s
+    python benchmarks/bench_overload.py --model tiny-bert --clients 128 --duration 10 --json out.json
+    python benchmarks/bench_overload.py -- --max-queue-size 64  # flags after -- go to `serve`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.overload import QUESTION, OverloadConfig, long_context, run_overload
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with {server.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url}/readyz not ready after {timeout_s:g} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="model to serve (default: the embedded default)")
+    p.add_argument("--clients", type=int, default=256, help="concurrent closed-loop clients")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of overload")
+    p.add_argument("--context-chars", type=int, default=20_000, help="characters per request's context")
+    p.add_argument(
+        "--ignore-retry-after",
+        action="store_true",
+        help="clients resend 50 ms after a 429 instead of waiting what Retry-After says",
+    )
+    p.add_argument("--json", help="also write the summary to this JSON file")
+    p.add_argument("serve_args", nargs="*", help="extra `shardserve serve` flags (after --)")
+    args = p.parse_args(argv)
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "shardserve", "serve", "--model", args.model, "--replicas", "1",
+           "--host", "127.0.0.1", "--port", str(port), *args.serve_args]  # fmt: skip
+    server = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        _wait_ready(url, server)
+        body = {"question": QUESTION, "context": long_context(args.context_chars)}
+        httpx.post(f"{url}/v1/qa", json=body, timeout=120).raise_for_status()  # warm-up, measures a rate
+        cfg = OverloadConfig(
+            url=url,
+            pid=server.pid,
+            clients=args.clients,
+            duration_s=args.duration,
+            context_chars=args.context_chars,
+            honor_retry_after=not args.ignore_retry_after,
+        )
+        report = asyncio.run(run_overload(cfg))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    summary = {"cpu": _cpu(), "cores": os.cpu_count(), "model": args.model, "config": vars(args),
+               **report.summary()}  # fmt: skip
+    print(f"overload: {args.clients} clients x {args.context_chars} chars for {args.duration:g} s, "
+          f"model {args.model}, 1 replica, {summary['cpu']} ({summary['cores']} cores)")  # fmt: skip
+    print(f"{'status':>6} {'count':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
+    for status, row in summary["statuses"].items():
+        print(f"{status:>6} {row['count']:>7} {row['p50_ms']:>9} {row['p99_ms']:>9} {row['max_ms']:>9}")
+    print(f"transport errors {summary['transport_errors']}, 429/503 without Retry-After: "
+          f"{summary['missing_retry_after']}")  # fmt: skip
+    print(f"server RSS (frontend + ranks): before {summary['rss_before_mb']} MB, peak "
+          f"{summary['rss_peak_mb']} MB (growth {summary['rss_growth_mb']} MB), after {summary['rss_after_mb']} MB")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

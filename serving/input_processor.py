@@ -1,0 +1,96 @@
+"""Input processing: QA pairs -> tokenized, windowed ``EncodedBatch`` (the engine's first part).
+
+Owns tokenization for serving: the windowing settings (``WindowConfig``) and the one tokenizer
+thread. ``encode`` runs on the calling thread; ``encode_async`` runs it on the tokenizer thread so
+that long contexts never stall the event loop. Admission (queue places, limits) is not here: it
+belongs to the scheduler, and the engine asks for a place before it asks for tokens.
+
+    inputs = InputProcessor(tokenizer=lambda: manager.model.tokenizer, window=WindowConfig())
+    encoded = await inputs.encode_async([QAPair("Who?", "Ann met Bob.")])  # QAInputError / ValueError
+    inputs.estimate_windows(pairs)   # before tokenizing: windows expected from the text length
+    inputs.expected_wait_s(pairs)    # and seconds until they would be tokenized (queue + own)
+    inputs.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from models.qa_processing import EncodedBatch, WindowConfig, encode_qa
+from serving.qa_types import QAPair
+
+logger = logging.getLogger(__name__)
+
+EWMA_ALPHA = 0.2  # weight of the newest request in the characters-per-window/-second estimates
+
+
+class InputProcessor:
+    """Tokenize and window QA pairs, off the event loop when asked (see module doc)."""
+
+    def __init__(self, *, tokenizer: Callable[[], Any], window: WindowConfig) -> None:
+        # a callable: the tokenizer of the model generation being served (a reload may swap it)
+        self.tokenizer = tokenizer
+        self.window = window
+        # One thread: a fast tokenizer is not safe to call from several threads at once
+        # ("Already borrowed"); one is enough to keep tokenization off the event loop.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-tokenize")
+        # admission estimates (EWMAs over encoded requests) and the text waiting for the thread
+        self._chars_per_window: float | None = None
+        self._chars_per_s: float | None = None
+        self._pending_chars = 0
+
+    def encode(self, pairs: list[QAPair]) -> EncodedBatch:
+        """Tokenize ``pairs`` into windows on the calling thread; raises ``QAInputError`` /
+        ``ValueError`` for text the tokenizer refuses."""
+        t0 = time.perf_counter()
+        encoded = encode_qa(
+            self.tokenizer(),
+            [p.question for p in pairs],
+            [p.context for p in pairs],
+            window=self.window,
+        )
+        context_chars = sum(len(p.context) for p in pairs)
+        self._chars_per_window = _ewma(self._chars_per_window, context_chars / max(1, len(encoded.windows)))
+        self._chars_per_s = _ewma(self._chars_per_s, _chars(pairs) / max(time.perf_counter() - t0, 1e-6))
+        return encoded
+
+    def estimate_windows(self, pairs: list[QAPair]) -> int:
+        """Windows ``pairs`` will probably need, from their context lengths and the characters per
+        window seen so far (one per pair before any was seen); an estimate for admission only."""
+        per = self._chars_per_window
+        if per is None:
+            return len(pairs)
+        return sum(max(1, int(len(p.context) / per)) for p in pairs)
+
+    def expected_wait_s(self, pairs: list[QAPair]) -> float:
+        """Seconds until ``pairs`` would be tokenized by ``encode_async``: the text already waiting
+        for the thread plus their own, at the measured speed (0 before any was measured)."""
+        if self._chars_per_s is None:
+            return 0.0
+        return (self._pending_chars + _chars(pairs)) / self._chars_per_s
+
+    async def encode_async(self, pairs: list[QAPair]) -> EncodedBatch:
+        """``encode`` on the tokenizer thread (the event loop keeps running meanwhile)."""
+        chars = _chars(pairs)
+        self._pending_chars += chars
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, self.encode, pairs)
+        finally:
+            self._pending_chars -= chars
+
+    def shutdown(self) -> None:
+        """Stop the tokenizer thread; queued tokenizations are dropped."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _chars(pairs: list[QAPair]) -> int:
+    return sum(len(p.question) + len(p.context) for p in pairs)
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + EWMA_ALPHA * (new - old)

@@ -1,0 +1,487 @@
+"""Open Inference Protocol (KServe v2) REST routes, next to the native API, on the same engine path.
+
+Spec: github.com/kserve/open-inference-protocol (``inference_rest.md``). Routes:
+
+    GET  /v2                          server metadata {name, version, extensions}       open
+    GET  /v2/health/live              {"live": true}                                    open
+    GET  /v2/health/ready             200 {"ready": true} | 400 {"ready": false}         open
+    GET  /v2/models/{name}            model metadata {name, platform, inputs, outputs}  API key
+    GET  /v2/models/{name}/ready      200 {"name", "ready": true} | 400 ready false     API key
+    POST /v2/models/{name}/infer      inference                                         API key
+
+Health answers follow the spec: 200 is true, a 4xx (400) is false. The model is unversioned: no
+``versions`` in its metadata, no ``model_version`` in answers, no ``/versions/<v>`` routes. ``name``
+is the served model name (``--served-model-name``, else the loaded model's); another name is a 404.
+
+Inference: inputs ``question`` and ``context``, datatype ``BYTES`` (JSON strings), shape ``[N]`` or
+``[N, 1]`` (data flat or nested, row-major), N pairs. Request ``parameters`` (all optional):
+``top_k`` (K, default 1), ``max_answer_length``, ``null_threshold``, ``timeout_s`` - the fields of
+the native ``/v1/qa/batch``, with its limits. Outputs (all, or those named in ``outputs``, in that
+order): ``answer`` BYTES [N, K], ``score`` FP32 [N, K], ``start`` / ``end`` INT64 [N, K] (character
+offsets: ``context[start:end] == answer``), ``no_answer`` BOOL [N]. Rows with fewer than K answers
+(or none: no_answer) are padded with ``""``, score 0.0, start = end = -1. The response ``id`` is the
+request's ``id``, else the request id (``X-Request-ID``).
+
+The pairs go through ``serving.routes.answer_pairs``, the path of /v1/qa/batch: same admission (429
+with Retry-After), limits, deadlines and metrics (endpoint label ``v2_infer``). Errors are the
+spec's ``{"error": "<message>"}``: 400 for a bad request (a tensor's name, shape, datatype or data, a
+parameter, request validation, a text limit), 401 API key, 404 unknown model, 413 too many windows,
+429 queue full, 503 not ready (both with Retry-After), 504 deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Coroutine
+from importlib import metadata
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from models.qa_processing import QAInputError, validate_qa_inputs
+from serving.access import request_id_of
+from serving.routes import RETRY_AFTER_503_S, answer_pairs, observe, pair_result
+from serving.schemas import JsonInt, QAItem
+
+logger = logging.getLogger(__name__)
+
+PLATFORM = "pytorch_shardserve"
+INPUTS = ("question", "context")
+OUTPUTS = ("answer", "score", "start", "end", "no_answer")
+REQUEST_PARAMETERS = ("top_k", "max_answer_length", "null_threshold", "timeout_s")
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+ParameterValue = bool | int | float | str
+
+
+# ------------------------------------------------------------------------------------------ schemas
+
+
+class V2Error(BaseModel):
+    """Every error of the v2 routes (the spec's error object)."""
+
+    error: str = Field(description="what went wrong")
+
+
+class V2ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class V2TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1: a variable-size dimension")
+
+
+class V2ModelMetadata(BaseModel):
+    name: str
+    platform: str
+    inputs: list[V2TensorMetadata]
+    outputs: list[V2TensorMetadata]
+
+
+class V2Live(BaseModel):
+    live: bool
+
+
+class V2Ready(BaseModel):
+    ready: bool
+
+
+class V2ModelReady(BaseModel):
+    name: str
+    ready: bool
+
+
+class V2RequestInput(BaseModel):
+    """One input tensor: ``question`` or ``context``, BYTES, shape [N] or [N, 1]."""
+
+    model_config = _STRICT
+
+    name: str
+    shape: list[JsonInt] = Field(description="[N] or [N, 1]")
+    datatype: str = Field(description="BYTES")
+    parameters: dict[str, ParameterValue] | None = None
+    data: list[Any] = Field(description="N strings, flat or nested as the shape (row-major)")
+
+
+class V2RequestOutput(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    parameters: dict[str, ParameterValue] | None = None
+
+
+class V2InferenceRequest(BaseModel):
+    """POST /v2/models/{name}/infer body."""
+
+    model_config = _STRICT
+
+    id: str | None = Field(None, description="returned as the response's id")
+    parameters: dict[str, ParameterValue] | None = Field(
+        None, description="top_k, max_answer_length, null_threshold, timeout_s (as in /v1/qa/batch)"
+    )
+    inputs: list[V2RequestInput]
+    outputs: list[V2RequestOutput] | None = Field(None, description="the outputs to return (default: all)")
+
+
+class V2ResponseOutput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: str
+    data: list[Any]
+
+
+class V2InferenceResponse(BaseModel):
+    model_name: str
+    id: str
+    outputs: list[V2ResponseOutput]
+
+
+_OUTPUT_TYPES = {"answer": "BYTES", "score": "FP32", "start": "INT64", "end": "INT64", "no_answer": "BOOL"}
+MODEL_INPUTS = [V2TensorMetadata(name=n, datatype="BYTES", shape=[-1]) for n in INPUTS]
+MODEL_OUTPUTS = [
+    V2TensorMetadata(name=n, datatype=t, shape=[-1] if n == "no_answer" else [-1, -1])
+    for n, t in _OUTPUT_TYPES.items()
+]
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+class V2InputError(ValueError):
+    """A request the model cannot take (400): a tensor's name, shape, datatype or data, a parameter."""
+
+
+def v2_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``{"error": message}``; every 429 and 503 carries ``Retry-After``."""
+    if status in (429, 503) and not any(k.lower() == "retry-after" for k in headers or {}):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_503_S)}
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _native_to_v2(response: Response) -> JSONResponse:
+    """A native error response ``{"error": code, "detail": ...}`` as the v2 error object (422 -> 400)."""
+    body = json.loads(bytes(response.body))
+    detail = body.get("detail")
+    text = detail if isinstance(detail, str) else json.dumps(detail)
+    status = 400 if response.status_code == 422 else response.status_code
+    retry = response.headers.get("retry-after")
+    return v2_error(status, f"{body.get('error')}: {text}", {"Retry-After": retry} if retry else None)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = [f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors()]
+    return "; ".join(parts) or "invalid request"
+
+
+class V2Route(APIRoute):
+    """Answers request validation (400) and HTTP errors (e.g. the API key's 401) as ``{"error": ...}``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def v2_handler(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return v2_error(400, _validation_message(exc))
+            except StarletteHTTPException as exc:
+                detail = exc.detail
+                if isinstance(detail, dict):
+                    detail = f"{detail.get('error')}: {detail.get('detail')}"
+                return v2_error(exc.status_code, str(detail), dict(exc.headers or {}))
+
+        return v2_handler
+
+
+def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    described = {
+        400: "bad request: a tensor's name, shape, datatype or data, a parameter, a text limit",
+        404: "no model of that name",
+        413: "body larger than max_body_bytes, or more windows than max_windows_per_request / the deadline",
+        429: "queue full (see Retry-After)",
+        500: "span decoding failed (a server bug; the log has it)",
+        503: "not ready, starting, shutting down or replica failed (see Retry-After)",
+        504: "deadline passed before the request was computed",
+    }
+    retry = {"Retry-After": {"required": True, "schema": {"type": "integer", "minimum": 0}}}
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        entry: dict[str, Any] = {"model": V2Error, "description": described[status]}
+        if status in (429, 503):
+            entry["headers"] = retry
+        out[status] = entry
+    return out
+
+
+open_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2Route)
+model_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2Route)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def served_name(request: Request) -> str | None:
+    """The model's public name (None while the server is starting)."""
+    state = request.app.state
+    manager = getattr(state, "manager", None)
+    if manager is None:
+        return state.settings.served_model_name
+    return state.settings.public_model_name(manager.model.source.name)
+
+
+def _is_ready(request: Request) -> bool:
+    state = request.app.state
+    manager = getattr(state, "manager", None)
+    return manager is not None and not state.shutting_down and manager.health()["ready_replicas"] >= 1
+
+
+def _check_model(request: Request, model_name: str) -> JSONResponse | None:
+    name = served_name(request)
+    if name is None:
+        return v2_error(503, "the server is starting")
+    if model_name != name:
+        return v2_error(404, f"model {model_name!r} not found; this server serves {name!r}")
+    return None
+
+
+def _flatten(data: list[Any]) -> list[Any]:
+    flat: list[Any] = []
+    for x in data:
+        flat.extend(_flatten(x) if isinstance(x, list) else [x])
+    return flat
+
+
+def decode_input(tensor: V2RequestInput) -> list[str]:
+    """The N strings of a BYTES tensor of shape [N] or [N, 1]; ``V2InputError`` names what is wrong."""
+    name = tensor.name
+    if tensor.datatype != "BYTES":
+        raise V2InputError(f"input {name!r} has datatype {tensor.datatype!r}; this model takes BYTES")
+    shape = tensor.shape
+    if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
+        raise V2InputError(f"input {name!r} has shape {shape}; this model takes [N] or [N, 1] with N >= 1")
+    for key, value in (tensor.parameters or {}).items():
+        if key == "binary_data_size":
+            raise V2InputError(f"input {name!r}: binary tensor data is not supported; send JSON strings")
+        if key != "content_type":
+            raise V2InputError(f"input {name!r}: unknown parameter {key!r} (only content_type)")
+        if value not in ("str", "bytes", "BYTES"):
+            raise V2InputError(f"input {name!r}: content_type {value!r} is not str")
+    flat = _flatten(tensor.data)
+    if len(flat) != math.prod(shape):
+        raise V2InputError(
+            f"input {name!r} has {len(flat)} elements; its shape {shape} needs {math.prod(shape)}"
+        )
+    for i, x in enumerate(flat):
+        if not isinstance(x, str):
+            raise V2InputError(f"input {name!r}[{i}] is {type(x).__name__}; BYTES elements are JSON strings")
+    return flat
+
+
+def decode_request(
+    body: V2InferenceRequest, *, max_question_chars: int, max_context_chars: int
+) -> list[QAItem]:
+    """The (question, context) pairs of a v2 request with its parameters, validated as /v1/qa/batch items."""
+    tensors: dict[str, V2RequestInput] = {}
+    for t in body.inputs:
+        if t.name not in INPUTS:
+            raise V2InputError(f"unknown input {t.name!r}; this model takes question and context (BYTES)")
+        if t.name in tensors:
+            raise V2InputError(f"input {t.name!r} is given twice")
+        tensors[t.name] = t
+    missing = [n for n in INPUTS if n not in tensors]
+    if missing:
+        raise V2InputError(f"missing input {missing[0]!r}; this model takes question and context (BYTES)")
+    questions, contexts = decode_input(tensors["question"]), decode_input(tensors["context"])
+    if len(questions) != len(contexts):
+        raise V2InputError(
+            f"{len(questions)} questions but {len(contexts)} contexts; give one question per context"
+        )
+    params = dict(body.parameters or {})
+    params.pop("content_type", None)
+    unknown = sorted(set(params) - set(REQUEST_PARAMETERS))
+    if unknown:
+        raise V2InputError(f"unknown parameter {unknown[0]!r}; supported: {', '.join(REQUEST_PARAMETERS)}")
+    params.pop("timeout_s", None)
+    items = []
+    for i, (q, c) in enumerate(zip(questions, contexts, strict=True)):
+        try:
+            item = QAItem.model_validate({"question": q, "context": c, **params})
+        except ValidationError as err:
+            e = err.errors()[0]
+            loc = ".".join(str(x) for x in e.get("loc", ()))
+            where = f"{loc}[{i}]" if loc in INPUTS else f"parameters.{loc}"
+            raise V2InputError(f"{where}: {e.get('msg', 'invalid')}") from None
+        try:
+            validate_qa_inputs(
+                item.question,
+                item.context,
+                top_k=item.top_k,
+                max_answer_length=item.max_answer_length,
+                max_context_chars=max_context_chars,
+                max_question_chars=max_question_chars,
+                null_threshold=item.null_threshold,
+            )
+        except QAInputError as err:
+            where = f"{err.field}[{i}]" if err.field in INPUTS else f"parameters.{err.field}"
+            raise V2InputError(f"{where}: {err.reason}") from None
+        items.append(item)
+    return items
+
+
+def _timeout(body: V2InferenceRequest) -> float | None:
+    value = (body.parameters or {}).get("timeout_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or math.isinf(value):
+        raise V2InputError(f"parameters.timeout_s: {value!r} is not a number of seconds > 0")
+    return float(value)
+
+
+def _requested_outputs(body: V2InferenceRequest) -> list[str]:
+    if body.outputs is None:
+        return list(OUTPUTS)
+    names = []
+    for out in body.outputs:
+        if out.name not in OUTPUTS:
+            raise V2InputError(f"unknown output {out.name!r}; this model has {', '.join(OUTPUTS)}")
+        for key, value in (out.parameters or {}).items():
+            if key != "binary_data" or value is not False:
+                raise V2InputError(f"output {out.name!r}: parameter {key}={value!r} is not supported")
+        names.append(out.name)
+    return names
+
+
+def encode_outputs(results: list[Any], *, top_k: int, names: list[str]) -> list[V2ResponseOutput]:
+    """The named output tensors of N results (``serving.schemas.QAResult``), K = top_k per row."""
+    n = len(results)
+    rows: dict[str, list[Any]] = {"answer": [], "score": [], "start": [], "end": []}
+    for r in results:
+        answers = r.answers[:top_k]
+        pad = top_k - len(answers)
+        rows["answer"] += [a.text for a in answers] + [""] * pad
+        rows["score"] += [float(a.score) for a in answers] + [0.0] * pad
+        rows["start"] += [int(a.start) for a in answers] + [-1] * pad
+        rows["end"] += [int(a.end) for a in answers] + [-1] * pad
+    rows["no_answer"] = [bool(r.no_answer) for r in results]
+    return [
+        V2ResponseOutput(
+            name=name,
+            shape=[n] if name == "no_answer" else [n, top_k],
+            datatype=_OUTPUT_TYPES[name],
+            data=rows[name],
+        )
+        for name in names
+    ]
+
+
+# ------------------------------------------------------------------------------------------ routes
+
+
+def _version() -> str:
+    try:
+        return metadata.version("shardserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+@open_router.get("/v2", response_model=V2ServerMetadata)
+async def server_metadata() -> V2ServerMetadata:
+    """Server metadata: name, version, extensions (none). Open, like the health routes."""
+    return V2ServerMetadata(name="shardserve", version=_version(), extensions=[])
+
+
+@open_router.get("/v2/health/live", response_model=V2Live)
+async def server_live() -> V2Live:
+    """The server can answer requests (the process is alive)."""
+    return V2Live(live=True)
+
+
+@open_router.get(
+    "/v2/health/ready",
+    response_model=V2Ready,
+    responses={400: {"model": V2Ready, "description": "not ready (the spec: a 4xx status is false)"}},
+)
+async def server_ready(request: Request) -> Any:
+    """200 while at least one replica gang is ready and the server is not shutting down, else 400."""
+    ready = _is_ready(request)
+    return JSONResponse({"ready": ready}, status_code=200 if ready else 400)
+
+
+@model_router.get("/v2/models/{model_name}", response_model=V2ModelMetadata, responses=_responses(404, 503))
+async def model_metadata(model_name: str, request: Request) -> Any:
+    """The model's inputs (question, context: BYTES [N]) and outputs (answer, score, start, end, no_answer)."""
+    problem = _check_model(request, model_name)
+    if problem is not None:
+        return problem
+    return V2ModelMetadata(name=model_name, platform=PLATFORM, inputs=MODEL_INPUTS, outputs=MODEL_OUTPUTS)
+
+
+@model_router.get(
+    "/v2/models/{model_name}/ready",
+    response_model=V2ModelReady,
+    responses={
+        400: {"model": V2ModelReady, "description": "not ready (the spec: a 4xx status is false)"},
+        **_responses(404, 503),
+    },
+)
+async def model_ready(model_name: str, request: Request) -> Any:
+    """200 {"name", "ready": true} while the model can answer, else 400 with ready false."""
+    problem = _check_model(request, model_name)
+    if problem is not None:
+        return problem
+    ready = _is_ready(request)
+    return JSONResponse({"name": model_name, "ready": ready}, status_code=200 if ready else 400)
+
+
+@model_router.post(
+    "/v2/models/{model_name}/infer",
+    response_model=V2InferenceResponse,
+    responses=_responses(400, 404, 413, 429, 500, 503, 504),
+)
+async def infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
+    """Answer N (question, context) pairs: BYTES inputs in, answer/score/start/end/no_answer out."""
+    t0 = time.perf_counter()
+    out = await _infer(model_name, body, request)
+    observe(request, "v2_infer", t0, out.status_code if isinstance(out, Response) else 200)
+    return out
+
+
+async def _infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
+    problem = _check_model(request, model_name)
+    if problem is not None:
+        return problem
+    settings = request.app.state.settings
+    try:
+        items = decode_request(
+            body, max_question_chars=settings.max_question_chars, max_context_chars=settings.max_context_chars
+        )
+        timeout_s = _timeout(body)
+        names = _requested_outputs(body)
+    except V2InputError as err:
+        return v2_error(400, str(err))
+    if len(items) > settings.max_batch_items:
+        return v2_error(
+            400, f"too_many_items: {len(items)} pairs, max_batch_items={settings.max_batch_items}"
+        )
+    out = await answer_pairs(request, "v2", items, timeout_s)
+    if isinstance(out, Response):
+        return _native_to_v2(out)
+    results, name, _ = out
+    top_k = items[0].top_k
+    return V2InferenceResponse(
+        model_name=name,
+        id=body.id if body.id is not None else request_id_of(request) or "",
+        outputs=encode_outputs([pair_result(r) for r in results], top_k=top_k, names=names),
+    )

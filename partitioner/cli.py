@@ -2,6 +2,7 @@
 
 shardserve plan --model minilm --pp 2 --tp 2 --batch-size 8 --seq-len 384
 shardserve plan --model tiny-bert --pp 3 --json
+shardserve plan --model minilm --dp 2 --pp 2 --batch-size 4 --seq-len 256   # training: 4 ranks
 shardserve verify --model tiny-roberta --pp 2 --tp 2
 """
 
@@ -78,6 +79,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     _add_common(p)
     p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="training only: data-parallel copies of the pipeline; adds the gradient all-reduce volume "
+        "per step (default: %(default)s)",
+    )
+    p.add_argument(
         "--batch-size",
         type=int,
         default=8,
@@ -132,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         how = "profile"
     else:
         costs, how = analytic_costs(cfg, seq_len=args.seq_len), "analytic"
-    dims = ParallelDims(pp=args.pp, tp=args.tp)
+    dims = ParallelDims(pp=args.pp, tp=args.tp, dp=args.dp)
     plan = make_plan(
         cfg,
         dims,
@@ -153,13 +161,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
             s.update(m)
         print(json.dumps(out, indent=2))
         return 0
+    dp = f"dp={args.dp} " if args.dp > 1 else ""
     print(
         f"model {source.name}: {cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_heads} heads; pp={args.pp} tp={args.tp} ({plan.dims.world_size} ranks); "
+        f"{cfg.num_heads} heads; {dp}pp={args.pp} tp={args.tp} ({plan.dims.world_size} ranks); "
         f"cost: {plan.cost_source}; memory at batch {args.batch_size} x seq {args.seq_len}, {choice.name} "
         f"(training: fp32 weights + Adam, 16 B/param)"
     )
+    if args.dp > 1:
+        mp = plan.dims.model_parallel_size
+        print(
+            f"data parallel: {args.dp} copies of the pipeline (ranks below are copy 0; copy d adds "
+            f"d x {mp}); AdamW state is replicated on every copy (no ZeRO-1), so train MB per rank is "
+            f"the same at any dp; AR MB = fp32 gradient bytes each rank sends (and receives) per step "
+            f"in the ring all-reduce, 2 x ({args.dp}-1)/{args.dp} x 4 B/param"
+        )
+    ar = args.dp > 1
     header = f"{'stage':>5}  {'ranks':<12} {'layers':<9} {'params/rank':>12} {'serve MB':>9} {'train MB':>9} {'cost':>6}"
+    header += f" {'AR MB':>8}" if ar else ""
     print(header)
     print("-" * len(header))
     for s, m in zip(plan.stages, mem, strict=True):
@@ -168,10 +187,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             + [f"{s.layer_start}-{s.layer_end - 1}"]
             + (["head"] if s.has_head else [])
         )
-        print(
+        row = (
             f"{s.index:>5}  {','.join(map(str, s.ranks)):<12} {'+'.join(parts):<9} {s.params_per_rank:>12,} "
             f"{m['serving_bytes'] / 2**20:>9.1f} {m['training_bytes'] / 2**20:>9.1f} {s.cost_share:>6.1%}"
         )
+        print(row + (f" {m['allreduce_bytes'] / 2**20:>8.1f}" if ar else ""))
     return 0
 
 

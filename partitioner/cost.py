@@ -12,7 +12,8 @@ stage 0 and the head in the last stage; every stage owns at least one layer.
 Memory (``serving_memory_bytes`` / ``training_memory_bytes``) follows the usual accounting:
 weights / tp for sharded matrices, plus activations of the micro-batches in flight; training adds
 gradients and Adam moments (the 16·N-bytes rule for mixed precision: 2 weights + 2 grads + 4 fp32
-master + 4 + 4 moments; fp32 training is 4 + 4 + 4 + 4 = 16 as well).
+master + 4 + 4 moments; fp32 training is 4 + 4 + 4 + 4 = 16 as well). The data-parallel
+all-reduce volume of a rank per optimizer step is ``ring_allreduce_bytes`` of its fp32 gradients.
 """
 
 from __future__ import annotations
@@ -240,3 +241,9 @@ def training_memory_bytes(
         config, batch_size=batch_size, seq_len=seq_len, tp=tp, dtype_bytes=dtype_bytes, training=True
     )
     return 16 * params + per_layer * n_layers * (pp - stage_index)
+
+
+def ring_allreduce_bytes(grad_bytes: int, dp: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``grad_bytes`` over ``dp``
+    ranks: ``2 * (dp - 1) / dp * grad_bytes`` (reduce-scatter, then all-gather)."""
+    return 0 if dp <= 1 else int(2 * (dp - 1) * grad_bytes / dp)

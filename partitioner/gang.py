@@ -1,4 +1,5 @@
-"""The gang runtime: ``pp * tp`` worker processes that start, serve, fail and stop as one unit.
+"""The gang runtime: ``pp * tp`` worker processes (``dp * pp * tp`` when training) that start,
+serve, fail and stop as one unit.
 
 The caller (driver) is not a rank: it hands micro-batches to stage 0 through queues and receives
 span logits from the last stage, while activations travel rank-to-rank over torch.distributed
@@ -132,12 +133,19 @@ class Gang:
         return self.spec.plan.dims.world_size
 
     def describe_rank(self, rank: int) -> str:
-        stage, tp_rank = self.spec.plan.dims.coords(rank)
-        return f"rank {rank} (stage {stage}, tp {tp_rank})"
+        dims = self.spec.plan.dims
+        stage, tp_rank = dims.coords(rank)
+        dp = f"dp {dims.dp_rank(rank)}, " if dims.dp > 1 else ""
+        return f"rank {rank} ({dp}stage {stage}, tp {tp_rank})"
 
     def start(self) -> Gang:
         """Spawn every rank and wait until all report ready; raises GangError on any failure."""
         dims = self.spec.plan.dims
+        if dims.dp > 1 and self.spec.program == GangSpec.program:
+            raise GangError(
+                f"{self.name}: a serving gang is one replica (dp=1), got dp={dims.dp}; "
+                "scale serving with more replicas instead"
+            )
         self._store = loopback_store(dims.world_size, timeout=timedelta(seconds=self.start_timeout_s))
         base_env = {
             "MASTER_ADDR": "127.0.0.1",

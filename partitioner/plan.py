@@ -1,12 +1,16 @@
 """``ParallelDims`` and ``PartitionPlan``: the one definition of how a model is split.
 
-Ranks are laid out stage-major: ``rank = stage * tp + tp_rank``. Stage ``k`` owns encoder layers
-``[layer_start, layer_end)``; stage 0 also owns the embeddings and the last stage the QA head.
+Ranks are laid out as Megatron does, tp innermost, then pp, then dp:
+``rank = dp_rank * pp * tp + stage * tp + tp_rank``. The stages' ``ranks`` are those of pipeline
+replica 0 (``0 .. pp*tp-1``); training at ``dp > 1`` runs ``dp`` such replicas side by side, and
+serving keeps ``dp == 1`` (a serving replica is its own data-parallel copy). Stage ``k`` owns
+encoder layers ``[layer_start, layer_end)``; stage 0 also owns the embeddings and the last stage the QA head.
 Inside a stage, the ``tp`` ranks shard attention heads, the MLP and the word embeddings
 Megatron-style (see ``partitioner/tensor_parallel.py``).
 
     plan = make_plan(config, ParallelDims(pp=2, tp=2))                    # balanced by cost model
     plan = make_plan(config, ParallelDims(pp=2, tp=1), boundaries=[4])    # manual: layers [0,4) [4,L)
+    plan = make_plan(config, ParallelDims(dp=2, pp=2))                   # training: 4 ranks, 2 copies
     plan.to_dict()  # JSON-friendly, used by `shardserve plan --json` and the gang runtime
 """
 
@@ -22,6 +26,7 @@ from partitioner.cost import (
     UnitCost,
     analytic_costs,
     balanced_split,
+    ring_allreduce_bytes,
     serving_memory_bytes,
     stage_costs,
     stage_param_counts,
@@ -31,18 +36,29 @@ from partitioner.cost import (
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Pipeline (pp) and tensor-parallel (tp) degrees; ``world_size = pp * tp``."""
+    """Pipeline (pp), tensor-parallel (tp) and data-parallel (dp) degrees; ``world_size = dp * pp * tp``.
+
+    ``coords``/``rank_of`` speak of a rank's place inside its pipeline replica (stage, tp_rank);
+    ``dp_rank`` says which replica. With ``dp == 1`` (serving, and training without --dp) every
+    formula reduces to the stage-major ``rank = stage * tp + tp_rank`` of a single gang.
+    """
 
     pp: int = 1
     tp: int = 1
+    dp: int = 1
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.tp < 1:
-            raise InfeasiblePlanError(f"pp={self.pp} and tp={self.tp} must both be >= 1")
+        if self.pp < 1 or self.tp < 1 or self.dp < 1:
+            raise InfeasiblePlanError(f"dp={self.dp}, pp={self.pp} and tp={self.tp} must all be >= 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one pipeline replica: ``pp * tp``."""
+        return self.pp * self.tp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.tp
+        return self.dp * self.pp * self.tp
 
     def validate_for(self, config: EncoderConfig) -> None:
         """Reject degrees the model cannot be split into, printing the numbers."""
@@ -57,14 +73,43 @@ class ParallelDims:
                 f"pp={self.pp} stages need at least one layer each, but num_layers={config.num_layers}"
             )
 
+    def validate_world(self, world_size: int, *, n_devices: int | None = None) -> None:
+        """``dp x pp x tp`` must equal the ranks launched (and fit the devices given), with numbers."""
+        if world_size != self.world_size:
+            raise InfeasiblePlanError(
+                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size} ranks, "
+                f"but the world has {world_size}"
+            )
+        if n_devices is not None and n_devices != self.world_size:
+            raise InfeasiblePlanError(
+                f"{n_devices} devices given for dp={self.dp} x pp={self.pp} x tp={self.tp} = "
+                f"{self.world_size} ranks"
+            )
+
     def coords(self, rank: int) -> tuple[int, int]:
-        """Global rank -> (stage, tp_rank)."""
+        """Global rank -> (stage, tp_rank) inside its pipeline replica."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} outside world_size={self.world_size}")
-        return divmod(rank, self.tp)
+        return divmod(rank % self.model_parallel_size, self.tp)
 
-    def rank_of(self, stage: int, tp_rank: int) -> int:
-        return stage * self.tp + tp_rank
+    def dp_rank(self, rank: int) -> int:
+        """Global rank -> index of its data-parallel replica."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} outside world_size={self.world_size}")
+        return rank // self.model_parallel_size
+
+    def rank_of(self, stage: int, tp_rank: int, dp_rank: int = 0) -> int:
+        return dp_rank * self.model_parallel_size + stage * self.tp + tp_rank
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same parameter shard (same stage and tp_rank), one list per shard."""
+        mp = self.model_parallel_size
+        return [[d * mp + r for d in range(self.dp)] for r in range(mp)]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """The ``pp * tp`` ranks of each pipeline replica, one list per dp rank."""
+        mp = self.model_parallel_size
+        return [list(range(d * mp, (d + 1) * mp)) for d in range(self.dp)]
 
 
 @dataclass(frozen=True)
@@ -88,7 +133,8 @@ class StageSpec:
 
 @dataclass(frozen=True)
 class PartitionPlan:
-    """Stages, tensor-parallel degree and devices for one gang of ``pp * tp`` ranks."""
+    """Stages, tensor-parallel degree and devices for one gang of ``dp * pp * tp`` ranks (stage
+    ``ranks`` are those of replica 0; replica ``d`` adds ``d * pp * tp``)."""
 
     dims: ParallelDims
     stages: tuple[StageSpec, ...]
@@ -100,7 +146,8 @@ class PartitionPlan:
         return self.stages[self.dims.coords(rank)[0]]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {"dp": self.dims.dp} if self.dims.dp > 1 else {}
+        return out | {
             "pp": self.dims.pp,
             "tp": self.dims.tp,
             "world_size": self.dims.world_size,
@@ -113,7 +160,10 @@ class PartitionPlan:
     def memory_estimates(
         self, config: EncoderConfig, *, batch_size: int, seq_len: int, dtype_bytes: int = 4
     ) -> list[dict[str, int]]:
-        """Per stage, bytes on one rank for serving and for training at this batch/sequence."""
+        """Per stage, bytes on one rank for serving and for training at this batch/sequence, and for
+        ``dp > 1`` the gradient bytes each rank sends (and receives) per optimizer step in the ring
+        all-reduce over its data-parallel group: ``2 (dp - 1) / dp`` x its fp32 gradients (full
+        fine-tuning). Training memory is the same at every dp: AdamW state is replicated (no ZeRO)."""
         out = []
         for s in self.stages:
             kw = dict(n_layers=len(s.layers), batch_size=batch_size, seq_len=seq_len, tp=self.dims.tp)
@@ -130,6 +180,7 @@ class PartitionPlan:
                         dtype_bytes=dtype_bytes,
                         **kw,
                     ),
+                    "allreduce_bytes": ring_allreduce_bytes(4 * s.params_per_rank, self.dims.dp),
                 }
             )
         return out
@@ -179,8 +230,7 @@ def make_plan(
     else:
         bounds = balanced_split(costs, dims.pp)
     devices = devices or default_devices(dims.world_size)
-    if len(devices) != dims.world_size:
-        raise InfeasiblePlanError(f"{len(devices)} devices given for world_size={dims.world_size}")
+    dims.validate_world(dims.world_size, n_devices=len(devices))
     per_stage_cost = stage_costs(costs, bounds)
     total = sum(per_stage_cost) or 1.0
     params = stage_param_counts(costs, bounds, dims.tp)

@@ -79,6 +79,9 @@ class RankContext:
     tp_group: dist.ProcessGroup | None
     progress: Any  # shared per-rank count of finished micro-batches
     busy_since: Any  # shared per-rank wall time the current micro-batch started (0: idle/waiting)
+    dp_rank: int = 0  # which data-parallel replica (training with dp > 1)
+    dp_group: dist.ProcessGroup | None = None  # ranks holding the same shard (None: dp == 1)
+    mp_group: dist.ProcessGroup | None = None  # this replica's pp * tp ranks (None: the world)
 
     @property
     def plan(self) -> PartitionPlan:
@@ -93,10 +96,10 @@ class RankContext:
         return self.stage == self.plan.dims.pp - 1
 
     def prev_rank(self) -> int:
-        return self.plan.dims.rank_of(self.stage - 1, self.tp_rank)
+        return self.plan.dims.rank_of(self.stage - 1, self.tp_rank, self.dp_rank)
 
     def next_rank(self) -> int:
-        return self.plan.dims.rank_of(self.stage + 1, self.tp_rank)
+        return self.plan.dims.rank_of(self.stage + 1, self.tp_rank, self.dp_rank)
 
     def maybe_fault(self, batch_number: int) -> None:
         fault = self.spec.fault
@@ -134,22 +137,46 @@ def init_distributed(spec: GangSpec, rank: int, world_size: int) -> str:
         )
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:  # launched by torchrun (possibly across hosts): rank 0 hosts the store
+        spec.plan.dims.validate_world(int(os.environ.get("WORLD_SIZE", world_size)))
         dist.init_process_group(
             backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
         )
     return backend
 
 
-def tp_group_for(plan: PartitionPlan, stage: int) -> dist.ProcessGroup | None:
-    """Create every stage's tensor-parallel group (all ranks must take part) and return ours."""
-    if plan.dims.tp == 1:
+def tp_group_for(plan: PartitionPlan, stage: int, dp_rank: int = 0) -> dist.ProcessGroup | None:
+    """Create every stage's tensor-parallel group in every replica (all ranks must take part) and
+    return ours."""
+    dims = plan.dims
+    if dims.tp == 1:
         return None
     mine = None
-    for spec in plan.stages:
-        group = dist.new_group(list(spec.ranks))
-        if spec.index == stage:
-            mine = group
+    for d in range(dims.dp):
+        for spec in plan.stages:
+            group = dist.new_group([dims.rank_of(spec.index, t, d) for t in range(dims.tp)])
+            if spec.index == stage and d == dp_rank:
+                mine = group
     return mine
+
+
+def dp_groups_for(
+    plan: PartitionPlan, rank: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(data-parallel group of this rank's shard, model-parallel group of its replica); both None
+    when dp == 1 (the world is the one replica). Every rank creates every group, in one order."""
+    dims = plan.dims
+    if dims.dp == 1:
+        return None, None
+    dp_mine = mp_mine = None
+    for ranks in dims.dp_groups():
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_mine = group
+    for ranks in dims.model_parallel_groups():
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mp_mine = group
+    return dp_mine, mp_mine
 
 
 def worker_main(
@@ -178,8 +205,22 @@ def worker_main(
             torch.cuda.set_device(device)
         t0 = time.perf_counter()
         backend = init_distributed(spec, rank, plan.dims.world_size)
+        dp_rank = plan.dims.dp_rank(rank)
+        tp_group = tp_group_for(plan, stage, dp_rank)
+        dp_group, mp_group = dp_groups_for(plan, rank)
         ctx = RankContext(
-            rank, stage, tp_rank, spec, device, backend, tp_group_for(plan, stage), progress, busy_since
+            rank,
+            stage,
+            tp_rank,
+            spec,
+            device,
+            backend,
+            tp_group,
+            progress,
+            busy_since,
+            dp_rank=dp_rank,
+            dp_group=dp_group,
+            mp_group=mp_group,
         )
         ctx.maybe_fault(-1)
         module_name, _, func_name = spec.program.partition(":")

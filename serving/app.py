@@ -17,8 +17,11 @@ Inference Protocol (KServe v2) routes are ``serving/kserve_v2.py``.
     uvicorn.run(build_app(ServeSettings(model="tiny-bert")))        # or: shardserve serve
     build_app(settings, backend_factory=fake)                        # tests: fake gangs in-process
 
-``app.state``: settings, metrics, and after startup model (ModelGeneration), manager, engine,
-supervisor; ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
+The status page (``/``), its JSON (``GET /ui/status``) and the offline ``/docs`` / ``/redoc`` are
+``serving/pages.py``.
+
+``app.state``: settings, metrics, status (``serving.status.StatusBoard``), and after startup model
+(ModelGeneration), manager, engine, supervisor; ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ from serving.engine import Engine
 from serving.metrics import ServingMetrics
 from serving.model_loader import device_pool, load_generation
 from serving.openapi import allowed_methods, install_openapi
+from serving.pages import install_pages
 from serving.replicas import BackendFactory, ModelGeneration, ReplicaManager, gang_factory
 from serving.routes import admin_router, api_router, health_router
 from serving.scheduler import Scheduler
 from serving.settings import ServeSettings
+from serving.status import StatusBoard
 from serving.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -101,6 +106,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.manager, app.state.engine, app.state.supervisor = manager, engine, supervisor
     await engine.start()
     await supervisor.start()
+    await app.state.status.start()  # samples the metrics registry for the status page
     logger.info(
         "serving %s (pp=%d, tp=%d) in %s (%s), replicas %s%s x %d thread(s) per rank, pool %d slots",
         model.source.name,
@@ -120,6 +126,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.begin_drain()
         await engine.stop(timeout_s=settings.drain_timeout_s)
         await supervisor.stop()
+        await app.state.status.stop()
         await manager.close(timeout_s=settings.drain_timeout_s)
         logger.info("shut down")
 
@@ -238,10 +245,13 @@ def build_app(
         version="0.1.0",
         description="Model-parallel extractive question answering. Errors are JSON: {error, detail}.",
         lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc: serving/pages.py, with local assets (no CDN)
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device
     app.state.metrics = ServingMetrics()
+    app.state.status = StatusBoard(app.state.metrics)  # registry history for GET /ui/status
     app.state.backend_factory = backend_factory
     app.state.preloaded_model = model
     app.state.shutting_down = False
@@ -254,5 +264,6 @@ def build_app(
     app.include_router(admin_router)
     app.include_router(kserve_v2.open_router)  # Open Inference Protocol: metadata + health (open)
     include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
+    install_pages(app)  # status page at /, GET /ui/status, offline /docs and /redoc
     install_openapi(app, settings)  # the document with the settings' limits (question length, ...)
     return app

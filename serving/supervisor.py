@@ -7,7 +7,8 @@ samples per-stage busy time for the metrics, and every ``autoscale_interval_s`` 
 ledger) and applies its target by starting or draining whole gangs. Every applied decision is
 logged and counted
 (``shardserve_autoscale_decisions_total{direction}``). ``pin(n)`` (POST /admin/replicas) fixes the
-count and pauses autoscaling; ``set_bounds(lo, hi)`` resumes it with new bounds.
+count and pauses autoscaling; ``set_bounds(lo, hi)`` resumes it with new bounds. ``history`` keeps the
+last applied target changes (the status page shows them).
 
     sup = Supervisor(ledger=scheduler, manager=manager, metrics=metrics,
                      config=settings.autoscaling_config())
@@ -21,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +58,8 @@ class Supervisor:
         self.autoscaler = Autoscaler(config)
         self.pinned: int | None = None if config.max_replicas > config.min_replicas else config.min_replicas
         self.last_decision: str = "none yet"
+        # the last applied target changes, oldest first (the status page): time, source, before, after, reason
+        self.history: deque[dict[str, Any]] = deque(maxlen=20)
         self._task: asyncio.Task | None = None
 
     @property
@@ -80,7 +84,9 @@ class Supervisor:
     def pin(self, n: int) -> int:
         """Run exactly ``n`` gangs (clamped to the pool); autoscaling pauses."""
         self.pinned = n
+        before = self.manager.target
         applied = self.manager.set_target(n)
+        self._record("admin", before, applied, f"pinned to {n} replica(s)")
         self.metrics.autoscale_target.set(applied)
         logger.info("replicas pinned to %d (asked %d)", applied, n)
         return applied
@@ -121,6 +127,11 @@ class Supervisor:
             "replicas": self.manager.describe(),
         }
 
+    def _record(self, source: str, before: int, after: int, reason: str) -> None:
+        self.history.append(
+            {"time": time.time(), "source": source, "before": before, "after": after, "reason": reason}
+        )
+
     async def _run(self) -> None:
         tick = 0
         next_scale = self.clock()
@@ -157,5 +168,7 @@ class Supervisor:
                 self.metrics.autoscale.labels(direction=direction).inc(n - before.get(direction, 0))
         if decision.target != m.target:
             self.last_decision = decision.reason
+            old_target = m.target
             logger.info("autoscaler: target %d -> %d (%s)", m.target, decision.target, decision.reason)
             self.metrics.autoscale_target.set(m.set_target(decision.target))
+            self._record("autoscaler", old_target, m.target, decision.reason)

@@ -12,6 +12,15 @@ A checkpoint directory ``OUT/checkpoint-{step}`` (and ``OUT/final``) holds:
 - ``training_state/rank{r}.safetensors``: that rank's trainable parameters and AdamW moments
   (``optim.{name}.exp_avg`` / ``.exp_avg_sq`` / ``.step``), for ``--resume``.
 
+The checkpoint does not depend on the data-parallel degree: the replicas hold identical
+parameters and (replicated, not ZeRO-sharded) AdamW state, so only replica 0's ``pp * tp`` ranks
+write (ranks ``0 .. pp*tp-1``, the same files a ``dp = 1`` run writes) and any ``dp`` resumes from
+them. Parameter names are the full model's (``layers.7.mlp.up.weight``) and every sharded tensor
+records its slice, so the files are layout-free as well: ``--resume --elastic`` at another
+(pp, tp) merges every rank's file into full tensors (moments sliced like their parameter) and
+each new rank cuts out its own slices (`load_resharded`). Without ``--elastic`` a (pp, tp) change
+is refused, and each rank reads just its own file.
+
 Every rank writes its files into ``OUT/.tmp-{name}``; after a barrier rank 0 merges the shards,
 writes the HF files and renames the temporary directory into place, so a reader (or a resumed run)
 never sees a half-written checkpoint. Everything is read back with safetensors only.
@@ -35,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,15 +95,24 @@ def write_shard(
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
 
 
+MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")  # AdamW state shaped like its parameter
+
+
+def _with_moment_specs(specs: dict[str, list[int]]) -> dict[str, list[int]]:
+    """A parameter's AdamW moments (``optim.{name}.exp_avg`` ...) are sliced like the parameter."""
+    return specs | {f"optim.{name}.{m}": spec for name, spec in specs.items() for m in MOMENTS}
+
+
 def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """Full tensors from per-rank shard files: sharded names concatenated in slice order, replicated
-    names taken from the lowest tensor-parallel rank that holds them."""
+    """Full tensors from per-rank shard files: sharded names (and their AdamW moments)
+    concatenated in slice order, replicated names taken from the lowest tensor-parallel rank that
+    holds them."""
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     replicated: dict[str, tuple[int, torch.Tensor]] = {}
     for path in paths:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            specs = json.loads(meta.get("shard_specs", "{}"))
+            specs = _with_moment_specs(json.loads(meta.get("shard_specs", "{}")))
             tp_rank = int(meta.get("tp_rank", "0"))
             for name in f.keys():
                 t = f.get_tensor(name)
@@ -185,36 +204,65 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[nn.Parameter, str]
     return out
 
 
+def _restore(
+    get: Callable[[str], torch.Tensor],
+    keys: set[str],
+    module: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    *,
+    where: str,
+    specs: dict[str, ShardSlice] | None = None,
+) -> None:
+    """Copy trainable parameters and AdamW state named in ``keys`` (read with ``get``) into
+    ``module``/``opt``; with ``specs``, the tensors are full and this rank takes its slices."""
+
+    def fetch(key: str, name: str) -> torch.Tensor:
+        t = get(key)
+        spec = specs.get(name) if specs is not None else None
+        return t[spec.region()] if spec is not None and t.dim() > 0 else t
+
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if name in keys:
+                t = fetch(name, name)
+                if t.shape != p.shape:
+                    raise ResumeError(
+                        f"{where}: {name} has shape {list(t.shape)}, this rank holds {list(p.shape)}"
+                    )
+                p.copy_(t.to(p.dtype))
+            elif p.requires_grad:
+                raise ResumeError(f"{where}: trainable parameter {name!r} not in the checkpoint")
+    if opt is None:
+        return
+    for p in [q for group in opt.param_groups for q in group["params"]]:
+        name = next(n for n, q in params.items() if q is p)
+        state = {}
+        for key in ("step", *MOMENTS):
+            k = f"optim.{name}.{key}"
+            if k in keys:
+                t = fetch(k, name)
+                state[key] = t.to(p.device).contiguous() if key != "step" else t
+        if state:
+            opt.state[p] = state
+
+
 def load_rank_state(path: Path, module: nn.Module, opt: torch.optim.Optimizer | None) -> None:
     """Restore one rank's trainable parameters and optimizer moments written by ``write_shard``."""
     if not path.is_file():
         raise ResumeError(f"{path}: missing rank training state")
-    params = dict(module.named_parameters())
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        keys = set(f.keys())
-        with torch.no_grad():
-            for name, p in params.items():
-                if name in keys:
-                    t = f.get_tensor(name)
-                    if t.shape != p.shape:
-                        raise ResumeError(
-                            f"{path}: {name} has shape {list(t.shape)}, this rank holds {list(p.shape)}"
-                        )
-                    p.copy_(t.to(p.dtype))
-                elif p.requires_grad:
-                    raise ResumeError(f"{path}: trainable parameter {name!r} not in the checkpoint")
-        if opt is None:
-            return
-        for p in [q for group in opt.param_groups for q in group["params"]]:
-            name = next(n for n, q in params.items() if q is p)
-            state = {}
-            for key in ("step", "exp_avg", "exp_avg_sq"):
-                k = f"optim.{name}.{key}"
-                if k in keys:
-                    t = f.get_tensor(k)
-                    state[key] = t.to(p.device) if key != "step" else t
-            if state:
-                opt.state[p] = state
+        _restore(f.get_tensor, set(f.keys()), module, opt, where=str(path))
+
+
+def load_resharded(ckpt: Path, module: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+    """Restore a rank of ANOTHER (pp, tp) layout: merge every rank's training state of ``ckpt``
+    into full tensors (parameters and AdamW moments), then take this rank's slices."""
+    paths = sorted((ckpt / "training_state").glob("rank*.safetensors"))
+    if not paths:
+        raise ResumeError(f"{ckpt}: no training_state/rank*.safetensors to re-shard")
+    full = merge_shards(paths)
+    _restore(full.__getitem__, set(full), module, opt, where=str(ckpt), specs=shard_specs_of(module))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,7 +281,9 @@ class ResumePoint:
 
 def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, compute_dtype: str) -> ResumePoint:
     """The newest ``checkpoint-*`` of ``cfg.output`` when ``cfg.resume`` (else step 0); a checkpoint
-    written with another layout, seed, length or data is a `ResumeError` naming the differences."""
+    written with another seed, length or data is a `ResumeError` naming the differences, and so is
+    another (pp, tp) unless ``cfg.elastic``. The data-parallel degree may always change (the
+    checkpoint does not depend on it)."""
     if not cfg.resume:
         return ResumePoint()
     out = Path(cfg.output)
@@ -249,8 +299,15 @@ def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, comput
         "data_sha256": data_sha256,
     }
     mismatch = {k: (state.get(k), v) for k, v in now.items() if state.get(k) != v}
+    if cfg.elastic:
+        moved = {k: mismatch.pop(k) for k in ("pp", "tp") if k in mismatch}
+        if moved:
+            logger.info("elastic resume: re-sharding (checkpoint, now) %s", moved)
     if mismatch:
-        raise ResumeError(f"{latest}: cannot resume, (checkpoint, now) differ: {mismatch}")
+        hint = " (pass --elastic to re-shard to another pp/tp)" if {"pp", "tp"} & set(mismatch) else ""
+        raise ResumeError(f"{latest}: cannot resume, (checkpoint, now) differ: {mismatch}{hint}")
+    if state.get("dp", 1) != cfg.dp:
+        logger.info("resuming a dp=%s checkpoint at dp=%d", state.get("dp", 1), cfg.dp)
     scale = None
     if state.get("compute_dtype") == "float16" and compute_dtype == "float16":
         scale = float(state["loss_scale"])
@@ -261,6 +318,7 @@ def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, comput
 def trainer_state(cfg: TrainConfig, run: RunInfo, step: int, *, loss_scale: float) -> dict[str, Any]:
     """The ``trainer_state.json`` of a checkpoint at ``step`` (keys and order are the on-disk format)."""
     per_epoch = run.n_train // cfg.batch_size
+    dp = {"dp": cfg.dp} if cfg.dp != 1 else {}  # added field: absent means 1
     return {
         "step": step,
         "total_steps": run.total_steps,
@@ -270,6 +328,7 @@ def trainer_state(cfg: TrainConfig, run: RunInfo, step: int, *, loss_scale: floa
         "seed": cfg.seed,
         "pp": cfg.pp,
         "tp": cfg.tp,
+        **dp,
         "schedule": cfg.schedule,
         "compute_dtype": run.compute_dtype,
         "loss_scale": loss_scale,
@@ -305,12 +364,25 @@ class CheckpointManager:
         self.ctx, self.stage, self.opt, self.cfg, self.run = ctx, stage, opt, cfg, run
         self.names = {p: n for n, p in stage.named_parameters()}
         self.world = ctx.plan.dims.world_size
+        self.writes = ctx.dp_rank == 0  # replica 0 writes the (dp-free) checkpoint files
 
     def load(self) -> None:
-        """Restore this rank's trainable parameters and AdamW moments (a no-op for a fresh run)."""
-        if self.run.resume_from is not None:
-            path = Path(self.run.resume_from) / "training_state" / f"rank{self.ctx.rank}.safetensors"
-            load_rank_state(path, self.stage, self.opt)
+        """Restore this rank's trainable parameters and AdamW moments (a no-op for a fresh run):
+        from its own file when the checkpoint has this (pp, tp), else re-sharded from all files."""
+        if self.run.resume_from is None:
+            return
+        ckpt = Path(self.run.resume_from)
+        state = read_state(ckpt)
+        dims = self.ctx.plan.dims
+        if (state.get("pp"), state.get("tp")) == (dims.pp, dims.tp):
+            mp_rank = self.ctx.rank % dims.model_parallel_size  # the same shard in every replica
+            load_rank_state(ckpt / "training_state" / f"rank{mp_rank}.safetensors", self.stage, self.opt)
+        else:
+            logger.info(
+                "re-sharding %s from pp=%s tp=%s to pp=%d tp=%d",
+                ckpt, state.get("pp"), state.get("tp"), dims.pp, dims.tp,
+            )  # fmt: skip
+            load_resharded(ckpt, self.stage, self.opt)
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is written once ``step`` optimizer steps are done."""
@@ -327,7 +399,8 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
-        self._write_rank_files(tmp)
+        if self.writes:
+            self._write_rank_files(tmp)
         self._barrier()
         if self.ctx.rank == 0:
             self._assemble(tmp, step, loss_scale=loss_scale)

@@ -65,6 +65,16 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
     g.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel copies of the pp x tp pipeline (dp*pp*tp ranks); each runs batch/micro/dp "
+        "micro-batches of every global batch, gradients are all-reduced (AdamW state replicated)",
+    )
+    g.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="dp > 1: gradient all-reduce bucket size in MiB"
+    )
+    g.add_argument(
         "--boundaries", type=int, nargs="*", default=None, help="manual split: first layer of stages 1..pp-1"
     )
     g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
@@ -132,6 +142,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoint-* directories kept")
     g.add_argument("--resume", action="store_true", help="continue from the newest OUTPUT/checkpoint-*")
+    g.add_argument(
+        "--elastic",
+        action="store_true",
+        help="with --resume: allow another --pp/--tp than the checkpoint's (weights and AdamW state are "
+        "re-sharded); --dp may always change",
+    )
     g.add_argument(
         "--overwrite",
         action="store_true",
@@ -257,6 +273,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             max_eval_examples=args.max_eval_examples,
             pp=args.pp,
             tp=args.tp,
+            dp=args.dp,
+            bucket_mb=args.bucket_mb,
             boundaries=tuple(args.boundaries) if args.boundaries else None,
             schedule=args.schedule,
             batch_size=args.batch_size,
@@ -280,6 +298,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
+            elastic=args.elastic,
             device=args.device,
             precision=args.precision,
             threads_per_rank=args.threads_per_rank,

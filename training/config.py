@@ -5,7 +5,10 @@ driver derived from it and the data (feature file, step counts, resume point) fo
 are picklable. The windowing settings are one ``models.qa_processing.WindowConfig``; on disk
 (``trainer_state.json``'s ``config``) ``to_dict`` writes them as the flat ``max_seq_len`` /
 ``doc_stride`` / ``max_question_len`` keys checkpoints have always had, and ``from_dict`` reads
-such a dict back.
+such a dict back. Fields added since that format was fixed (``ADDED_FIELDS``: ``dp``,
+``bucket_mb``, ``elastic``) are written only when they differ from their default, so a run that
+does not use them writes exactly the old format, and a missing key reads back as the default
+(``dp`` missing = 1).
 
     cfg = TrainConfig(model="tiny-bert", train_file="data.json", output="/tmp/run",
                       window=WindowConfig(max_seq_len=128, doc_stride=48, max_question_len=32))
@@ -29,6 +32,7 @@ logger = logging.getLogger(__name__)
 ANSWER_OCCURRENCES: tuple[str, ...] = ("first", "all")
 TRAIN_WINDOW = WindowConfig(max_seq_len=256, doc_stride=128, max_question_len=64)  # the CLI defaults
 WINDOW_KEYS: tuple[str, ...] = ("max_seq_len", "doc_stride", "max_question_len")  # as serialized
+ADDED_FIELDS: tuple[str, ...] = ("dp", "bucket_mb", "elastic")  # on disk only when not at their default
 
 
 class TrainConfigError(ValueError):
@@ -49,6 +53,8 @@ class TrainConfig:
     max_eval_examples: int | None = None
     pp: int = 1
     tp: int = 1
+    dp: int = 1  # data-parallel copies of the pipeline; the global batch is split across them
+    bucket_mb: float = 25.0  # dp > 1: gradient all-reduce bucket size (MiB)
     boundaries: tuple[int, ...] | None = None
     schedule: str = "1f1b"
     batch_size: int = 32  # global batch (examples per optimizer step)
@@ -73,6 +79,7 @@ class TrainConfig:
     save_every: int = 0  # steps; 0: only the final checkpoint
     keep_checkpoints: int = 2
     resume: bool = False
+    elastic: bool = False  # --resume may change pp/tp: the optimizer state is re-sharded
     device: str = "cpu"
     precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 where the device has bf16 units)
     threads_per_rank: int | None = None
@@ -85,14 +92,21 @@ class TrainConfig:
         def bad(msg: str) -> None:
             raise TrainConfigError(msg)
 
-        if self.pp < 1 or self.tp < 1:
-            bad(f"pp={self.pp} and tp={self.tp} must be >= 1")
+        if self.pp < 1 or self.tp < 1 or self.dp < 1:
+            bad(f"dp={self.dp}, pp={self.pp} and tp={self.tp} must be >= 1")
         if self.schedule not in SCHEDULES:
             bad(f"schedule={self.schedule!r} unknown; choose from {SCHEDULES}")
         if self.batch_size < 1 or self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
             bad(
                 f"batch_size={self.batch_size} must be a positive multiple of "
                 f"micro_batch_size={self.micro_batch_size}"
+            )
+        if not self.bucket_mb > 0:
+            bad(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.n_micro % self.dp:
+            bad(
+                f"batch_size={self.batch_size} / micro_batch_size={self.micro_batch_size} = "
+                f"{self.n_micro} micro-batches cannot be split evenly over dp={self.dp} replicas"
             )
         if not self.lr > 0:
             bad(f"lr={self.lr} must be > 0")
@@ -139,14 +153,22 @@ class TrainConfig:
         return self.batch_size // self.micro_batch_size
 
     @property
+    def n_micro_per_replica(self) -> int:
+        """Micro-batches each data-parallel replica runs per optimizer step."""
+        return self.n_micro // self.dp
+
+    @property
     def peft(self) -> bool:
         return self.lora_rank > 0 or self.freeze_layers > 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields in order, the window flattened in place to ``WINDOW_KEYS`` (the on-disk layout)."""
+        """The fields in order, the window flattened in place to ``WINDOW_KEYS`` (the on-disk layout);
+        ``ADDED_FIELDS`` only where they differ from their default."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in ADDED_FIELDS and value == f.default:
+                continue
             if f.name == "window":
                 out.update({k: getattr(value, k) for k in WINDOW_KEYS})
             else:

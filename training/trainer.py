@@ -2,21 +2,30 @@
 
 ``train(TrainConfig(...))`` (the driver, ``shardserve train``; settings in ``training/config.py``)
 tokenizes the SQuAD data once into a feature file (``training/features.py``), builds the serving
-``PartitionPlan`` and starts a gang whose ranks run ``train_rank``. Every rank builds its stage
-with ``build_stage`` (each loads only its shard), optionally adds LoRA / freezes layers
-(``partitioner/lora.py``), restores its state on ``--resume``, and then per optimizer step:
+``PartitionPlan`` and starts a gang whose ranks run ``train_rank``: ``dp`` copies of the
+``pp x tp`` pipeline (Megatron layout, ``rank = dp_rank * pp * tp + stage * tp + tp_rank``).
+Every rank builds its stage with ``build_stage`` (each loads only its shard), optionally adds
+LoRA / freezes layers (``partitioner/lora.py``), restores its state on ``--resume`` (re-sharded
+from another (pp, tp) with ``--elastic``), and then per optimizer step:
 
 1. reads the step's global batch from the seeded permutation of the features (identical on every
-   rank; stage 0 takes inputs, the last stage labels), split into ``n_micro`` micro-batches;
+   rank; stage 0 takes inputs, the last stage labels), split into ``n_micro`` micro-batches, of
+   which data-parallel replica ``d`` runs the contiguous ``n_micro / dp`` starting at
+   ``d * n_micro / dp`` (the same micro-batches a single process would run, whatever ``dp``);
 2. runs GPipe or 1F1B (``partitioner/train_schedules.py``); loss = (CE(start) + CE(end)) / 2 per
-   micro-batch, scaled by 1/n_micro so the accumulated gradient is the global-batch mean;
-3. clips by the global gradient norm over all ranks (sharded tensors summed over the tp ranks,
-   replicated ones counted once, one all-reduce over the world);
-4. AdamW step (no decay on biases and LayerNorms) at a linearly warmed-up / decayed LR.
+   micro-batch, scaled by 1/n_micro (of the GLOBAL batch) so the accumulated gradient, summed over
+   the replicas, is the global-batch mean; with ``dp > 1`` a ``GradReducer``
+   (``partitioner/data_parallel.py``) sums the gradients over each shard's data-parallel group in
+   buckets launched during the last micro-batch's backward;
+3. clips by the global gradient norm over one replica (sharded tensors summed over the tp ranks,
+   replicated ones counted once, one all-reduce over the replica's pp x tp ranks; the dp replicas
+   hold identical reduced gradients, so they are not counted again);
+4. AdamW step (no decay on biases and LayerNorms) at a linearly warmed-up / decayed LR, on every
+   rank alike (AdamW state is replicated across dp, not ZeRO-sharded).
 
-Dropout is reseeded from (seed, step, stage) at every step, identically on the tp ranks of a stage
-(their replicated activations must see the same masks), so a run is reproducible and a resumed run
-continues exactly. Parity with single-process training holds at dropout 0 (different layouts draw
+Dropout is reseeded from (seed, step, stage, dp rank) at every step, identically on the tp ranks of
+a stage (their replicated activations must see the same masks), so a run is reproducible and a
+resumed run continues exactly. Parity with single-process training holds at dropout 0 (different layouts draw
 dropout masks differently). Precision (``--precision``): fp32, or bf16/fp16 autocast over fp32 master weights and fp32
 AdamW state (``partitioner/precision.py``; fp16 with dynamic loss scaling); ``auto`` picks bf16
 where the device has bf16 units.
@@ -26,6 +35,7 @@ its part every ``save_every`` steps and at the end (``OUT/final``). The driver s
 evaluation (``training/evaluate.py`` metrics on logits computed by the gang itself).
 
     shardserve train --model tiny-bert --train-file data.json --pp 2 --tp 1 --output /tmp/run
+    shardserve train --model tiny-bert --train-file data.json --dp 2 --pp 2 --output /tmp/run
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.registry import ModelSource, resolve_model
+from partitioner.data_parallel import GradReducer
 from partitioner.gang import Gang
 from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
 from partitioner.p2p import P2PCommunicator
@@ -74,6 +85,8 @@ class TrainResult:
     final_checkpoint: Path
     steps: int
     losses: dict[int, float] = field(default_factory=dict)  # step -> loss
+    grad_norms: dict[int, float] = field(default_factory=dict)  # step -> global norm before clipping
+    reduce_stats: dict[int, dict[str, int]] = field(default_factory=dict)  # dp > 1: step -> all-reduce
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> SQuAD metrics
     examples_per_s: float = 0.0
     train_seconds: float = 0.0
@@ -167,9 +180,9 @@ def batch_indices(
     return perm[pos * batch_size : (pos + 1) * batch_size]
 
 
-def step_seed(seed: int, step: int, stage: int) -> int:
-    """Dropout seed of one (step, stage); equal on the tp ranks of a stage."""
-    return (seed * 1_000_003 + step * 1009 + stage * 7919 + 17) % (2**63 - 1)
+def step_seed(seed: int, step: int, stage: int, dp_rank: int = 0) -> int:
+    """Dropout seed of one (step, stage, replica); equal on the tp ranks of a stage."""
+    return (seed * 1_000_003 + step * 1009 + stage * 7919 + dp_rank * 104_729 + 17) % (2**63 - 1)
 
 
 def trim(*tensors: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -228,9 +241,10 @@ LABELS: dict[str, tuple[str, str]] = {  # answer_occurrences -> (start, end) lab
 }
 
 
-def _global_grad_norm(stage: nn.Module, ctx: RankContext, world: int) -> torch.Tensor:
+def _global_grad_norm(stage: nn.Module, ctx: RankContext) -> torch.Tensor:
     """sqrt(sum of squared grads over the model): sharded tensors counted on every tp rank,
-    replicated ones on tp rank 0 only, summed over the world with one all-reduce."""
+    replicated ones on tp rank 0 only, summed over this replica's pp x tp ranks with one
+    all-reduce (after the data-parallel reduction every replica holds the same gradients)."""
     specs = ckpt.shard_specs_of(stage)
     total = torch.zeros((), dtype=torch.float64)
     for name, p in stage.named_parameters():
@@ -238,8 +252,8 @@ def _global_grad_norm(stage: nn.Module, ctx: RankContext, world: int) -> torch.T
             continue
         if name in specs or ctx.tp_rank == 0:
             total += p.grad.detach().double().pow(2).sum().cpu()
-    if world > 1:
-        dist.all_reduce(total)
+    if ctx.plan.dims.model_parallel_size > 1:
+        dist.all_reduce(total, group=ctx.mp_group)  # mp_group None: the world is one replica
     return total.sqrt()
 
 
@@ -275,7 +289,7 @@ def _clip_and_step(
     if scaler is not None:
         for p in trainable:
             p.grad.div_(scaler.scale)
-    norm = float(_global_grad_norm(stage, ctx, ctx.plan.dims.world_size))
+    norm = float(_global_grad_norm(stage, ctx))
     apply = scaler.update(norm) if scaler is not None else True  # same on every rank
     if cfg.max_grad_norm > 0 and apply:
         coef = cfg.max_grad_norm / (norm + 1e-6)
@@ -297,13 +311,20 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
     plan = ctx.plan
     pp, world = plan.dims.pp, plan.dims.world_size
     stage, opt = _build_trainable_stage(ctx, cfg)
+    dp, n_local = plan.dims.dp, cfg.n_micro_per_replica
+    reducer = (
+        GradReducer(list(stage.parameters()), group=ctx.dp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
+        if dp > 1 and opt is not None
+        else None
+    )
     checkpoints = ckpt.CheckpointManager(ctx, stage, opt, cfg=cfg, run=run)
     checkpoints.load()
     labels = LABELS[cfg.answer_occurrences]
     want = ("attention_mask",) + (("input_ids", "token_type_ids") if ctx.is_first else ())
     data = read_features(run.features, "train", want + (labels if ctx.is_last else ()))
     lengths = data["attention_mask"].sum(dim=1) if cfg.group_by_length else None  # (n_train,)
-    eval_data = read_features(run.features, "eval", EVAL_INPUTS) if ctx.is_first and run.n_eval else None
+    evaluates = run.n_eval > 0 and ctx.dp_rank == 0  # replica 0 evaluates, the others go on
+    eval_data = read_features(run.features, "eval", EVAL_INPUTS) if ctx.is_first and evaluates else None
     comm = P2PCommunicator(device=ctx.device, backend=ctx.backend) if pp > 1 else None
     autocast = autocast_for(ctx.device, DTYPES[run.compute_dtype])
     # fp16 needs loss scaling (its range underflows small gradients); fp32/bf16 train unscaled.
@@ -322,20 +343,23 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
     for step in range(run.start_step, run.total_steps):
         if cfg.fail_at_step is not None and step == cfg.fail_at_step and ctx.rank == world - 1:
             os._exit(3)  # deliberate hard crash (tests of --resume)
-        torch.manual_seed(step_seed(cfg.seed, step, ctx.stage))
+        torch.manual_seed(step_seed(cfg.seed, step, ctx.stage, ctx.dp_rank))
         idx = batch_indices(
             step, n_train=run.n_train, batch_size=cfg.batch_size, seed=cfg.seed, lengths=lengths
         )  # (B,)
         lr = lr_at(step, lr=cfg.lr, total_steps=run.total_steps, warmup_steps=run.warmup_steps)
 
-        def get_inputs(mb: int, idx: torch.Tensor = idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        share = n_local * micro  # this replica's micro-batches of the global batch, in order
+        local = idx[ctx.dp_rank * share : (ctx.dp_rank + 1) * share]  # (B / dp,)
+
+        def get_inputs(mb: int, idx: torch.Tensor = local) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             rows = idx[mb * micro : (mb + 1) * micro]
             mask = data["attention_mask"][rows]  # (b, S)
             ids, types, mask = trim(data["input_ids"][rows], data["token_type_ids"][rows], mask, mask=mask)
             return ids.long().to(dev), mask.long().to(dev), types.long().to(dev)
 
         def compute_loss(
-            mb: int, logits: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor = idx
+            mb: int, logits: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor = local
         ) -> torch.Tensor:
             rows = idx[mb * micro : (mb + 1) * micro]
             starts = data[labels[0]][rows].long().to(dev)  # (b,) or (b, K)
@@ -358,17 +382,26 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
         )
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        run_schedule(ex, cfg.schedule, cfg.n_micro, num_stages=pp, stage=ctx.stage)
+        if reducer is not None:
+            reducer.start(n_backward=n_local)
+        run_schedule(ex, cfg.schedule, n_local, num_stages=pp, stage=ctx.stage)
+        reduced = reducer.finish() if reducer is not None else None  # .grad: sum over the replicas
         loss_scale = scaler.scale if scaler is not None else 1.0  # the scale this step's loss carried
         norm = _clip_and_step(stage, opt, ctx, cfg, lr=lr, scaler=scaler)
         done = step + 1
         ctx.progress[ctx.rank] = done
-        if ctx.is_last and ctx.tp_rank == 0:
-            loss = sum(ex.losses) / loss_scale
+        loss = sum(ex.losses) / loss_scale
+        if ctx.is_last and dp > 1:  # the dp group of a last-stage shard: every replica's last stage
+            total = torch.tensor(loss, dtype=torch.float64)
+            dist.all_reduce(total, group=ctx.dp_group)
+            loss = float(total)
+        if ctx.is_last and ctx.tp_rank == 0 and ctx.dp_rank == 0:
             report = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "examples": len(idx)}
+            if reduced is not None:
+                report["allreduce"] = dataclasses.asdict(reduced)
             ctrl.put(("step", ctx.rank, report))
         final = done == run.total_steps
-        if run.n_eval and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
+        if evaluates and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
             _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, ctrl, autocast)
         if checkpoints.due(done):
             checkpoints.save(done, loss_scale=scaler.scale if scaler is not None else 1.0)
@@ -446,7 +479,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     source = with_dropout(resolve_model(cfg.model), cfg.dropout)
-    dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
+    dims = ParallelDims(pp=cfg.pp, tp=cfg.tp, dp=cfg.dp)
     plan = make_plan(
         source.config,
         dims,
@@ -496,8 +529,8 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
     )
     result = TrainResult(output=out, final_checkpoint=out / "final", steps=total)
     logger.info(
-        "training %s: pp=%d tp=%d %s, %d features, %d steps (batch %d = %d x %d), warm-up %d, lr %g",
-        source.name, cfg.pp, cfg.tp, cfg.schedule, data.n_train, total, cfg.batch_size,
+        "training %s: dp=%d pp=%d tp=%d %s, %d features, %d steps (batch %d = %d x %d), warm-up %d, lr %g",
+        source.name, cfg.dp, cfg.pp, cfg.tp, cfg.schedule, data.n_train, total, cfg.batch_size,
         cfg.n_micro, cfg.micro_batch_size, warmup, cfg.lr,
     )  # fmt: skip
     bar = tqdm(
@@ -520,6 +553,9 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
                 seen[0] += payload["examples"]
             rate = seen[0] / (now - t_start[0]) if seen[0] else 0.0
             result.losses[payload["step"]] = payload["loss"]
+            result.grad_norms[payload["step"]] = payload["grad_norm"]
+            if "allreduce" in payload:
+                result.reduce_stats[payload["step"]] = payload["allreduce"]
             result.examples_per_s = rate
             curve.step(
                 payload["step"],

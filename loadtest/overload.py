@@ -34,6 +34,7 @@ FILLER = (
     "The committee met again in the spring to review the harbour accounts, and the minutes record "
     "a long discussion of tariffs, ledgers and the repair of the northern pier. "
 )
+KEEPALIVE_EXPIRY_S = 2.0
 QUESTION = "In which city was the observatory built?"
 FACT = "The observatory was built in Valparaiso in 1843. "
 
@@ -184,7 +185,13 @@ async def run_overload(cfg: OverloadConfig, *, headers: dict[str, str] | None = 
     """Run the overload for ``cfg.duration_s`` seconds and return what was seen."""
     report = OverloadReport()
     body = {"question": QUESTION, "context": long_context(cfg.context_chars)}
-    limits = httpx.Limits(max_connections=cfg.clients, max_keepalive_connections=cfg.clients)
+    # idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s) would
+    # close them under a client that just woke up from a Retry-After (a reset, not the server's fault)
+    limits = httpx.Limits(
+        max_connections=cfg.clients,
+        max_keepalive_connections=cfg.clients,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
     timeout = httpx.Timeout(cfg.client_timeout_s)
     async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout, headers=headers) as http:
         stop = asyncio.Event()

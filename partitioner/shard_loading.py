@@ -46,6 +46,12 @@ def shard_spec(module: nn.Module, name: str) -> ShardSlice | None:
     return getattr(module.get_submodule(owner_name), "shard_specs", {}).get(local)
 
 
+def shard_specs_of(module: nn.Module) -> dict[str, ShardSlice]:
+    """Parameter name -> slice of the full tensor, for every sharded parameter of ``module``."""
+    specs = {name: shard_spec(module, name) for name, _ in module.named_parameters()}
+    return {name: spec for name, spec in specs.items() if spec is not None}
+
+
 def load_shard(
     module: nn.Module,
     source: WeightSource,

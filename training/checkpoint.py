@@ -57,7 +57,7 @@ from torch import nn
 
 from models.hf_weights import save_hf_checkpoint
 from partitioner.lora import merged_state_dict
-from partitioner.shard_loading import ShardSlice
+from partitioner.shard_loading import ShardSlice, shard_specs_of
 from partitioner.worker import RankContext
 from training.config import RunInfo, TrainConfig
 
@@ -70,17 +70,6 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 class ResumeError(RuntimeError):
     """A checkpoint cannot be resumed (missing, or written with a different layout); names the numbers."""
-
-
-def shard_specs_of(module: nn.Module) -> dict[str, ShardSlice]:
-    """Parameter name -> slice of the full tensor, for every sharded parameter of ``module``."""
-    specs: dict[str, ShardSlice] = {}
-    for name, _ in module.named_parameters():
-        owner_name, _, local = name.rpartition(".")
-        spec = getattr(module.get_submodule(owner_name), "shard_specs", {}).get(local)
-        if spec is not None:
-            specs[name] = spec
-    return specs
 
 
 def write_shard(

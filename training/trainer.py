@@ -64,6 +64,7 @@ from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
 from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
+from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import build_stage
 from partitioner.train_schedules import StageExecutor, run_forward_only, run_schedule
 from partitioner.worker import GangSpec, RankContext
@@ -245,7 +246,7 @@ def _global_grad_norm(stage: nn.Module, ctx: RankContext) -> torch.Tensor:
     """sqrt(sum of squared grads over the model): sharded tensors counted on every tp rank,
     replicated ones on tp rank 0 only, summed over this replica's pp x tp ranks with one
     all-reduce (after the data-parallel reduction every replica holds the same gradients)."""
-    specs = ckpt.shard_specs_of(stage)
+    specs = shard_specs_of(stage)
     total = torch.zeros((), dtype=torch.float64)
     for name, p in stage.named_parameters():
         if p.grad is None:

@@ -80,7 +80,8 @@ def test_256_clients_with_long_contexts_get_fast_429s_and_memory_stays_bounded(s
     assert proc.poll() is None, "the server died under overload"
     assert not report.transport_errors, summary
     assert set(report.latencies_ms) <= {200, 429, 504}, summary  # no 5xx, no 4xx other than shedding
-    assert report.count(200) >= 1 and report.count(429) >= CLIENTS, summary  # it served and it shed
+    # it served, and every client it did not serve was told to come back (at least once)
+    assert report.count(200) >= 1 and report.count(429) >= CLIENTS - report.count(200), summary
     assert report.missing_retry_after == 0, summary
     assert report.latency_ms(429, 50) < P50_429_BOUND_MS, summary
     # admitted work meets its deadline: a few 504s may come from a rate estimate that moved

@@ -31,6 +31,7 @@ from models.registry import resolve_model
 from partitioner.cost import InfeasiblePlanError, ring_allreduce_bytes
 from partitioner.data_parallel import make_buckets
 from partitioner.plan import ParallelDims, make_plan
+from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import slice_stage
 from partitioner.tensor_parallel import apply_tensor_parallel
 from tests.training.test_trainer_parity import base_config, max_diff, reference_weights
@@ -39,7 +40,6 @@ from training.checkpoint import (
     list_checkpoints,
     load_resharded,
     resume_point,
-    shard_specs_of,
     write_shard,
 )
 from training.config import TrainConfig, TrainConfigError

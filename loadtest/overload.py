@@ -12,21 +12,22 @@ resident memory (the frontend process and its worker ranks) from ``/proc``::
     report.rss_growth_mb          # peak RSS during the run minus RSS before it
 
 Used by ``benchmarks/bench_overload.py`` (figures in docs/benchmarks.md) and the acceptance test
-``tests/serving/test_overload.py``. Pure asyncio + httpx; no locust, so latencies are the
-server's answer times plus one event loop's scheduling, not gevent's.
+``tests/serving/test_overload.py``. Plain asyncio streams (a minimal HTTP/1.1 client, like
+``benchmarks/bench_serving.py``'s): with 256 httpx clients the load generator itself, sharing the
+cores with the server, delayed sending the bodies by seconds and the latencies were its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ FILLER = (
     "The committee met again in the spring to review the harbour accounts, and the minutes record "
     "a long discussion of tariffs, ledgers and the repair of the northern pier. "
 )
-KEEPALIVE_EXPIRY_S = 2.0
+KEEPALIVE_EXPIRY_S = 2.0  # idle connections are closed first, before uvicorn's 5 s keep-alive timeout
 QUESTION = "In which city was the observatory built?"
 FACT = "The observatory was built in Valparaiso in 1843. "
 
@@ -152,23 +153,72 @@ def tree_rss_mb(pid: int) -> float:
     return total_kb / 1024
 
 
-async def _client(
-    http: httpx.AsyncClient, cfg: OverloadConfig, body: dict, stop_at: float, report: OverloadReport
-) -> None:
-    while time.monotonic() < stop_at:
-        t0 = time.perf_counter()
-        try:
-            r = await http.post("/v1/qa", json=body)
-        except httpx.HTTPError as exc:
-            report.transport_errors[type(exc).__name__] += 1
-            continue
-        report.latencies_ms.setdefault(r.status_code, []).append((time.perf_counter() - t0) * 1000)
-        if r.status_code in (429, 503):
-            retry_after = r.headers.get("retry-after")
-            if retry_after is None:
-                report.missing_retry_after += 1
-            wait = float(retry_after) if cfg.honor_retry_after and retry_after else cfg.pause_after_429_s
-            await asyncio.sleep(min(wait, max(0.0, stop_at - time.monotonic())))
+async def _client(cfg: OverloadConfig, request: bytes, stop_at: float, report: OverloadReport) -> None:
+    """One closed-loop client on one keep-alive connection (plain asyncio streams: a minimal
+    HTTP/1.1 client, so the load generator's own CPU stays small next to the server's)."""
+    url = urlsplit(cfg.url)
+    reader: asyncio.StreamReader | None = None
+    writer: asyncio.StreamWriter | None = None
+    last_used = 0.0
+    try:
+        while time.monotonic() < stop_at:
+            if writer is not None and time.monotonic() - last_used > KEEPALIVE_EXPIRY_S:
+                writer.close()  # before the server's keep-alive timeout closes it under us
+                writer = None
+            t0 = time.perf_counter()
+            try:
+                if writer is None:
+                    reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
+                assert reader is not None
+                writer.write(request)
+                await writer.drain()
+                status, headers = await asyncio.wait_for(_read_response(reader), cfg.client_timeout_s)
+            except (OSError, EOFError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                report.transport_errors[type(exc).__name__] += 1
+                if writer is not None:
+                    writer.close()
+                writer = None
+                continue
+            last_used = time.monotonic()
+            report.latencies_ms.setdefault(status, []).append((time.perf_counter() - t0) * 1000)
+            if headers.get("connection") == "close":
+                writer.close()
+                writer = None
+            if status in (429, 503):
+                retry_after = headers.get("retry-after")
+                if retry_after is None:
+                    report.missing_retry_after += 1
+                wait = float(retry_after) if cfg.honor_retry_after and retry_after else cfg.pause_after_429_s
+                await asyncio.sleep(min(wait, max(0.0, stop_at - time.monotonic())))
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """Status and headers (lower-case names) of one HTTP/1.1 response; its body is read and dropped."""
+    status_line = await reader.readline()
+    if not status_line:
+        raise EOFError("the server closed the connection")
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    await reader.readexactly(int(headers.get("content-length", "0")))
+    return status, headers
+
+
+def _request(cfg: OverloadConfig, body: bytes, headers: dict[str, str] | None) -> bytes:
+    url = urlsplit(cfg.url)
+    lines = [
+        "POST /v1/qa HTTP/1.1",
+        f"Host: {url.netloc}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 async def _sample_rss(pid: int, every_s: float, report: OverloadReport, stop: asyncio.Event) -> None:
@@ -184,28 +234,20 @@ async def _sample_rss(pid: int, every_s: float, report: OverloadReport, stop: as
 async def run_overload(cfg: OverloadConfig, *, headers: dict[str, str] | None = None) -> OverloadReport:
     """Run the overload for ``cfg.duration_s`` seconds and return what was seen."""
     report = OverloadReport()
-    body = {"question": QUESTION, "context": long_context(cfg.context_chars)}
-    # idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s) would
-    # close them under a client that just woke up from a Retry-After (a reset, not the server's fault)
-    limits = httpx.Limits(
-        max_connections=cfg.clients,
-        max_keepalive_connections=cfg.clients,
-        keepalive_expiry=KEEPALIVE_EXPIRY_S,
-    )
-    timeout = httpx.Timeout(cfg.client_timeout_s)
-    async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout, headers=headers) as http:
-        stop = asyncio.Event()
-        sampler = None
-        if cfg.pid is not None:
-            report.rss_before_mb = tree_rss_mb(cfg.pid)
-            sampler = asyncio.create_task(_sample_rss(cfg.pid, cfg.sample_every_s, report, stop))
-        t0 = time.monotonic()
-        stop_at = t0 + cfg.duration_s
-        await asyncio.gather(*(_client(http, cfg, body, stop_at, report) for _ in range(cfg.clients)))
-        report.wall_s = time.monotonic() - t0
-        stop.set()
-        if sampler is not None:
-            await sampler
-            report.rss_after_mb = tree_rss_mb(cfg.pid)
+    body = json.dumps({"question": QUESTION, "context": long_context(cfg.context_chars)}).encode()
+    request = _request(cfg, body, headers)
+    stop = asyncio.Event()
+    sampler = None
+    if cfg.pid is not None:
+        report.rss_before_mb = tree_rss_mb(cfg.pid)
+        sampler = asyncio.create_task(_sample_rss(cfg.pid, cfg.sample_every_s, report, stop))
+    t0 = time.monotonic()
+    stop_at = t0 + cfg.duration_s
+    await asyncio.gather(*(_client(cfg, request, stop_at, report) for _ in range(cfg.clients)))
+    report.wall_s = time.monotonic() - t0
+    stop.set()
+    if sampler is not None:
+        await sampler
+        report.rss_after_mb = tree_rss_mb(cfg.pid)
     logger.info("overload: %s", report.summary())
     return report

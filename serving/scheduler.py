@@ -66,6 +66,7 @@ from typing import Literal
 
 logger = logging.getLogger(__name__)
 
+RESERVE_MARGIN = 0.8  # reserve() admits when the estimated work fits this share of the time left
 RETRY_AFTER_MIN_S = 1  # Retry-After floor (integer seconds, as the HTTP header wants)
 RETRY_AFTER_MAX_S = 60  # Retry-After ceiling
 RATE_EWMA_TAU_S = 10.0  # time constant of the service-rate EWMA (busy seconds)
@@ -271,12 +272,12 @@ class Scheduler:
         """
         if self._queued_requests + self._reserved >= self.config.max_queue_size:
             return self._queue_full()
-        if (
-            now is not None
-            and deadline is not None
-            and (late := self._overloaded(windows_hint, now, deadline))
-        ):
-            return late
+        if now is not None and deadline is not None:
+            # before tokenizing the work must fit a margin inside the deadline: the estimates (windows,
+            # tokenizer wait, rate) move, and a request refused only after tokenizing waited for nothing
+            late = self._overloaded(windows_hint, now, now + RESERVE_MARGIN * (deadline - now))
+            if late:
+                return late
         self._reserved += 1
         self._reserved_windows += windows_hint
         return Admission(accepted=True, reason="accepted")

@@ -6,9 +6,10 @@ tokenizer's backlog and the measured rate, so what it admits finishes in time), 
 ``Retry-After``, and the server's memory stays bounded. Before the capacity-aware admission all
 256 were admitted and 252 answered 504 after a minute (docs/benchmarks.md).
 
-The latency bound here is loose on purpose: the load generator shares the 2 CPU cores with the
-server and its rank, so client-side figures are mostly the machine's. The measured figures (429
-latency server- and client-side, RSS growth) are in docs/benchmarks.md (``benchmarks/bench_overload.py``).
+The latency bound here has headroom for a busy CI machine: the load generator shares the 2 CPU
+cores with the server and its rank, and the 256 first requests arrive at once. The measured
+figures (429 latency server- and client-side, RSS growth) are in docs/benchmarks.md
+(``benchmarks/bench_overload.py``).
 
 Run: python -m pytest tests/serving/test_overload.py -q     (~40 s on 2 cores)
 """
@@ -30,7 +31,7 @@ from loadtest.overload import QUESTION, OverloadConfig, long_context, run_overlo
 
 CLIENTS = 256
 CONTEXT_CHARS = 20_000
-P50_429_BOUND_MS = 5000.0  # the first burst of 256 is the slow part (docs/benchmarks.md)
+P50_429_BOUND_MS = 2000.0  # measured ~0.33 s client-side, ~5 ms inside the server (docs/benchmarks.md)
 RSS_GROWTH_BOUND_MB = 250.0
 
 
@@ -83,6 +84,8 @@ def test_256_clients_with_long_contexts_get_fast_429s_and_memory_stays_bounded(s
     # it served, and every client it did not serve was told to come back (at least once)
     assert report.count(200) >= 1 and report.count(429) >= CLIENTS - report.count(200), summary
     assert report.missing_retry_after == 0, summary
+    # the median 429 comes at once; the tail (requests refused only after tokenizing) is not
+    # bounded yet: docs/benchmarks.md
     assert report.latency_ms(429, 50) < P50_429_BOUND_MS, summary
     # admitted work meets its deadline: a few 504s may come from a rate estimate that moved
     assert report.count(504) <= max(2, report.count(200) // 10), summary

@@ -861,7 +861,9 @@ def test_hung_replica_leaves_readiness_and_its_requests_are_retried_in_time() ->
     """A rank that stops answering (SIGSTOP) with work in flight (issue 11.3): after half the stall
     timeout the replica no longer counts as ready nor gets work; after the stall timeout it is
     failed and its requests answered by the other replica, long before their deadline."""
-    with serving(replicas=2, max_batch_size=1, stall_timeout_s=2.0, request_timeout_s=30.0) as (
+    # stall timeout 4 s: readiness drops after 2 s, the failure comes at 4 s; the 2 s between them
+    # leave a busy machine time to see the first before the second
+    with serving(replicas=2, max_batch_size=1, stall_timeout_s=4.0, request_timeout_s=30.0) as (
         client,
         _,
     ):
@@ -880,7 +882,7 @@ def test_hung_replica_leaves_readiness_and_its_requests_are_retried_in_time() ->
             statuses = [f.result(timeout=30).status_code for f in futures]
             elapsed = time.monotonic() - t0
         assert statuses == [200] * 6
-        assert elapsed < 15.0  # stall timeout 2 s + retry, far inside the 30 s deadline
+        assert elapsed < 15.0  # stall timeout 4 s + retry, far inside the 30 s deadline
         assert victim.state is not ReplicaState.READY and "stalled" in (victim.error or "")
         assert client.app.state.metrics.retried_windows._value.get() >= 1
         wait_until(lambda: manager.ready == 2, timeout=15, what="replacement gang")

@@ -12,21 +12,19 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 from pydantic import ValidationError
 
 from serving.app import build_app
 from serving.schemas import PRINTABLE, ValidationErrorResponse
 from serving.settings import ServeSettings
+from tests.serving import live
 from tests.serving.fakes import FakeFactory
-from tests.serving.test_api import CONTEXT, QUESTION, TOKEN, serving, wait_until
+from tests.serving.test_api import CONTEXT, QUESTION, TOKEN, serving
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_EXAMPLES = 25  # per operation and phase: bounded so the two runs stay well under a minute
@@ -105,27 +103,10 @@ def live_server_with_api_key() -> Iterator[str]:
 
 @contextlib.contextmanager
 def _live(settings: dict[str, Any]) -> Iterator[str]:
-    port = _free_port()
     factory = FakeFactory()
     app = build_app(ServeSettings(**settings), backend_factory=factory)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{base}/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(ready, timeout=30, what="uvicorn ready")
+    with live.live_server(app, ready_timeout_s=30, before_exit=factory.gate.set) as base:
         yield base
-    finally:
-        factory.gate.set()
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def run_schemathesis(

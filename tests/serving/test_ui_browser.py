@@ -15,19 +15,17 @@ import contextlib
 import os
 import shutil
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from serving.app import build_app
 from serving.settings import ServeSettings
 from tests.serving.fakes import FakeFactory
-from tests.serving.test_api import wait_until
+from tests.serving.live import live_server
 
 CHROMIUM = os.environ.get("SHARDSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -53,26 +51,9 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _live(settings: ServeSettings, **build: Any) -> Iterator[str]:
-    """uvicorn on 127.0.0.1 and a free port, in a thread; yields the base URL once /readyz is 200."""
-    port = _free_port()
-    app = build_app(settings, **build)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{base}/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(ready, timeout=180, what="a ready replica gang")
+    """The app on a real socket; yields the base URL once /readyz is 200 (a gang may take a while)."""
+    with live_server(build_app(settings, **build), ready_timeout_s=180, join_timeout_s=60) as base:
         yield base
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
 
 
 @pytest.fixture(scope="module")

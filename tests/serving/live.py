@@ -1,0 +1,58 @@
+"""A real uvicorn server for tests that need a socket (schemathesis, a browser): one helper, one place.
+
+with live_server(build_app(settings), ready_timeout_s=30) as base:   # "http://127.0.0.1:PORT"
+    httpx.get(f"{base}/readyz")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from tests.serving.test_api import wait_until
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(
+    app: FastAPI,
+    *,
+    ready_timeout_s: float,
+    join_timeout_s: float = 30.0,
+    before_exit: Callable[[], object] | None = None,
+) -> Iterator[str]:
+    """uvicorn on 127.0.0.1 and a free port, in a thread; yields the base URL once /readyz is 200.
+
+    ``before_exit`` runs before the server is told to stop (e.g. open a fake backend's gate so
+    that no request holds the shutdown)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{base}/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(ready, timeout=ready_timeout_s, what="a ready server")
+        yield base
+    finally:
+        if before_exit is not None:
+            before_exit()
+        server.should_exit = True
+        thread.join(timeout=join_timeout_s)

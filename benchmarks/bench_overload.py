@@ -17,23 +17,14 @@ import asyncio
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import httpx
 
-from loadtest.overload import QUESTION, OverloadConfig, long_context, run_overload
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loadtest.local_server import ServerNotReady, local_server
+from loadtest.overload import QUESTION, OverloadConfig, access_log_latencies, long_context, run_overload
 
 
 def _cpu() -> str:
@@ -41,20 +32,6 @@ def _cpu() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
-
-
-def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url}/readyz not ready after {timeout_s:g} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,34 +49,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("serve_args", nargs="*", help="extra `shardserve serve` flags (after --)")
     args = p.parse_args(argv)
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "shardserve", "serve", "--model", args.model, "--replicas", "1",
-           "--host", "127.0.0.1", "--port", str(port), *args.serve_args]  # fmt: skip
-    server = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        _wait_ready(url, server)
-        body = {"question": QUESTION, "context": long_context(args.context_chars)}
-        httpx.post(f"{url}/v1/qa", json=body, timeout=120).raise_for_status()  # warm-up, measures a rate
-        cfg = OverloadConfig(
-            url=url,
-            pid=server.pid,
-            clients=args.clients,
-            duration_s=args.duration,
-            context_chars=args.context_chars,
-            honor_retry_after=not args.ignore_retry_after,
-        )
-        report = asyncio.run(run_overload(cfg))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    serve_args = ["--model", args.model, "--replicas", "1", *args.serve_args]
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            # --log-level INFO: the access log gives the server-side latencies
+            with local_server(serve_args, global_args=["--log-level", "INFO"], log=log) as server:
+                body = {"question": QUESTION, "context": long_context(args.context_chars)}
+                # warm-up: the server measures a rate
+                httpx.post(f"{server.url}/v1/qa", json=body, timeout=120).raise_for_status()
+                cfg = OverloadConfig(
+                    url=server.url,
+                    pid=server.pid,
+                    clients=args.clients,
+                    duration_s=args.duration,
+                    context_chars=args.context_chars,
+                    honor_retry_after=not args.ignore_retry_after,
+                )
+                report = asyncio.run(run_overload(cfg))
+        except ServerNotReady as exc:
+            log.seek(0)
+            raise SystemExit(f"{exc}\n{log.read()[-3000:]}") from None
+        log.seek(0)
+        report.server_latencies_ms = access_log_latencies(log.read())
     summary = {"cpu": _cpu(), "cores": os.cpu_count(), "model": args.model, "config": vars(args),
                **report.summary()}  # fmt: skip
     print(f"overload: {args.clients} clients x {args.context_chars} chars for {args.duration:g} s, "
           f"model {args.model}, 1 replica, {summary['cpu']} ({summary['cores']} cores)")  # fmt: skip
-    print(f"{'status':>6} {'count':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
-    for status, row in summary["statuses"].items():
-        print(f"{status:>6} {row['count']:>7} {row['p50_ms']:>9} {row['p99_ms']:>9} {row['max_ms']:>9}")
+    for side in ("statuses", "server_statuses"):
+        print("as the clients saw it:" if side == "statuses" else "inside the server (access log):")
+        print(f"{'status':>6} {'count':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
+        for status, row in summary[side].items():
+            print(f"{status:>6} {row['count']:>7} {row['p50_ms']:>9} {row['p99_ms']:>9} {row['max_ms']:>9}")
     print(f"transport errors {summary['transport_errors']}, 429/503 without Retry-After: "
           f"{summary['missing_retry_after']}")  # fmt: skip
     print(f"server RSS (frontend + ranks): before {summary['rss_before_mb']} MB, peak "

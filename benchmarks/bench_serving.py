@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from loadtest.local_server import free_port, stop, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -348,54 +349,21 @@ def drive(port: int, pairs: list[tuple[str, str]], args: argparse.Namespace, nam
     return Result(name, len(ok) / args.duration_s, 1000 * q[49], 1000 * q[98], len(ok), errors, note)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming ready")
-        try:
-            r = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
-            # shardserve turns ready with its first gang: wait for every replica (none starting)
-            if r.status_code == 200 and not r.json().get("starting_replicas", 0):
-                return
-        except (httpx.TransportError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server on port {port} not ready after {timeout_s} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def bench_server(
     cmd: list[str], port: int, pairs: list, args: argparse.Namespace, name: str, note: str
 ) -> Result:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     try:
-        _wait_ready(port, proc, timeout_s=300)
+        # shardserve turns ready with its first gang: wait for every replica (none starting)
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
         result = drive(port, pairs, args, name, note)
         stats = _batch_stats(port)
         if stats:
             result.note += f"; {stats}"
         return result
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def _batch_stats(port: int) -> str:
@@ -668,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if part in skip:
             continue
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, __file__, "--naive-server", str(port), "--model", args.model,
                "--cores", str(cores), "--max-seq-len", str(args.max_seq_len), "--naive-dtype", naive_dtype]  # fmt: skip
         logger.info("%s, 1 request at a time, %d clients", name, args.clients)
@@ -677,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
             "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
             "--max-queue-size", str(max(256, 4 * args.clients))]  # fmt: skip
     if "default" not in skip:
-        port = _free_port()
+        port = free_port()
         logger.info("(c) shardserve, default flags")
         results.append(
             bench_server(
@@ -693,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         batching = ["--max-batch-size", str(bs), "--max-queue-delay-ms", str(args.max_queue_delay_ms),
                     "--length-buckets", args.length_buckets, "--dtype", args.dtype]  # fmt: skip
         for i, flags in enumerate(explicit_configs(args), start=1):
-            port = _free_port()
+            port = free_port()
             cmd = [*base, "--port", str(port), *flags, *batching, *args.serve_arg]
             note = " ".join(flags + batching[:4]) + f" --dtype {args.dtype}"
             logger.info("(c) shardserve flags #%d: %s", i, note)

@@ -8,8 +8,14 @@ post long-context questions for ``duration_s`` seconds; after a 429 or 503 a cli
 resident memory (the frontend process and its worker ranks) from ``/proc``::
 
     report = asyncio.run(run_overload(OverloadConfig(url="http://127.0.0.1:8000", pid=server_pid)))
-    report.latency_ms(429, 99)   # p99 of the 429 answers
+    report.latency_ms(429, 99)   # p99 of the 429 answers, as the clients saw them
     report.rss_growth_mb          # peak RSS during the run minus RSS before it
+    report.server_latencies_ms = access_log_latencies(log_text)   # the server's own view
+    report.latency_ms(429, 99, server=True)
+
+The server-side latencies come from its access log (``--log-level INFO``: from the request
+reaching the app to its answer); the client-side ones add the wait for the event loop and the
+load generator's own time on the shared cores.
 
 Used by ``benchmarks/bench_overload.py`` (figures in docs/benchmarks.md) and the acceptance test
 ``tests/serving/test_overload.py``. Plain asyncio streams (a minimal HTTP/1.1 client, like
@@ -23,6 +29,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -77,6 +84,7 @@ class OverloadReport:
     """What the clients saw and what the server's memory did."""
 
     latencies_ms: dict[int, list[float]] = field(default_factory=dict)  # HTTP status -> latencies
+    server_latencies_ms: dict[int, list[float]] = field(default_factory=dict)  # from the access log
     transport_errors: Counter[str] = field(default_factory=Counter)  # exception name -> count
     missing_retry_after: int = 0  # 429/503 answers without a Retry-After header
     rss_before_mb: float | None = None
@@ -87,9 +95,10 @@ class OverloadReport:
     def count(self, status: int) -> int:
         return len(self.latencies_ms.get(status, []))
 
-    def latency_ms(self, status: int, percentile: float) -> float | None:
-        """Nearest-rank percentile of the latencies of answers with ``status`` (None: none seen)."""
-        values = sorted(self.latencies_ms.get(status, []))
+    def latency_ms(self, status: int, percentile: float, *, server: bool = False) -> float | None:
+        """Nearest-rank percentile of the latencies of answers with ``status`` (None: none seen),
+        as the clients saw them or (``server``) as the server's access log gives them."""
+        values = sorted((self.server_latencies_ms if server else self.latencies_ms).get(status, []))
         if not values:
             return None
         return values[max(0, math.ceil(percentile / 100 * len(values)) - 1)]
@@ -106,17 +115,21 @@ class OverloadReport:
 
     def summary(self) -> dict[str, object]:
         """A JSON-ready summary: counts and p50/p99 per status, memory figures."""
-        statuses = {
-            str(status): {
-                "count": self.count(status),
-                "p50_ms": _round(self.latency_ms(status, 50)),
-                "p99_ms": _round(self.latency_ms(status, 99)),
-                "max_ms": _round(max(self.latencies_ms[status])),
+
+        def table(latencies: dict[int, list[float]], server: bool) -> dict[str, dict[str, float | None]]:
+            return {
+                str(status): {
+                    "count": len(latencies[status]),
+                    "p50_ms": _round(self.latency_ms(status, 50, server=server)),
+                    "p99_ms": _round(self.latency_ms(status, 99, server=server)),
+                    "max_ms": _round(max(latencies[status])),
+                }
+                for status in sorted(latencies)
             }
-            for status in sorted(self.latencies_ms)
-        }
+
         return {
-            "statuses": statuses,
+            "statuses": table(self.latencies_ms, False),
+            "server_statuses": table(self.server_latencies_ms, True),
             "transport_errors": dict(self.transport_errors),
             "missing_retry_after": self.missing_retry_after,
             "rss_before_mb": _round(self.rss_before_mb),
@@ -125,6 +138,18 @@ class OverloadReport:
             "rss_growth_mb": _round(self.rss_growth_mb),
             "wall_s": _round(self.wall_s),
         }
+
+
+_ACCESS_LINE = re.compile(r"method=POST path=(\S+) status=(\d+) latency_ms=([\d.]+)")
+
+
+def access_log_latencies(log_text: str, *, path: str = "/v1/qa") -> dict[int, list[float]]:
+    """HTTP status -> latencies (ms) of the POSTs to ``path`` in a shardserve access log."""
+    out: dict[int, list[float]] = {}
+    for m in _ACCESS_LINE.finditer(log_text):
+        if m.group(1) == path:
+            out.setdefault(int(m.group(2)), []).append(float(m.group(3)))
+    return out
 
 
 def _round(x: float | None) -> float | None:

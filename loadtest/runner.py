@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.checks import is_loopback_host
+from loadtest.local_server import ServerNotReady, wait_ready
 from loadtest.prom import MetricSelector, MetricsScraper
 from loadtest.report import build_report
 from loadtest.scenarios import Scenario, ScenarioConfig
@@ -129,24 +130,6 @@ def equivalent_command(config: LoadTestConfig) -> str:
     return shlex.join([*args, "--out", config.out_dir])
 
 
-def wait_ready(base_url: str, *, timeout_s: float) -> None:
-    """Poll ``/readyz`` until it answers 200; LoadTestError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(base_url + "/readyz", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.5)
-    raise LoadTestError(f"{base_url}/readyz not ready after {timeout_s:g} s (last: {last})")
-
-
 def locust_command(config: LoadTestConfig, out: Path) -> list[str]:
     """The headless locust command line (the scenario's shape sets users and stops the run)."""
     return [
@@ -185,7 +168,10 @@ def run_loadtest(config: LoadTestConfig) -> dict:
     out = Path(config.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     scenario = Scenario(config.scenario)
-    wait_ready(config.base_url, timeout_s=config.ready_timeout_s)
+    try:
+        wait_ready(config.base_url, timeout_s=config.ready_timeout_s)
+    except ServerNotReady as exc:
+        raise LoadTestError(str(exc)) from None
 
     run_config = {
         "host": config.base_url,

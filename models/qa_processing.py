@@ -24,8 +24,7 @@ Conventions (documented once, here):
   store them individually and batch windows of different requests; `pad_windows` pads a list of
   windows to a common length (right padding). ``num_tokens`` is the unpadded length (token budget).
 * **Offsets.** ``QAWindow.offsets[i]`` is the ``(start, end)`` character span of token ``i`` in the
-  ORIGINAL context string, or ``None`` for question, special, zero-width and padding tokens
-  (in padded tensors: ``(-1, -1)``).
+  ORIGINAL context string, or ``(-1, -1)`` for question, special, zero-width and padding tokens.
 * **Long questions.** Questions longer than ``max_question_len`` tokens are truncated by default
   (``question_overflow="truncate"``): the question text is cut at the last whole word that fits, and
   ``EncodedBatch.question_truncated`` records it. ``question_overflow="reject"`` raises `QAInputError`.
@@ -204,26 +203,45 @@ class WindowConfig:
 DEFAULT_WINDOW = WindowConfig()
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class QAWindow:
-    """One unpadded model input window of one (question, context) pair."""
+    """One unpadded model input window of one (question, context) pair, in ONE small int32 tensor.
 
-    input_ids: list[int]  # (num_tokens,)
-    attention_mask: list[int]  # (num_tokens,) all ones (unpadded)
-    token_type_ids: list[int]  # (num_tokens,) zeros when the tokenizer returns none
-    offsets: list[tuple[int, int] | None]  # (num_tokens,) char span in the context, None if not context
+    Compact on purpose: a server may hold hundreds of queued requests of up to
+    ``max_windows_per_request`` windows each. As Python lists (ids, mask, types, offset tuples) a
+    384-token window took ~66 KB; as one ``(num_tokens, 4)`` int32 tensor it takes ~6 KB.
+    """
+
+    data: torch.Tensor  # (num_tokens, 4) int32: input id, token type id, context char start, char end
     example_index: int  # which input pair of the `encode_qa` call this window belongs to
     window_index: int  # position of this window among its example's windows
 
     @property
     def num_tokens(self) -> int:
-        return len(self.input_ids)
+        return int(self.data.shape[0])
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.data[:, 0]  # (num_tokens,)
+
+    @property
+    def token_type_ids(self) -> torch.Tensor:
+        return self.data[:, 1]  # (num_tokens,) zeros when the tokenizer returns none
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``(num_tokens, 2)`` character span of each token in the context, ``(-1, -1)`` if not context."""
+        return self.data[:, 2:]
+
+    @property
+    def is_context(self) -> torch.Tensor:
+        return self.data[:, 2] >= 0  # (num_tokens,) bool
 
     @property
     def context_token_range(self) -> tuple[int, int]:
         """``[first, last]`` token indices (inclusive) of the context part; ``(-1, -1)`` if none."""
-        idx = [i for i, off in enumerate(self.offsets) if off is not None]
-        return (idx[0], idx[-1]) if idx else (-1, -1)
+        idx = torch.nonzero(self.is_context).flatten()
+        return (int(idx[0]), int(idx[-1])) if len(idx) else (-1, -1)
 
 
 @dataclass
@@ -293,31 +311,19 @@ def pad_windows(
         if pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
-    pads = [length - w.num_tokens for w in windows]
-    input_ids = torch.tensor(
-        [w.input_ids + [pad_token_id] * p for w, p in zip(windows, pads, strict=True)], dtype=torch.long
-    )  # (n, L)
-    attention_mask = torch.tensor(
-        [w.attention_mask + [0] * p for w, p in zip(windows, pads, strict=True)], dtype=torch.long
-    )  # (n, L)
-    token_type_ids = torch.tensor(
-        [w.token_type_ids + [0] * p for w, p in zip(windows, pads, strict=True)], dtype=torch.long
-    )  # (n, L)
-    no_offset = (-1, -1)
-    offsets = torch.tensor(
-        [
-            [off if off is not None else no_offset for off in w.offsets] + [no_offset] * p
-            for w, p in zip(windows, pads, strict=True)
-        ],
-        dtype=torch.long,
-    )  # (n, L, 2)
+    data = torch.zeros((len(windows), length, 4), dtype=torch.long)  # (n, L, 4)
+    data[:, :, 0] = pad_token_id
+    data[:, :, 2:] = -1
+    for i, w in enumerate(windows):
+        data[i, : w.num_tokens] = w.data
+    lengths = torch.tensor([w.num_tokens for w in windows], dtype=torch.long)  # (n,)
     return WindowBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        token_type_ids=token_type_ids,
-        offsets=offsets,
+        input_ids=data[:, :, 0].contiguous(),  # (n, L)
+        attention_mask=(torch.arange(length)[None, :] < lengths[:, None]).long(),  # (n, L)
+        token_type_ids=data[:, :, 1].contiguous(),  # (n, L)
+        offsets=data[:, :, 2:].contiguous(),  # (n, L, 2)
         example_index=torch.tensor([w.example_index for w in windows], dtype=torch.long),
-        lengths=torch.tensor([w.num_tokens for w in windows], dtype=torch.long),
+        lengths=lengths,
     )
 
 
@@ -395,22 +401,16 @@ def encode_qa(
     seen_per_example = [0] * len(questions)
     has_context = [False] * len(questions)
     for w, ex in enumerate(sample_map):
-        ids = list(enc["input_ids"][w])
+        n = len(enc["input_ids"][w])
+        data = torch.empty((n, 4), dtype=torch.int32)  # (n, 4)
+        data[:, 0] = torch.tensor(enc["input_ids"][w], dtype=torch.int32)
+        data[:, 1] = torch.tensor(enc["token_type_ids"][w], dtype=torch.int32) if has_types else 0
+        data[:, 2:] = torch.tensor(enc["offset_mapping"][w], dtype=torch.int32).reshape(n, 2)
         seq_ids = enc.sequence_ids(w)
-        offsets: list[tuple[int, int] | None] = []
-        for sid, (s, e) in zip(seq_ids, enc["offset_mapping"][w], strict=True):
-            offsets.append((s, e) if sid == 1 and e > s else None)
-        has_context[ex] = has_context[ex] or any(off is not None for off in offsets)
-        windows.append(
-            QAWindow(
-                input_ids=ids,
-                attention_mask=list(enc["attention_mask"][w]),
-                token_type_ids=list(enc["token_type_ids"][w]) if has_types else [0] * len(ids),
-                offsets=offsets,
-                example_index=ex,
-                window_index=seen_per_example[ex],
-            )
-        )
+        not_context = torch.tensor([sid != 1 for sid in seq_ids]) | (data[:, 3] <= data[:, 2])  # (n,)
+        data[not_context, 2:] = -1
+        has_context[ex] = has_context[ex] or not bool(not_context.all())
+        windows.append(QAWindow(data=data, example_index=ex, window_index=seen_per_example[ex]))
         seen_per_example[ex] += 1
     for ex, ok in enumerate(has_context):
         if not ok:
@@ -530,9 +530,7 @@ def decode_spans(
         k = w.num_tokens
         start[i, :k] = s_rows[i]
         end[i, :k] = e_rows[i]
-        offs = torch.tensor(
-            [off if off is not None else (-1, -1) for off in w.offsets], dtype=torch.long
-        )  # (k, 2)
+        offs = w.offsets.long()  # (k, 2)
         if int(offs[:, 1].max()) > len(context):
             raise ValueError(
                 f"window {i} has offsets up to {int(offs[:, 1].max())}, outside the context ({len(context)} chars)"

@@ -1,22 +1,32 @@
 """The gang runtime: ``pp * tp`` worker processes (``dp * pp * tp`` when training) that start,
 serve, fail and stop as one unit.
 
-The caller (driver) is not a rank: it hands micro-batches to stage 0 through queues and receives
-span logits from the last stage, while activations travel rank-to-rank over torch.distributed
-(gloo on CPU, NCCL on CUDA). A monitor thread turns any rank failure into a ``GangError`` that
-names the rank (with its traceback or exit signal) and fails every pending future at once:
+The caller (driver) is not a rank. What the gang does is ``GangSpec.mode``
+(``partitioner/worker.py``):
+
+- ``GangMode.STREAM`` (serving): ``submit()`` hands ``Batch`` messages to stage 0 through queues
+  and a monitor thread resolves each future from the last stage's ``Result``, while activations
+  travel rank-to-rank over torch.distributed (gloo on CPU, NCCL on CUDA);
+- ``GangMode.RUN`` (training): the program runs to completion; ``join()`` waits for it and hands
+  the program's own control messages (``partitioner/messages.py``) to a callback.
+
+Either way any rank failure becomes a ``GangError`` that names the rank (with its traceback or
+exit signal) and fails every pending future at once:
 
 - a rank that raises reports its traceback and exits;
 - a rank that dies (``kill -9``) is seen through its process sentinel within ``poll_s``;
 - a rank that stalls is detected when no micro-batch completes for ``stall_timeout_s`` while work
   is in flight; the per-rank progress counters name the ranks that are behind.
 
-After a failure the remaining ranks are killed; ``stop()`` drains in-flight work, sends a stop
-message down the pipeline and joins the processes (the rendezvous store lives in the driver, so
+After a failure the remaining ranks are killed; ``stop()`` drains in-flight work, sends ``Stop``
+down the pipeline and joins the processes (the rendezvous store lives in the driver, so
 no port outlives the gang). The store listens on loopback only (``loopback_store``).
 
-    with Gang(GangSpec(source, plan)) as gang:
+    with Gang(GangSpec(source, plan)) as gang:                   # serve_rank, GangMode.STREAM
         logits = gang.submit(input_ids, attention_mask).result()   # (B, S, 2) float32 tensor
+
+    gang = Gang(GangSpec(source, plan, program=train_rank, mode=GangMode.RUN, extra=...)).start()
+    gang.join(on_message=handle)                                   # handle(StepReport(...)), ...
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from partitioner.worker import GangSpec, worker_main
+from partitioner.messages import Batch, ControlMessage, RankFailed, RankReady, RankStopped, Result, Stop
+from partitioner.worker import GangMode, GangSpec, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +137,7 @@ class Gang:
         self._monitor: threading.Thread | None = None
         self._last_progress = time.monotonic()
         self._store: dist.TCPStore | None = None
+        self._backlog: list[ControlMessage] = []  # met while starting, for join() (a fast RUN program)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -141,7 +153,7 @@ class Gang:
     def start(self) -> Gang:
         """Spawn every rank and wait until all report ready; raises GangError on any failure."""
         dims = self.spec.plan.dims
-        if dims.dp > 1 and self.spec.program == GangSpec.program:
+        if dims.dp > 1 and self.spec.mode is GangMode.STREAM:
             raise GangError(
                 f"{self.name}: a serving gang is one replica (dp=1), got dp={dims.dp}; "
                 "scale serving with more replicas instead"
@@ -179,7 +191,7 @@ class Gang:
             self._kill_all()
             raise
         self._last_progress = time.monotonic()
-        if self.spec.program == GangSpec.program:  # the streaming server answers through submit()
+        if self.spec.mode is GangMode.STREAM:  # results come back through the monitor thread
             self._monitor = threading.Thread(
                 target=self._monitor_loop, name=f"{self.name}-monitor", daemon=True
             )
@@ -190,22 +202,30 @@ class Gang:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         ready: set[int] = set()
+        stopped: set[int] = set()  # a RUN program may finish on one rank before another is ready
 
-        def on_ready(kind: str, rank: int, info: Any) -> None:
-            if kind == "ready":
-                ready.add(rank)
-                self.stats.ready_info[rank] = info
+        def on_ready(msg: ControlMessage) -> None:
+            if isinstance(msg, RankReady):
+                ready.add(msg.rank)
+                self.stats.ready_info[msg.rank] = msg.info
+            else:  # for join()
+                self._backlog.append(msg)
+                if isinstance(msg, RankStopped):
+                    stopped.add(msg.rank)
 
         while len(ready) < self.world_size:
             try:
-                kind, rank, info = self._ctrl.get(timeout=self.poll_s)
+                msg: ControlMessage | None = self._ctrl.get(timeout=self.poll_s)
             except queue.Empty:
-                kind, rank, info = None, -1, None
-            if kind == "ready":
-                on_ready(kind, rank, info)
+                msg = None
+            if msg is not None and not isinstance(msg, RankFailed):
+                on_ready(msg)
                 continue
             err = self._diagnose(
-                phase="while starting", first=(rank, info) if kind == "error" else None, on_other=on_ready
+                phase="while starting",
+                first=msg if isinstance(msg, RankFailed) else None,
+                finished=stopped,
+                on_other=on_ready,
             )
             if err is not None:
                 raise err
@@ -227,7 +247,7 @@ class Gang:
         self._stopping = True
         if self.error is None:
             for q in self._in:
-                q.put(("stop",))
+                q.put(Stop())
             for proc in self._procs:
                 proc.join(timeout=max(0.1, timeout_s))
         self._kill_all()
@@ -270,6 +290,8 @@ class Gang:
         token_type_ids: torch.Tensor | np.ndarray | None = None,
     ) -> Future:
         """Queue one micro-batch ((B, S) each); the future resolves to (B, S, 2) float32 logits."""
+        if self.spec.mode is not GangMode.STREAM:
+            raise RuntimeError(f"{self.name}: submit() is for GangMode.STREAM gangs, not {self.spec.mode}")
         if self.error is not None:
             raise self.error
         if not self.healthy:
@@ -285,7 +307,7 @@ class Gang:
             self.stats.submitted += 1
             # under the lock: every stage-0 tp rank must see micro-batches in the same order
             for q in self._in:
-                q.put(("batch", mb_id, ids, mask, types))
+                q.put(Batch(mb_id, ids, mask, types))
         return fut
 
     def run(self, batches: list[tuple], *, timeout_s: float | None = None) -> list[torch.Tensor]:
@@ -293,35 +315,41 @@ class Gang:
         futures = [self.submit(*b) for b in batches]
         return [f.result(timeout=timeout_s) for f in futures]
 
-    def join(self, *, on_message=None, timeout_s: float | None = None) -> None:
-        """For programs that run to completion (training): wait until every rank has finished.
+    def join(
+        self,
+        *,
+        on_message: Callable[[ControlMessage], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """For ``GangMode.RUN`` programs (training): wait until every rank has finished.
 
-        Messages a program puts on the control queue other than ready/stopped/error, as
-        ``(kind, rank, payload)``, are handed to ``on_message``. Any failure raises GangError.
+        Control messages other than the lifecycle ones (``RankReady`` / ``RankStopped`` /
+        ``RankFailed``), e.g. training's ``StepReport``, are handed to ``on_message``. Any failure
+        raises GangError.
         """
-        if self._monitor is not None:
-            raise RuntimeError("join() is for programs that do not use submit(); the monitor is running")
+        if self.spec.mode is not GangMode.RUN:
+            raise RuntimeError(
+                f"{self.name}: join() is for GangMode.RUN gangs; this one answers through submit()"
+            )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stopped: set[int] = set()
 
-        def handle(kind: str, rank: int, info: Any) -> None:
-            if kind == "stopped":
-                stopped.add(rank)
-            elif on_message is not None:
-                on_message(kind, rank, info)
+        def handle(msg: ControlMessage) -> None:
+            if isinstance(msg, RankStopped):
+                stopped.add(msg.rank)
+            elif not isinstance(msg, RankReady) and on_message is not None:
+                on_message(msg)
 
+        backlog, self._backlog = self._backlog, []
+        for msg in backlog:
+            handle(msg)
         while len(stopped) < self.world_size:
             try:
-                kind, rank, info = self._ctrl.get(timeout=self.poll_s)
+                msg: ControlMessage | None = self._ctrl.get(timeout=self.poll_s)
             except queue.Empty:
-                kind, rank, info = None, -1, None
-            if kind is None or kind == "error":
-                err = self._diagnose(
-                    phase="",
-                    first=(rank, info) if kind == "error" else None,
-                    finished=stopped,
-                    on_other=handle,
-                )
+                msg = None
+            if msg is None or isinstance(msg, RankFailed):
+                err = self._diagnose(phase="", first=msg, finished=stopped, on_other=handle)
                 if err is None and deadline is not None and time.monotonic() > deadline:
                     err = GangError(f"{self.name}: not finished after {timeout_s:.0f}s")
                 if err is not None:
@@ -329,7 +357,7 @@ class Gang:
                     self._kill_all()
                     raise err
                 continue
-            handle(kind, rank, info)
+            handle(msg)
         self._stopping = True
         for proc in self._procs:
             proc.join(timeout=30)
@@ -338,13 +366,13 @@ class Gang:
     def _monitor_loop(self) -> None:
         while not self._stopping and self.error is None:
             try:
-                _kind, mb_id, payload = self._out.get(timeout=self.poll_s)
+                result: Result = self._out.get(timeout=self.poll_s)
                 with self._lock:
-                    fut = self._pending.pop(mb_id, None)
+                    fut = self._pending.pop(result.mb_id, None)
                     self._last_progress = time.monotonic()
                     self.stats.completed += 1
                 if fut is not None:
-                    fut.set_result(torch.from_numpy(payload))
+                    fut.set_result(torch.from_numpy(result.logits))
                 continue
             except queue.Empty:
                 pass
@@ -385,9 +413,9 @@ class Gang:
         self,
         *,
         phase: str,
-        first: tuple[int, str] | None = None,
+        first: RankFailed | None = None,
         finished: set[int] | frozenset[int] = frozenset(),
-        on_other: Callable[[str, int, Any], None] | None = None,
+        on_other: Callable[[ControlMessage], None] | None = None,
     ) -> GangError | None:
         """Turn error reports and dead processes into one GangError naming the culprit, or None.
 
@@ -396,16 +424,16 @@ class Gang:
         reported an error is blamed, with its traceback. Other control messages met on the way go
         to ``on_other``.
         """
-        reports: dict[int, str] = dict([first]) if first else {}
+        reports: dict[int, str] = {first.rank: first.traceback} if first else {}  # rank -> traceback
 
         def survey() -> list[int]:
             with contextlib.suppress(queue.Empty):
                 while True:
-                    kind, rank, info = self._ctrl.get_nowait()
-                    if kind == "error":
-                        reports.setdefault(rank, info)
+                    msg: ControlMessage = self._ctrl.get_nowait()
+                    if isinstance(msg, RankFailed):
+                        reports.setdefault(msg.rank, msg.traceback)
                     elif on_other is not None:
-                        on_other(kind, rank, info)
+                        on_other(msg)
             return [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in finished]
 
         dead = survey()

@@ -1,30 +1,46 @@
-"""One rank of a gang: join the process group, build and load this rank's stage, stream micro-batches.
+"""One rank of a gang: join the process group, build and load this rank's stage, run its program.
 
 Started by ``partitioner/gang.py`` (one spawned process per rank), with torchrun-style
 environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
-Each rank then runs ``spec.program`` (by default the forward-only streaming schedule in
-``partitioner/schedules.py``, which runs until a stop message flows through the pipeline). Every failure is reported to the driver with the rank and traceback
-before the process exits; a rank whose driver disappears exits on its own.
+Each rank then runs ``spec.program(ctx, queues, ready=...)``, a module-level function (spawn
+pickles it by its qualified name), under one of two modes the driver handles differently:
+
+- ``GangMode.STREAM`` (serving, the default): ``serve_rank`` builds the stage and streams
+  micro-batches (``partitioner/schedules.py``'s ``run_stream``) from the driver's ``Batch``
+  messages until a ``Stop`` flows through the pipeline; the last stage answers with ``Result``.
+  The driver talks through ``Gang.submit()`` and a monitor thread.
+- ``GangMode.RUN`` (training): the program runs to completion (``training/trainer.py``'s
+  ``train_rank``, passed in by training); the driver waits in ``Gang.join()``.
+
+Every rank reports ``RankReady`` / ``RankStopped``, or ``RankFailed`` with its traceback before
+the process exits (``partitioner/messages.py``); a rank whose driver disappears exits on its own.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
+import enum
 import logging
 import os
 import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from models.registry import ModelSource
+from partitioner.messages import Batch, RankFailed, RankReady, RankStopped, Result, Stop
+from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
+from partitioner.precision import DTYPES
+from partitioner.schedules import InputsFn, LogitsFn, LossFn, MicroBatch, StageExecutor, run_stream
+from partitioner.stages import build_stage
 
 logger = logging.getLogger(__name__)
 
@@ -39,36 +55,25 @@ class FaultSpec:
     at_batch: int = 0
 
 
-@dataclass(frozen=True)
-class GangSpec:
-    """What every rank of a gang needs (picklable)."""
+class GangMode(enum.Enum):
+    """How the driver talks to a gang's program."""
 
-    source: ModelSource
-    plan: PartitionPlan
-    threads_per_rank: int = 1
-    dtype: str = "float32"
-    backend: str = "auto"  # "gloo", "nccl" or "auto"
-    collective_timeout_s: float = 120.0
-    head_seed: int = 0
-    fault: FaultSpec | None = None
-    # "module:function" every rank runs after joining the group: fn(ctx, queues, *, ready) -> None.
-    # Serving streams forward passes; training plugs in its own schedule with ``extra`` settings.
-    program: str = "partitioner.schedules:forward_stream"
-    extra: dict[str, Any] = field(default_factory=dict)
+    STREAM = "stream"  # serves until stopped: Batch in, Result out, through Gang.submit()
+    RUN = "run"  # runs to completion (training): the driver waits in Gang.join()
 
-    def resolved_backend(self) -> str:
-        """NCCL when every rank has its own CUDA device, gloo otherwise (CPU, or ranks sharing a GPU)."""
-        if self.backend != "auto":
-            return self.backend
-        devs = self.plan.devices
-        if all(d.startswith("cuda") for d in devs) and len(set(devs)) == len(devs):
-            return "nccl"
-        return "gloo"
+
+class Program(Protocol):
+    """What every rank of a gang runs after joining the group; calls ``ready(info)`` once its
+    stage is built. Must be a module-level function (spawned ranks import it by name)."""
+
+    def __call__(
+        self, ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict[str, Any]], None]
+    ) -> None: ...
 
 
 @dataclass
 class RankContext:
-    """A rank's place in the gang, handed to the schedule."""
+    """A rank's place in the gang, handed to the program."""
 
     rank: int
     stage: int
@@ -112,6 +117,124 @@ class RankContext:
         if fault.mode == "hang":
             while True:
                 time.sleep(3600)
+
+    def stage_executor(
+        self,
+        module: torch.nn.Module,
+        comm: P2PCommunicator | None,
+        *,
+        get_inputs: InputsFn | None = None,
+        compute_loss: LossFn | None = None,
+        on_logits: LogitsFn | None = None,
+        **flags: Any,
+    ) -> StageExecutor:
+        """This rank's ``StageExecutor``: its neighbours filled in, stage 0's ``get_inputs`` and the
+        last stage's ``compute_loss`` / ``on_logits`` kept where they apply; ``flags``: the rest."""
+        return StageExecutor(
+            module=module,
+            comm=comm,
+            is_first=self.is_first,
+            is_last=self.is_last,
+            prev_rank=None if self.is_first else self.prev_rank(),
+            next_rank=None if self.is_last else self.next_rank(),
+            get_inputs=get_inputs if self.is_first else None,
+            compute_loss=compute_loss if self.is_last else None,
+            on_logits=on_logits if self.is_last else None,
+            **flags,
+        )
+
+    @contextlib.contextmanager
+    def micro_batch(self, n: int) -> Iterator[None]:
+        """Around the computation of this rank's ``n``-th micro-batch (0-based): busy while inside
+        (the driver's stall diagnosis), the injected fault if any, progress counted after."""
+        self.busy_since[self.rank] = time.time()
+        self.maybe_fault(n)
+        yield
+        self.progress[self.rank] = n + 1
+        self.busy_since[self.rank] = 0.0
+
+
+def serve_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict[str, Any]], None]) -> None:
+    """The serving program (``GangMode.STREAM``): build the stage, then stream micro-batches.
+
+    Stage 0 takes ``Batch`` messages from its input queue (``Stop`` ends the stream); the last
+    stage's tp rank 0 puts a ``Result`` with (B, S, 2) float32 logits on the output queue."""
+    t0 = time.perf_counter()
+    stage = build_stage(
+        ctx.spec.source,
+        ctx.plan,
+        rank=ctx.rank,
+        tp_group=ctx.tp_group,
+        dtype=DTYPES[ctx.spec.dtype],
+        head_seed=ctx.spec.head_seed,
+    )
+    ready(
+        {
+            "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),
+            "layer_param_bytes": sum(p.numel() * p.element_size() for p in stage.layers.parameters()),
+            "checkpoint_bytes_read": stage.load_report.bytes_read,
+            "load_s": time.perf_counter() - t0,
+            "layers": [int(k) for k in stage.layers],
+        }
+    )
+
+    def from_driver(_mb: int | None) -> MicroBatch | None:
+        item: Batch | Stop = queues["in"].get()
+        if isinstance(item, Stop):
+            return None
+        types = item.token_type_ids
+        return MicroBatch(
+            item.mb_id,
+            torch.from_numpy(item.input_ids).to(ctx.device),  # (B, S) int64
+            torch.from_numpy(item.attention_mask).to(ctx.device),  # (B, S)
+            torch.from_numpy(types).to(ctx.device) if types is not None else None,
+        )
+
+    def to_driver(mb: int, logits: torch.Tensor) -> None:
+        if ctx.tp_rank == 0:
+            queues["out"].put(Result(mb, logits.cpu().numpy()))  # (B, S, 2) float32
+
+    comm = P2PCommunicator(device=ctx.device, backend=ctx.backend)
+    ex = ctx.stage_executor(stage, comm, get_inputs=from_driver, on_logits=to_driver, forward_only=True)
+    with torch.inference_mode():
+        run_stream(ex, around_step=ctx.micro_batch)
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """What every rank of a gang needs (picklable)."""
+
+    source: ModelSource
+    plan: PartitionPlan
+    threads_per_rank: int = 1
+    dtype: str = "float32"
+    backend: str = "auto"  # "gloo", "nccl" or "auto"
+    collective_timeout_s: float = 120.0
+    head_seed: int = 0
+    fault: FaultSpec | None = None
+    # What every rank runs after joining the group, and how the driver talks to it: serving by
+    # default; training passes its own program (training/trainer.py) with GangMode.RUN and ``extra``.
+    program: Program = serve_rank
+    mode: GangMode = GangMode.STREAM
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, GangMode):
+            raise TypeError(f"GangSpec.mode must be a GangMode, got {self.mode!r}")
+        name = getattr(self.program, "__qualname__", "<not a function>")
+        if not callable(self.program) or "<" in name:
+            raise TypeError(
+                f"GangSpec.program must be a module-level function (ranks import it by name), got {name}"
+            )
+
+    def resolved_backend(self) -> str:
+        """NCCL when every rank has its own CUDA device, gloo otherwise (CPU, or ranks sharing a GPU)."""
+        if self.backend != "auto":
+            return self.backend
+        devs = self.plan.devices
+        if all(d.startswith("cuda") for d in devs) and len(set(devs)) == len(devs):
+            return "nccl"
+        return "gloo"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -223,16 +346,14 @@ def worker_main(
             mp_group=mp_group,
         )
         ctx.maybe_fault(-1)
-        module_name, _, func_name = spec.program.partition(":")
-        program = getattr(importlib.import_module(module_name), func_name)
-        program(
+        spec.program(
             ctx,
             queues,
-            ready=lambda info: ctrl.put(("ready", rank, {**info, "setup_s": time.perf_counter() - t0})),
+            ready=lambda info: ctrl.put(RankReady(rank, {**info, "setup_s": time.perf_counter() - t0})),
         )
-        ctrl.put(("stopped", rank, None))
+        ctrl.put(RankStopped(rank))
     except BaseException:
-        ctrl.put(("error", rank, traceback.format_exc()))
+        ctrl.put(RankFailed(rank, traceback.format_exc()))
         code = 1
     finally:
         for q in queues.values():

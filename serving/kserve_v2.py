@@ -46,7 +46,6 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from models.qa_processing import QAInputError, validate_qa_inputs
 from serving.access import request_id_of
 from serving.routes import RETRY_AFTER_503_S, answer_pairs, observe, pair_result
 from serving.schemas import JsonInt, QAItem
@@ -289,10 +288,9 @@ def decode_input(tensor: V2RequestInput) -> list[str]:
     return flat
 
 
-def decode_request(
-    body: V2InferenceRequest, *, max_question_chars: int, max_context_chars: int
-) -> list[QAItem]:
-    """The (question, context) pairs of a v2 request with its parameters, validated as /v1/qa/batch items."""
+def decode_request(body: V2InferenceRequest) -> list[QAItem]:
+    """The (question, context) pairs of a v2 request with its parameters, as /v1/qa/batch items
+    (their server limits are checked on the shared path, ``answer_pairs``)."""
     tensors: dict[str, V2RequestInput] = {}
     for t in body.inputs:
         if t.name not in INPUTS:
@@ -321,23 +319,14 @@ def decode_request(
         except ValidationError as err:
             e = err.errors()[0]
             loc = ".".join(str(x) for x in e.get("loc", ()))
-            where = f"{loc}[{i}]" if loc in INPUTS else f"parameters.{loc}"
-            raise V2InputError(f"{where}: {e.get('msg', 'invalid')}") from None
-        try:
-            validate_qa_inputs(
-                item.question,
-                item.context,
-                top_k=item.top_k,
-                max_answer_length=item.max_answer_length,
-                max_context_chars=max_context_chars,
-                max_question_chars=max_question_chars,
-                null_threshold=item.null_threshold,
-            )
-        except QAInputError as err:
-            where = f"{err.field}[{i}]" if err.field in INPUTS else f"parameters.{err.field}"
-            raise V2InputError(f"{where}: {err.reason}") from None
+            raise V2InputError(f"{_v2_field(i, loc)}: {e.get('msg', 'invalid')}") from None
         items.append(item)
     return items
+
+
+def _v2_field(i: int, field: str) -> str:
+    """Where a field of pair ``i`` lives in a v2 request: an input tensor's element, or a parameter."""
+    return f"{field}[{i}]" if field in INPUTS else f"parameters.{field}"
 
 
 def _timeout(body: V2InferenceRequest) -> float | None:
@@ -464,9 +453,7 @@ async def _infer(model_name: str, body: V2InferenceRequest, request: Request) ->
         return problem
     settings = request.app.state.settings
     try:
-        items = decode_request(
-            body, max_question_chars=settings.max_question_chars, max_context_chars=settings.max_context_chars
-        )
+        items = decode_request(body)
         timeout_s = _timeout(body)
         names = _requested_outputs(body)
     except V2InputError as err:
@@ -475,7 +462,7 @@ async def _infer(model_name: str, body: V2InferenceRequest, request: Request) ->
         return v2_error(
             400, f"too_many_items: {len(items)} pairs, max_batch_items={settings.max_batch_items}"
         )
-    out = await answer_pairs(request, "v2", items, timeout_s)
+    out = await answer_pairs(request, "v2", items, timeout_s, locate=_v2_field)
     if isinstance(out, Response):
         return _native_to_v2(out)
     results, name, _ = out

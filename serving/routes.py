@@ -103,8 +103,22 @@ def _result(pr: PairResult) -> QAResult:
     )
 
 
-async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_s: float | None) -> Any:
-    """Shared path of /v1/qa and /v1/qa/batch: (results, model name, request id) or an error response."""
+def _native_field(endpoint: str) -> Callable[[int, str], str]:
+    return lambda i, field: f"items[{i}].{field}" if endpoint == "batch" else field
+
+
+async def _answer(
+    request: Request,
+    endpoint: str,
+    items: list[QAItem],
+    timeout_s: float | None,
+    *,
+    locate: Callable[[int, str], str] | None = None,
+) -> Any:
+    """Shared path of /v1/qa and /v1/qa/batch: (results, model name, request id) or an error response.
+
+    ``locate(i, field)`` names item ``i``'s field in a 422 (default: the native request's names)."""
+    locate = locate or _native_field(endpoint)
     state = request.app.state
     settings = state.settings
     try:
@@ -120,8 +134,7 @@ async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_
                     null_threshold=it.null_threshold,
                 )
             except QAInputError as err:
-                loc = f"items[{i}].{err.field}" if endpoint == "batch" else err.field
-                return _error(422, "invalid_input", f"{loc}: {err.reason}")
+                return _error(422, "invalid_input", f"{locate(i, err.field)}: {err.reason}")
         if state.shutting_down or not hasattr(state, "engine"):
             return _error(
                 503, "shutting_down" if state.shutting_down else "starting", "the server is not serving"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from partitioner.precision import DTYPE_CHOICES, PRECISION_CHOICES, PrecisionError
-from partitioner.train_schedules import SCHEDULES
+from partitioner.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from models.qa_processing import WindowConfig

@@ -25,7 +25,7 @@ from typing import Any
 
 from models.qa_processing import WindowConfig
 from partitioner.precision import PRECISION_CHOICES
-from partitioner.train_schedules import SCHEDULES
+from partitioner.schedules import SCHEDULES
 
 logger = logging.getLogger(__name__)
 

@@ -356,11 +356,14 @@ def label_window(window: QAWindow, char_span: tuple[int, int] | None) -> tuple[i
     if char_span is None:
         return 0, 0
     a_start, a_end = char_span
-    ctx = [(i, off) for i, off in enumerate(window.offsets) if off is not None]
-    if not ctx or ctx[0][1][0] > a_start or ctx[-1][1][1] < a_end:
+    ctx = torch.nonzero(window.is_context).flatten()  # (c,) context token indices
+    if not len(ctx):
         return 0, 0
-    start_tok = next(i for i, (_, e) in ctx if e > a_start)
-    end_tok = next(i for i, (s, _) in reversed(ctx) if s < a_end)
+    starts, ends = window.offsets[ctx, 0], window.offsets[ctx, 1]  # (c,) each
+    if int(starts[0]) > a_start or int(ends[-1]) < a_end:
+        return 0, 0
+    start_tok = int(ctx[torch.nonzero(ends > a_start)[0]])  # first token ending after the answer starts
+    end_tok = int(ctx[torch.nonzero(starts < a_end)[-1]])  # last token starting before it ends
     if start_tok > end_tok:
         return 0, 0
     return start_tok, end_tok

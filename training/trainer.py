@@ -12,7 +12,7 @@ from another (pp, tp) with ``--elastic``), and then per optimizer step:
    rank; stage 0 takes inputs, the last stage labels), split into ``n_micro`` micro-batches, of
    which data-parallel replica ``d`` runs the contiguous ``n_micro / dp`` starting at
    ``d * n_micro / dp`` (the same micro-batches a single process would run, whatever ``dp``);
-2. runs GPipe or 1F1B (``partitioner/train_schedules.py``); loss = (CE(start) + CE(end)) / 2 per
+2. runs GPipe or 1F1B (``partitioner/schedules.py``); loss = (CE(start) + CE(end)) / 2 per
    micro-batch, scaled by 1/n_micro (of the GLOBAL batch) so the accumulated gradient, summed over
    the replicas, is the global-batch mean; with ``dp > 1`` a ``GradReducer``
    (``partitioner/data_parallel.py``) sums the gradients over each shard's data-parallel group in
@@ -61,13 +61,14 @@ from models.registry import ModelSource, resolve_model
 from partitioner.data_parallel import GradReducer
 from partitioner.gang import Gang
 from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
+from partitioner.messages import CheckpointSaved, ControlMessage, EvalLogits, StepReport
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
 from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
+from partitioner.schedules import MicroBatch, run_gpipe, run_schedule
 from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import build_stage
-from partitioner.train_schedules import StageExecutor, run_forward_only, run_schedule
-from partitioner.worker import GangSpec, RankContext
+from partitioner.worker import GangMode, GangSpec, RankContext
 from training import checkpoint as ckpt
 from training.config import RunInfo, TrainConfig, TrainConfigError
 from training.curve import Curve
@@ -305,7 +306,8 @@ def _clip_and_step(
 
 
 def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict], None]) -> None:
-    """One rank of a training gang (``GangSpec.program``): build, restore, then the step loop."""
+    """One rank of a training gang (``GangSpec.program``, ``GangMode.RUN``): build, restore, then
+    the step loop; reports ``StepReport`` / ``EvalLogits`` / ``CheckpointSaved`` to the driver."""
     cfg: TrainConfig = ctx.spec.extra["train"]
     run: RunInfo = ctx.spec.extra["run"]
     ctrl = queues["ctrl"]
@@ -353,11 +355,11 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
         share = n_local * micro  # this replica's micro-batches of the global batch, in order
         local = idx[ctx.dp_rank * share : (ctx.dp_rank + 1) * share]  # (B / dp,)
 
-        def get_inputs(mb: int, idx: torch.Tensor = local) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def get_inputs(mb: int, idx: torch.Tensor = local) -> MicroBatch:
             rows = idx[mb * micro : (mb + 1) * micro]
             mask = data["attention_mask"][rows]  # (b, S)
             ids, types, mask = trim(data["input_ids"][rows], data["token_type_ids"][rows], mask, mask=mask)
-            return ids.long().to(dev), mask.long().to(dev), types.long().to(dev)
+            return MicroBatch(mb, ids.long().to(dev), mask.long().to(dev), types.long().to(dev))
 
         def compute_loss(
             mb: int, logits: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor = local
@@ -368,15 +370,11 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
             scale = scaler.scale if scaler is not None else 1.0
             return span_loss(logits, mask, starts, ends) * (scale / cfg.n_micro)
 
-        ex = StageExecutor(
-            module=stage,
-            comm=comm,
-            is_first=ctx.is_first,
-            is_last=ctx.is_last,
-            prev_rank=None if ctx.is_first else ctx.prev_rank(),
-            next_rank=None if ctx.is_last else ctx.next_rank(),
+        ex = ctx.stage_executor(
+            stage,
+            comm,
             get_inputs=get_inputs,
-            compute_loss=compute_loss if ctx.is_last else None,
+            compute_loss=compute_loss,
             backward_needed=backward_needed,
             send_input_grad=send_input_grad,
             autocast=autocast,
@@ -397,17 +395,15 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
             dist.all_reduce(total, group=ctx.dp_group)
             loss = float(total)
         if ctx.is_last and ctx.tp_rank == 0 and ctx.dp_rank == 0:
-            report = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "examples": len(idx)}
-            if reduced is not None:
-                report["allreduce"] = dataclasses.asdict(reduced)
-            ctrl.put(("step", ctx.rank, report))
+            allreduce = dataclasses.asdict(reduced) if reduced is not None else None
+            ctrl.put(StepReport(ctx.rank, done, loss, lr, norm, len(idx), allreduce))
         final = done == run.total_steps
         if evaluates and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
             _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, ctrl, autocast)
         if checkpoints.due(done):
             checkpoints.save(done, loss_scale=scaler.scale if scaler is not None else 1.0)
             if ctx.rank == 0:
-                ctrl.put(("checkpoint", ctx.rank, {"step": done, "final": final}))
+                ctrl.put(CheckpointSaved(ctx.rank, done, final))
     if comm is not None:
         comm.flush()
 
@@ -423,39 +419,33 @@ def _evaluate_in_gang(
     ctrl: Any,
     autocast: Callable[[], contextlib.AbstractContextManager],
 ) -> None:
-    """Forward the evaluation windows through the pipeline; the last stage sends (N, S, 2) logits."""
+    """Forward the evaluation windows through the pipeline (the training schedule, forward only);
+    the last stage sends (N, S, 2) logits."""
     stage.eval()
     bs = cfg.eval_batch_size
     n_micro = -(-run.n_eval // bs)
     full_len = cfg.window.max_seq_len
     chunks: list[torch.Tensor] = []
 
-    def get_inputs(mb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get_inputs(mb: int) -> MicroBatch:
         assert eval_data is not None
         sl = slice(mb * bs, (mb + 1) * bs)
         mask = eval_data["attention_mask"][sl]
         ids, types, mask = trim(eval_data["input_ids"][sl], eval_data["token_type_ids"][sl], mask, mask=mask)
-        return ids.long().to(ctx.device), mask.long().to(ctx.device), types.long().to(ctx.device)
+        dev = ctx.device
+        return MicroBatch(mb, ids.long().to(dev), mask.long().to(dev), types.long().to(dev))
 
     def on_logits(mb: int, logits: torch.Tensor) -> None:
         out = torch.full((logits.shape[0], full_len, 2), MASK_FILL)  # (b, S_full, 2)
         out[:, : logits.shape[1]] = logits.cpu()
         chunks.append(out)
 
-    run_forward_only(
-        stage,
-        comm,
-        is_first=ctx.is_first,
-        is_last=ctx.is_last,
-        prev_rank=None if ctx.is_first else ctx.prev_rank(),
-        next_rank=None if ctx.is_last else ctx.next_rank(),
-        get_inputs=get_inputs,
-        n_micro=n_micro,
-        on_logits=on_logits,
-        autocast=autocast,
+    ex = ctx.stage_executor(
+        stage, comm, get_inputs=get_inputs, on_logits=on_logits, forward_only=True, autocast=autocast
     )
+    run_gpipe(ex, n_micro)  # forward_only: the n_micro forwards, no backward
     if ctx.is_last and ctx.tp_rank == 0:
-        ctrl.put(("eval", ctx.rank, {"step": step, "logits": torch.cat(chunks).numpy()}))
+        ctrl.put(EvalLogits(ctx.rank, step, torch.cat(chunks).numpy()))
     stage.train()
 
 
@@ -525,7 +515,8 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
         plan,
         threads_per_rank=threads,
         collective_timeout_s=600.0,  # ranks wait at barriers while rank 0 merges a checkpoint
-        program="training.trainer:train_rank",
+        program=train_rank,
+        mode=GangMode.RUN,
         extra={"train": cfg, "run": run},
     )
     result = TrainResult(output=out, final_checkpoint=out / "final", steps=total)
@@ -545,47 +536,41 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
     t_start: list[float] = []
     seen = [0]
 
-    def on_message(kind: str, rank: int, payload: Any) -> None:
-        if kind == "step":
+    def on_message(msg: ControlMessage) -> None:
+        if isinstance(msg, StepReport):
             now = time.perf_counter()
             if not t_start:
                 t_start.append(now)  # the first step includes warm-up costs: rate from then on
             else:
-                seen[0] += payload["examples"]
+                seen[0] += msg.examples
             rate = seen[0] / (now - t_start[0]) if seen[0] else 0.0
-            result.losses[payload["step"]] = payload["loss"]
-            result.grad_norms[payload["step"]] = payload["grad_norm"]
-            if "allreduce" in payload:
-                result.reduce_stats[payload["step"]] = payload["allreduce"]
+            result.losses[msg.step] = msg.loss
+            result.grad_norms[msg.step] = msg.grad_norm
+            if msg.allreduce is not None:
+                result.reduce_stats[msg.step] = msg.allreduce
             result.examples_per_s = rate
-            curve.step(
-                payload["step"],
-                loss=payload["loss"],
-                lr=payload["lr"],
-                grad_norm=payload["grad_norm"],
-                examples_per_s=rate,
-            )
-            bar.update(payload["step"] - bar.n)
-            bar.set_postfix(loss=f"{payload['loss']:.4f}", lr=f"{payload['lr']:.2e}", ex_s=f"{rate:.1f}")
-            if cfg.log_every and payload["step"] % cfg.log_every == 0:
+            curve.step(msg.step, loss=msg.loss, lr=msg.lr, grad_norm=msg.grad_norm, examples_per_s=rate)
+            bar.update(msg.step - bar.n)
+            bar.set_postfix(loss=f"{msg.loss:.4f}", lr=f"{msg.lr:.2e}", ex_s=f"{rate:.1f}")
+            if cfg.log_every and msg.step % cfg.log_every == 0:
                 logger.info(
                     "step %d/%d loss %.4f lr %.3g grad_norm %.3f %.1f ex/s",
-                    payload["step"], total, payload["loss"], payload["lr"], payload["grad_norm"], rate,
+                    msg.step, total, msg.loss, msg.lr, msg.grad_norm, rate,
                 )  # fmt: skip
-        elif kind == "eval":
-            metrics = score_eval(data.eval_features, payload["logits"])
-            result.evals[payload["step"]] = metrics
+        elif isinstance(msg, EvalLogits):
+            metrics = score_eval(data.eval_features, msg.logits)
+            result.evals[msg.step] = metrics
             logger.info(
                 "eval step %d: exact %.2f f1 %.2f (%d questions)",
-                payload["step"], metrics["exact"], metrics["f1"], metrics["total"],
+                msg.step, metrics["exact"], metrics["f1"], metrics["total"],
             )  # fmt: skip
             (out / "eval_results.json").write_text(
                 json.dumps({str(k): v for k, v in result.evals.items()}, indent=2)
             )
-            curve.evaluation(payload["step"], exact=metrics["exact"], f1=metrics["f1"])
+            curve.evaluation(msg.step, exact=metrics["exact"], f1=metrics["f1"])
             curve.plot()
-        elif kind == "checkpoint":
-            logger.info("checkpoint at step %d written", payload["step"])
+        elif isinstance(msg, CheckpointSaved):
+            logger.info("checkpoint at step %d written", msg.step)
 
     curve = Curve(out, start_step=start_step)
     t0 = time.perf_counter()

@@ -14,15 +14,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from loadtest.local_server import local_server
 from loadtest.report import read_metrics, read_requests, window_stats
 from loadtest.runner import LoadTestConfig, run_loadtest
 from loadtest.scenarios import ScenarioConfig
@@ -40,37 +37,28 @@ STEP_UP_AT, STEP_DOWN_AT = 6.0 / DURATION_S, 30.0 / DURATION_S
 COOLDOWN_S = 3.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path: Path):
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "shardserve.cli", "--log-level", "INFO", "serve",
-        "--model", "tiny-bert", "--host", "127.0.0.1", "--port", str(port),
+    serve_args = [
+        "--model", "tiny-bert",
         "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2",
         "--upscale-delay-s", "2", "--downscale-delay-s", "4", "--look-back-period-s", "3",
         "--autoscale-interval-s", "0.5", "--drain-timeout-s", "5",
     ]  # fmt: skip
-    env = {**os.environ, "SHARDSERVE_CACHE": os.environ.get("SHARDSERVE_CACHE", str(tmp_path / "cache"))}
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        yield f"http://127.0.0.1:{port}", proc, tmp_path / "serve.log"
-    finally:
-        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            if proc.poll() is not None:
-                break
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        log.close()
+    env = {"SHARDSERVE_CACHE": os.environ.get("SHARDSERVE_CACHE", str(tmp_path / "cache"))}
+    log_path = tmp_path / "serve.log"
+    with (
+        open(log_path, "w") as log,
+        local_server(
+            serve_args,
+            global_args=["--log-level", "INFO"],
+            log=log,
+            env=env,
+            ready_timeout_s=120,
+            stop_timeout_s=15,
+        ) as srv,
+    ):
+        yield srv.url, srv.proc, log_path
 
 
 def test_step_load_scales_up_meets_slo_and_drains_back(server, tmp_path: Path) -> None:

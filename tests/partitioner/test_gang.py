@@ -8,6 +8,7 @@ acceptance matrix and for the real MiniLM weights at (2, 2).
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -20,9 +21,10 @@ import torch
 from models.encoder import EncoderForQA
 from models.registry import ModelSource, resolve_model
 from partitioner.gang import Gang, GangError, loopback_store
+from partitioner.messages import CheckpointSaved
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.verify import compare, sample_batches, verify_partitioned
-from partitioner.worker import FaultSpec, GangSpec
+from partitioner.worker import FaultSpec, GangMode, GangSpec, RankContext, serve_rank
 
 TOLERANCE = 1e-4
 DIMS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]
@@ -185,3 +187,35 @@ def test_rendezvous_store_listens_on_loopback_only():
     finally:
         gang.stop()
     assert _listen_addresses(port) == set()
+
+
+def test_spec_names_its_program_and_mode_explicitly():
+    spec = _spec()
+    assert spec.program is serve_rank and spec.mode is GangMode.STREAM  # serving by default
+    assert pickle.loads(pickle.dumps(spec)).program is serve_rank  # spawn pickles it by name
+    with pytest.raises(TypeError, match="module-level function"):
+        _spec(program=lambda ctx, queues, *, ready: None)
+    with pytest.raises(TypeError, match="GangMode"):
+        _spec(mode="run")
+    with pytest.raises(RuntimeError, match=r"join\(\) is for GangMode\.RUN"):
+        Gang(_spec()).join()
+    with pytest.raises(RuntimeError, match=r"submit\(\) is for GangMode\.STREAM"):
+        Gang(_spec(mode=GangMode.RUN)).submit(*_batch())
+
+
+def report_and_finish(ctx: RankContext, queues, *, ready) -> None:
+    """A GangMode.RUN program: ready, one message from the last rank, done."""
+    ready({"stage": ctx.stage})
+    if ctx.is_last:
+        queues["ctrl"].put(CheckpointSaved(ctx.rank, step=1, final=True))
+
+
+def test_run_mode_gang_joins_and_hands_over_program_messages():
+    gang = Gang(_spec(pp=2, program=report_and_finish, mode=GangMode.RUN), name="run").start()
+    got = []
+    try:
+        gang.join(on_message=got.append, timeout_s=60)
+    finally:
+        gang.stop()
+    assert got == [CheckpointSaved(1, step=1, final=True)]
+    assert gang.stats.ready_info[1]["stage"] == 1

@@ -10,9 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +20,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from loadtest.local_server import local_server
 from models.build import build_model
 from models.qa_processing import WindowConfig, decode_spans, encode_qa, pad_windows
 from serving.app import build_app
@@ -196,49 +194,14 @@ def test_hot_reload_under_load_fails_no_request(live: TestClient) -> None:
 # ------------------------------------------------------------------------------------- SIGTERM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shardserve.cli",
-            "--log-level",
-            "INFO",
-            "serve",
-            "--model",
-            "tiny-bert",
-            "--pp",
-            "2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--drain-timeout-s",
-            "60",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    try:
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{base}/readyz", timeout=1).status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, "server exited before becoming ready"
-                return False
-
-        wait_until(ready, timeout=120, what="server ready")
+    serve_args = ["--model", "tiny-bert", "--pp", "2", "--drain-timeout-s", "60"]
+    with (
+        log,
+        local_server(serve_args, global_args=["--log-level", "INFO"], log=log, ready_timeout_s=120) as srv,
+    ):
+        base, proc = srv.url, srv.proc
         items = [{"question": q, "context": c} for q, c in PAIRS] * 16  # 64 pairs, ~130 windows
         with ThreadPoolExecutor(6) as pool:
             futures = [
@@ -273,11 +236,6 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
         log.seek(0)
         out = log.read()
         assert "readiness -> 503, draining" in out and "shut down" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
 
 
 def test_stalled_rank_is_failed_and_its_requests_retried() -> None:

@@ -65,8 +65,8 @@ def test_cache_hit_reads_no_data_and_builds_eval_windows_on_demand(tmp_path, mon
     assert calls == []  # a cache hit reads only the file's header
     got = again.eval_features
     assert calls == ["load_squad", "build_eval_features"]
-    assert got is not None and [w.input_ids for w in got.encoded.windows] == [
-        w.input_ids for w in want.encoded.windows
+    assert got is not None and [w.input_ids.tolist() for w in got.encoded.windows] == [
+        w.input_ids.tolist() for w in want.encoded.windows
     ]
     stored = read_features(str(again.path), "eval", ("input_ids",))["input_ids"]
     assert torch.equal(stored.long(), got.batch.input_ids)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from models.qa_processing import WindowConfig
+from models.qa_processing import QAWindow, WindowConfig
 from training.squad_data import (
     SquadExample,
     SquadFormatError,
@@ -26,6 +26,11 @@ from training.squad_data import (
     split_by_article,
 )
 from training.squad_metrics import evaluate, normalize_answer
+
+
+def _offs(window: QAWindow) -> list[tuple[int, int] | None]:
+    """The window's offsets as Python tuples, None for tokens outside the context."""
+    return [(s, e) if s >= 0 else None for s, e in window.offsets.tolist()]
 
 
 @pytest.fixture(scope="module")
@@ -197,12 +202,12 @@ def test_split_by_article_is_deterministic_and_disjoint(v1):
 def _decoded_label(features, examples, i):
     w = features.windows[i]
     s, e = int(features.start_positions[i]), int(features.end_positions[i])
-    return examples[w.example_index].context[w.offsets[s][0] : w.offsets[e][1]]
+    return examples[w.example_index].context[_offs(w)[s][0] : _offs(w)[e][1]]
 
 
 def _token_aligned(window, start, end):
-    starts = {off[0] for off in window.offsets if off is not None}
-    ends = {off[1] for off in window.offsets if off is not None}
+    starts = {off[0] for off in _offs(window) if off is not None}
+    ends = {off[1] for off in _offs(window) if off is not None}
     return start in starts and end in ends
 
 
@@ -238,14 +243,14 @@ def test_train_labels_decode_to_gold_text(tok, v1, max_seq_len, doc_stride):
         a_end = a_start + len(text)
         s, e = int(feats.start_positions[i]), int(feats.end_positions[i])
         first, last = w.context_token_range
-        inside = w.offsets[first][0] <= a_start and w.offsets[last][1] >= a_end
+        inside = _offs(w)[first][0] <= a_start and _offs(w)[last][1] >= a_end
         if s == 0:
             assert e == 0 and not inside  # CLS only when the answer is not fully in the window
             continue
         assert first <= s <= e <= last and inside
         # the label covers exactly the context tokens overlapping the gold characters
         overlapping = [
-            t for t, off in enumerate(w.offsets) if off is not None and off[0] < a_end and off[1] > a_start
+            t for t, off in enumerate(_offs(w)) if off is not None and off[0] < a_end and off[1] > a_start
         ]
         assert (s, e) == (overlapping[0], overlapping[-1])
         decoded = _decoded_label(feats, examples, i)
@@ -271,9 +276,7 @@ def test_label_window_cls_cases(tok):
     )
     labels = list(zip(feats.start_positions.tolist(), feats.end_positions.tolist(), strict=True))
     found = [
-        context[w.offsets[s][0] : w.offsets[e][1]]
-        for w, (s, e) in zip(feats.windows, labels, strict=True)
-        if s
+        context[_offs(w)[s][0] : _offs(w)[e][1]] for w, (s, e) in zip(feats.windows, labels, strict=True) if s
     ]
     assert found and set(found) == {"four five six"}
     assert (0, 0) in labels  # some window has only part of the answer
@@ -303,7 +306,9 @@ def test_eval_features_oracle_round_trip_v1(tok, v1):
     kw = {"window": WindowConfig(max_seq_len=128, doc_stride=48, max_question_len=32)}
     ev = build_eval_features(tok, examples, **kw)
     tr = build_train_features(tok, examples, **kw)
-    assert [w.input_ids for w in ev.encoded.windows] == [w.input_ids for w in tr.windows]  # same windowing
+    assert [w.input_ids.tolist() for w in ev.encoded.windows] == [
+        w.input_ids.tolist() for w in tr.windows
+    ]  # same windowing
     start, end = _oracle_logits(tr, len(ev), ev.batch.input_ids.shape[1])
     preds = postprocess_eval_predictions(ev, start, end, max_answer_length=64)
     assert set(preds) == {ex.id for ex in examples}

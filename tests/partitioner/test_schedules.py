@@ -1,19 +1,31 @@
-"""GPipe / 1F1B orderings and the stage executor's message discipline (pure logic, no processes).
+"""GPipe / 1F1B orderings, the forward-only stream, and the stage executor's message discipline
+(pure logic, no processes).
 
-The numerical equivalence of both schedules with single-process training over real gloo ranks is
-``tests/training/test_trainer_parity.py``.
+The numerical equivalence of the training schedules with single-process training over real gloo
+ranks is ``tests/training/test_trainer_parity.py``; of the serving stream with ``transformers``,
+``tests/partitioner/test_gang.py``.
 
-    python -m pytest tests/partitioner/test_train_schedules.py -q
+    python -m pytest tests/partitioner/test_schedules.py -q
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
-from partitioner.p2p import KIND_DATA, KIND_GRAD, Message
-from partitioner.train_schedules import ScheduleError, StageExecutor, run_1f1b, run_gpipe, run_schedule
+from partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_STOP, Message
+from partitioner.schedules import (
+    MicroBatch,
+    ScheduleError,
+    StageExecutor,
+    run_1f1b,
+    run_gpipe,
+    run_schedule,
+    run_stream,
+)
 
 
 class Recorder:
@@ -118,5 +130,66 @@ def test_out_of_order_message_is_an_error():
     x = torch.randn(2, 3, 4)
     mask = torch.ones(2, 3, dtype=torch.long)
     ex, _ = _middle_stage([Message(KIND_DATA, 1, [x, mask])])
+    with pytest.raises(ScheduleError, match="expected kind=1 mb=0"):
+        ex.forward(0)
+
+
+def test_forward_only_runs_the_training_schedule_without_keeping_activations():
+    """Evaluation is the training schedule with forward_only: every forward in order, no gradient
+    messages, nothing kept, no autograd graph."""
+    x = torch.randn(2, 3, 4)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    comm = FakeComm([Message(KIND_DATA, mb, [x + mb, mask]) for mb in range(3)])
+    ex = StageExecutor(
+        module=Middle(), comm=comm, is_first=False, is_last=False, prev_rank=0, next_rank=2,
+        send_input_grad=True, forward_only=True,
+    )  # fmt: skip
+    run_1f1b(ex, 3, num_stages=3, stage=1)
+    assert [(dst, m.kind, m.mb_id) for dst, m in comm.sent] == [(2, KIND_DATA, mb) for mb in range(3)]
+    assert not ex._saved and not comm.sent[0][1].tensors[0].requires_grad
+
+
+class Last(nn.Module):
+    def forward(self, x, mask, types):
+        return x[..., :2] * 2  # (B, S, 2)
+
+
+def test_stream_stage0_reads_the_driver_until_stop_and_passes_the_stop_on():
+    batches = [MicroBatch(7 + k, torch.randn(1, 5, 4), torch.ones(1, 5, dtype=torch.long)) for k in range(3)]
+    feed = [*batches, None]
+    comm = FakeComm([])
+    ex = StageExecutor(
+        module=Middle(), comm=comm, is_first=True, is_last=False, prev_rank=None, next_rank=1,
+        get_inputs=lambda mb: feed.pop(0), forward_only=True,
+    )  # fmt: skip
+    steps: list[int] = []
+
+    @contextlib.contextmanager
+    def around(n):
+        yield
+        steps.append(n)
+
+    assert run_stream(ex, around_step=around) == 3
+    assert steps == [0, 1, 2]
+    sent = [(m.kind, m.mb_id) for _, m in comm.sent]
+    assert sent == [(KIND_DATA, 7), (KIND_DATA, 8), (KIND_DATA, 9), (KIND_STOP, -1)]
+
+
+def test_stream_last_stage_hands_fp32_logits_until_stop():
+    x = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    comm = FakeComm([Message(KIND_DATA, 4, [x, mask]), Message(KIND_STOP, -1, [])])
+    got: list[tuple[int, torch.Tensor]] = []
+    ex = StageExecutor(
+        module=Last(), comm=comm, is_first=False, is_last=True, prev_rank=1, next_rank=None,
+        on_logits=lambda mb, logits: got.append((mb, logits)), forward_only=True,
+    )  # fmt: skip
+    assert run_stream(ex) == 1
+    assert [mb for mb, _ in got] == [4] and got[0][1].dtype == torch.float32
+    assert torch.equal(got[0][1], (x[..., :2] * 2).float()) and comm.sent == []
+
+
+def test_a_stop_inside_a_counted_schedule_is_an_error():
+    ex, _ = _middle_stage([Message(KIND_STOP, -1, [])])
     with pytest.raises(ScheduleError, match="expected kind=1 mb=0"):
         ex.forward(0)

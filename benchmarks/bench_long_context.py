@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -52,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.qa_processing import QAWindow, WindowConfig, decode_spans, encode_qa
+from partitioner.precision import cpu_capabilities
 
 logger = logging.getLogger("bench_long_context")
 
@@ -178,10 +178,10 @@ def span_table(windows: Sequence[QAWindow], starts, ends, max_answer_length: int
         k = w.num_tokens
         start[i, :k], end[i, :k] = starts[i], ends[i]
         first, last = w.context_token_range
-        for j, off in enumerate(w.offsets):
-            if off is not None:
+        for j, (s, e) in enumerate(w.offsets.tolist()):
+            if s >= 0:
                 is_ctx[i, j] = True
-                cs[i, j], ce[i, j] = off
+                cs[i, j], ce[i, j] = s, e
                 ctx_score[i, j] = min(j - first, last - j)
     best_ctx: dict[int, tuple[int, int]] = {}  # char start -> (score, window)
     for i in range(n):
@@ -383,12 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "AUC": auc(r["score"], r["em"]),
             }
         )
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_capabilities().model
     print(
         f"\n{n} questions, long contexts of {min(n_words)}-{max(n_words)} words "
         f"(mean {sum(n_words) / n:.0f}), {min(n_windows)}-{max(n_windows)} windows (mean "

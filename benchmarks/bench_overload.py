@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -25,13 +24,7 @@ import httpx
 
 from loadtest.local_server import ServerNotReady, local_server
 from loadtest.overload import QUESTION, OverloadConfig, access_log_latencies, long_context, run_overload
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+from partitioner.precision import cpu_capabilities
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{exc}\n{log.read()[-3000:]}") from None
         log.seek(0)
         report.server_latencies_ms = access_log_latencies(log.read())
-    summary = {"cpu": _cpu(), "cores": os.cpu_count(), "model": args.model, "config": vars(args),
+    summary = {"cpu": cpu_capabilities().model, "cores": os.cpu_count(), "model": args.model, "config": vars(args),
                **report.summary()}  # fmt: skip
     print(f"overload: {args.clients} clients x {args.context_chars} chars for {args.duration:g} s, "
           f"model {args.model}, 1 replica, {summary['cpu']} ({summary['cores']} cores)")  # fmt: skip

@@ -4,17 +4,21 @@ serve, fail and stop as one unit.
 The caller (driver) is not a rank. What the gang does is ``GangSpec.mode``
 (``partitioner/worker.py``):
 
-- ``GangMode.STREAM`` (serving): ``submit()`` hands ``Batch`` messages to stage 0 through queues
-  and a monitor thread resolves each future from the last stage's ``Result``, while activations
-  travel rank-to-rank over torch.distributed (gloo on CPU, NCCL on CUDA);
+- ``GangMode.STREAM`` (serving): ``submit()`` sends ``Batch`` messages to stage 0 and a monitor
+  thread resolves each future from the last stage's ``Result``, while activations travel
+  rank-to-rank over torch.distributed (gloo on CPU, NCCL on CUDA);
 - ``GangMode.RUN`` (training): the program runs to completion; ``join()`` waits for it and hands
   the program's own control messages (``partitioner/messages.py``) to a callback.
 
-Either way any rank failure becomes a ``GangError`` that names the rank (with its traceback or
-exit signal) and fails every pending future at once:
+Driver and ranks talk over ``partitioner/channel.py`` (ZeroMQ over TCP, signed messages, a fresh
+key per gang; bound to loopback for a gang on this machine). Either way any rank failure becomes
+a ``GangError`` that names the rank (with its traceback or exit signal) and fails every pending
+future at once:
 
 - a rank that raises reports its traceback and exits;
 - a rank that dies (``kill -9``) is seen through its process sentinel within ``poll_s``;
+- a rank that stops beating (killed, frozen by SIGSTOP, or cut off by the network) is seen after
+  ``heartbeat_timeout_s``;
 - a rank that stalls is detected when no micro-batch completes for ``stall_timeout_s`` while work
   is in flight; the per-rank progress counters name the ranks that are behind.
 
@@ -34,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -49,7 +52,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from partitioner.channel import ENV_ENDPOINTS, ENV_KEY, ChannelError, DriverChannel
 from partitioner.messages import Batch, ControlMessage, RankFailed, RankReady, RankStopped, Result, Stop
+from partitioner.wire import new_key
 from partitioner.worker import GangMode, GangSpec, worker_main
 
 logger = logging.getLogger(__name__)
@@ -119,12 +124,14 @@ class Gang:
         name: str = "gang",
         start_timeout_s: float = 300.0,
         stall_timeout_s: float = 60.0,
+        heartbeat_timeout_s: float = 10.0,
         poll_s: float = 0.05,
     ) -> None:
         self.spec = spec
         self.name = name
         self.start_timeout_s = start_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.poll_s = poll_s
         self.stats = GangStats()
         self.error: GangError | None = None
@@ -137,6 +144,8 @@ class Gang:
         self._monitor: threading.Thread | None = None
         self._last_progress = time.monotonic()
         self._store: dist.TCPStore | None = None
+        self._channel: DriverChannel | None = None
+        self._stage0: list[int] = []  # the ranks that take the Batch messages
         self._backlog: list[ControlMessage] = []  # met while starting, for join() (a fast RUN program)
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,7 +157,9 @@ class Gang:
         dims = self.spec.plan.dims
         stage, tp_rank = dims.coords(rank)
         dp = f"dp {dims.dp_rank(rank)}, " if dims.dp > 1 else ""
-        return f"rank {rank} ({dp}stage {stage}, tp {tp_rank})"
+        host = self.stats.ready_info.get(rank, {}).get("host")
+        where = f" on {host}" if host and host != socket.gethostname() else ""
+        return f"rank {rank} ({dp}stage {stage}, tp {tp_rank}){where}"
 
     def start(self) -> Gang:
         """Spawn every rank and wait until all report ready; raises GangError on any failure."""
@@ -159,7 +170,12 @@ class Gang:
                 "scale serving with more replicas instead"
             )
         self._store = loopback_store(dims.world_size, timeout=timedelta(seconds=self.start_timeout_s))
+        key = new_key()
+        self._channel = DriverChannel(world_size=dims.world_size, key=key, host="127.0.0.1")
+        self._stage0 = [dims.rank_of(0, t) for t in range(dims.tp)]
         base_env = {
+            ENV_ENDPOINTS: self._channel.endpoints,
+            ENV_KEY: key.hex(),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self._store.port),
             "WORLD_SIZE": str(dims.world_size),
@@ -168,18 +184,11 @@ class Gang:
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
         }
-        self._ctrl = self._ctx.Queue()
-        self._out = self._ctx.Queue()
-        self._in = [self._ctx.Queue() for _ in range(dims.tp)]  # one per stage-0 rank
-        self._progress = self._ctx.Array("q", dims.world_size, lock=False)
-        self._busy_since = self._ctx.Array("d", dims.world_size, lock=False)
         for rank in range(dims.world_size):
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            stage, tp_rank = dims.coords(rank)
-            queues = {"ctrl": self._ctrl, "out": self._out, "in": self._in[tp_rank] if stage == 0 else None}
             proc = self._ctx.Process(
                 target=worker_main,
-                args=(rank, self.spec, env, queues, self._progress, self._busy_since),
+                args=(rank, self.spec, env),
                 name=f"{self.name}-rank{rank}",
                 daemon=True,
             )
@@ -188,7 +197,7 @@ class Gang:
         try:
             self._wait_ready()
         except BaseException:
-            self._kill_all()
+            self._release()
             raise
         self._last_progress = time.monotonic()
         if self.spec.mode is GangMode.STREAM:  # results come back through the monitor thread
@@ -214,10 +223,7 @@ class Gang:
                     stopped.add(msg.rank)
 
         while len(ready) < self.world_size:
-            try:
-                msg: ControlMessage | None = self._ctrl.get(timeout=self.poll_s)
-            except queue.Empty:
-                msg = None
+            msg = self._channel_recv(self.poll_s)
             if msg is not None and not isinstance(msg, RankFailed):
                 on_ready(msg)
                 continue
@@ -246,17 +252,16 @@ class Gang:
                 time.sleep(self.poll_s)
         self._stopping = True
         if self.error is None:
-            for q in self._in:
-                q.put(Stop())
+            for rank in self._stage0:
+                with contextlib.suppress(ChannelError):
+                    self._send(rank, Stop())
             for proc in self._procs:
                 proc.join(timeout=max(0.1, timeout_s))
         self._kill_all()
         self._fail_pending(self.error or GangError(f"{self.name}: gang stopped"))
         if self._monitor is not None:
             self._monitor.join(timeout=5)
-        for q in (self._ctrl, self._out, *self._in):
-            q.cancel_join_thread()
-            q.close()
+        self._release()
         self._procs = []
         self._store = None
 
@@ -279,8 +284,8 @@ class Gang:
 
     def busy_ranks(self) -> list[bool]:
         """Per rank: inside a micro-batch right now? (for sampling busy time; empty when not started)."""
-        since = getattr(self, "_busy_since", None)
-        return [bool(t) for t in since] if since is not None and self._procs else []
+        channel = self._channel
+        return [bool(t) for t in channel.busy_since] if channel is not None and self._procs else []
 
     # ------------------------------------------------------------------ work
     def submit(
@@ -306,8 +311,8 @@ class Gang:
             self._pending[mb_id] = fut
             self.stats.submitted += 1
             # under the lock: every stage-0 tp rank must see micro-batches in the same order
-            for q in self._in:
-                q.put(Batch(mb_id, ids, mask, types))
+            for rank in self._stage0:
+                self._send(rank, Batch(mb_id, ids, mask, types))
         return fut
 
     def run(self, batches: list[tuple], *, timeout_s: float | None = None) -> list[torch.Tensor]:
@@ -344,56 +349,64 @@ class Gang:
         for msg in backlog:
             handle(msg)
         while len(stopped) < self.world_size:
-            try:
-                msg: ControlMessage | None = self._ctrl.get(timeout=self.poll_s)
-            except queue.Empty:
-                msg = None
+            msg = self._channel_recv(self.poll_s)
             if msg is None or isinstance(msg, RankFailed):
                 err = self._diagnose(phase="", first=msg, finished=stopped, on_other=handle)
                 if err is None and deadline is not None and time.monotonic() > deadline:
                     err = GangError(f"{self.name}: not finished after {timeout_s:.0f}s")
                 if err is not None:
                     self.error = err
-                    self._kill_all()
+                    self._release()
                     raise err
                 continue
             handle(msg)
         self._stopping = True
         for proc in self._procs:
             proc.join(timeout=30)
+        self._release()
 
     # ------------------------------------------------------------------ monitoring
     def _monitor_loop(self) -> None:
         while not self._stopping and self.error is None:
-            try:
-                result: Result = self._out.get(timeout=self.poll_s)
-                with self._lock:
-                    fut = self._pending.pop(result.mb_id, None)
-                    self._last_progress = time.monotonic()
-                    self.stats.completed += 1
-                if fut is not None:
-                    fut.set_result(torch.from_numpy(result.logits))
-                continue
-            except queue.Empty:
-                pass
-            except (EOFError, OSError):
-                if self._stopping:
-                    return
-                raise
-            self._check_health()
+            msg = self._channel_recv(self.poll_s)
+            if isinstance(msg, Result):
+                self._resolve(msg)
+            elif isinstance(msg, RankFailed):
+                self._check_health(first=msg)
+            elif msg is None:
+                self._check_health()
+            else:
+                logger.debug("%s: ignored %s while serving", self.name, type(msg).__name__)
 
-    def _check_health(self) -> None:
-        err = self._diagnose(phase="")
+    def _resolve(self, result: Result) -> None:
+        with self._lock:
+            fut = self._pending.pop(result.mb_id, None)
+            self._last_progress = time.monotonic()
+            self.stats.completed += 1
+        if fut is not None:
+            fut.set_result(torch.from_numpy(result.logits))
+
+    def _send(self, rank: int, msg: Any) -> None:
+        assert self._channel is not None
+        self._channel.send(rank, msg)
+
+    def _channel_recv(self, timeout_s: float) -> Any | None:
+        assert self._channel is not None
+        return self._channel.recv(timeout_s)
+
+    def _check_health(self, *, first: RankFailed | None = None) -> None:
+        err = self._diagnose(phase="", first=first, on_other=self._on_late)
         if err is not None:
             self._fail(err)
             return
+        assert self._channel is not None
         if self._pending and time.monotonic() - self._last_progress > self.stall_timeout_s:
-            counts = list(self._progress)
+            counts = list(self._channel.progress)
             now = time.time()
             # Ranks stuck inside a micro-batch are the culprits; else those furthest behind.
             # Ranks stuck inside a micro-batch, longest first (upstream ranks blocked sending to a
             # hung rank started later); with none, the ranks furthest behind.
-            since = list(self._busy_since)
+            since = list(self._channel.busy_since)
             stuck = sorted(
                 (r for r, t in enumerate(since) if t and now - t > self.stall_timeout_s),
                 key=lambda r: since[r],
@@ -425,16 +438,18 @@ class Gang:
         to ``on_other``.
         """
         reports: dict[int, str] = {first.rank: first.traceback} if first else {}  # rank -> traceback
+        assert self._channel is not None
+        channel = self._channel
 
         def survey() -> list[int]:
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    msg: ControlMessage = self._ctrl.get_nowait()
-                    if isinstance(msg, RankFailed):
-                        reports.setdefault(msg.rank, msg.traceback)
-                    elif on_other is not None:
-                        on_other(msg)
-            return [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in finished]
+            while (msg := channel.recv(0)) is not None:
+                if isinstance(msg, RankFailed):
+                    reports.setdefault(msg.rank, msg.traceback)
+                elif on_other is not None:
+                    on_other(msg)
+            exited = {r for r, p in enumerate(self._procs) if p.exitcode is not None}
+            silent = set(channel.silent_ranks(self.heartbeat_timeout_s))
+            return sorted((exited | silent) - set(finished))
 
         dead = survey()
         if self._stopping or (not reports and not dead):
@@ -443,13 +458,11 @@ class Gang:
         while time.monotonic() < settle:
             time.sleep(0.02)
             dead = survey()
-        silent = [r for r in dead if r not in reports]
+        unreported = [r for r in dead if r not in reports]
         where = f" {phase}" if phase else ""
-        if silent:
-            rank = min(silent, key=lambda r: (self._procs[r].exitcode or 0) >= 0)  # signals first
-            code = self._procs[rank].exitcode or 0
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            msg = f"{self.name}: {self.describe_rank(rank)} {how}{where}"
+        if unreported:
+            rank = min(unreported, key=self._blame_order)
+            msg = f"{self.name}: {self.describe_rank(rank)} {self._how_lost(rank)}{where}"
         else:
             rank = next(iter(reports))
             msg = f"{self.name}: {self.describe_rank(rank)} failed{where}:\n{reports[rank]}"
@@ -457,6 +470,25 @@ class Gang:
         if others:
             msg += f"\n(then also down: {', '.join(self.describe_rank(r) for r in others)})"
         return GangError(msg, rank=rank)
+
+    def _exit_code(self, rank: int) -> int | None:
+        return self._procs[rank].exitcode if rank < len(self._procs) else None
+
+    def _blame_order(self, rank: int) -> int:
+        """Among ranks lost without a report: killed by a signal first, then exited, then silent."""
+        code = self._exit_code(rank)
+        return 2 if code is None else 0 if code < 0 else 1
+
+    def _how_lost(self, rank: int) -> str:
+        code = self._exit_code(rank)
+        if code is None:
+            return f"sent no heartbeat for {self.heartbeat_timeout_s:.0f}s (hung, frozen or unreachable)"
+        return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+    def _on_late(self, msg: ControlMessage | Result) -> None:
+        """A message met while diagnosing a serving gang: results still count."""
+        if isinstance(msg, Result):
+            self._resolve(msg)
 
     def _fail(self, err: GangError) -> None:
         logger.error("%s", err)
@@ -477,3 +509,9 @@ class Gang:
                 proc.kill()
         for proc in self._procs:
             proc.join(timeout=5)
+
+    def _release(self) -> None:
+        """Kill what is left and close the channel (no thread may be reading it any more)."""
+        self._kill_all()
+        if self._channel is not None:
+            self._channel.close()

@@ -9,6 +9,7 @@ never passes through the driver. All fields are picklable (numpy arrays, not ten
     last stage (tp rank 0) -> driver (output queue):   Result
     every rank -> driver (control queue):   RankReady | RankStopped | RankFailed   (lifecycle)
     training ranks -> driver (control queue):   StepReport | EvalLogits | CheckpointSaved
+    both ways, every ``heartbeat_s``:   Heartbeat   (liveness; a rank's carries its progress)
 
 ``Gang`` consumes the lifecycle messages itself; every other control message is handed, as the
 object, to ``Gang.join(on_message=...)``.
@@ -109,5 +110,19 @@ class CheckpointSaved:
     step: int
     final: bool
 
+
+# ------------------------------------------------------------------ both ways: liveness
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Alive: sent every ``heartbeat_s`` by every rank (with its progress) and by the driver."""
+
+    rank: int  # the sender; DRIVER for the driver
+    progress: int = 0  # micro-batches this rank has finished
+    busy_since: float = 0.0  # wall time its current micro-batch started (0: idle or waiting)
+
+
+DRIVER = -1  # Heartbeat.rank of the driver's heartbeats
 
 ControlMessage = RankReady | RankStopped | RankFailed | StepReport | EvalLogits | CheckpointSaved

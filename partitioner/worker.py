@@ -2,8 +2,10 @@
 
 Started by ``partitioner/gang.py`` (one spawned process per rank), with torchrun-style
 environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
-Each rank then runs ``spec.program(ctx, queues, ready=...)``, a module-level function (spawn
-pickles it by its qualified name), under one of two modes the driver handles differently:
+It talks to the driver through ``ctx.link`` (``partitioner/channel.py``: ZeroMQ over TCP, named
+by ``SHARDSERVE_DRIVER`` and keyed by ``SHARDSERVE_GANG_KEY``, so a rank may run on another host).
+Each rank then runs ``spec.program(ctx, ready=...)``, a module-level function (spawn pickles it
+by its qualified name), under one of two modes the driver handles differently:
 
 - ``GangMode.STREAM`` (serving, the default): ``serve_rank`` builds the stage and streams
   micro-batches (``partitioner/schedules.py``'s ``run_stream``) from the driver's ``Batch``
@@ -13,7 +15,9 @@ pickles it by its qualified name), under one of two modes the driver handles dif
   ``train_rank``, passed in by training); the driver waits in ``Gang.join()``.
 
 Every rank reports ``RankReady`` / ``RankStopped``, or ``RankFailed`` with its traceback before
-the process exits (``partitioner/messages.py``); a rank whose driver disappears exits on its own.
+the process exits (``partitioner/messages.py``), and beats every ``HEARTBEAT_S`` with its
+progress; a rank whose driver disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when spawned
+locally, its parent process gone) exits on its own.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import enum
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from models.registry import ModelSource
+from partitioner.channel import ENV_ENDPOINTS, RankChannel
 from partitioner.messages import Batch, RankFailed, RankReady, RankStopped, Result, Stop
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
@@ -66,9 +72,7 @@ class Program(Protocol):
     """What every rank of a gang runs after joining the group; calls ``ready(info)`` once its
     stage is built. Must be a module-level function (spawned ranks import it by name)."""
 
-    def __call__(
-        self, ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict[str, Any]], None]
-    ) -> None: ...
+    def __call__(self, ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None: ...
 
 
 @dataclass
@@ -82,8 +86,7 @@ class RankContext:
     device: torch.device
     backend: str
     tp_group: dist.ProcessGroup | None
-    progress: Any  # shared per-rank count of finished micro-batches
-    busy_since: Any  # shared per-rank wall time the current micro-batch started (0: idle/waiting)
+    link: RankChannel  # to the driver: get() its Batch / Stop, send() results and reports
     dp_rank: int = 0  # which data-parallel replica (training with dp > 1)
     dp_group: dist.ProcessGroup | None = None  # ranks holding the same shard (None: dp == 1)
     mp_group: dist.ProcessGroup | None = None  # this replica's pp * tp ranks (None: the world)
@@ -147,18 +150,18 @@ class RankContext:
     def micro_batch(self, n: int) -> Iterator[None]:
         """Around the computation of this rank's ``n``-th micro-batch (0-based): busy while inside
         (the driver's stall diagnosis), the injected fault if any, progress counted after."""
-        self.busy_since[self.rank] = time.time()
+        self.link.busy_since = time.time()
         self.maybe_fault(n)
         yield
-        self.progress[self.rank] = n + 1
-        self.busy_since[self.rank] = 0.0
+        self.link.progress = n + 1
+        self.link.busy_since = 0.0
 
 
-def serve_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict[str, Any]], None]) -> None:
+def serve_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None:
     """The serving program (``GangMode.STREAM``): build the stage, then stream micro-batches.
 
-    Stage 0 takes ``Batch`` messages from its input queue (``Stop`` ends the stream); the last
-    stage's tp rank 0 puts a ``Result`` with (B, S, 2) float32 logits on the output queue."""
+    Stage 0 takes ``Batch`` messages from the driver (``Stop`` ends the stream); the last stage's
+    tp rank 0 sends a ``Result`` with (B, S, 2) float32 logits back."""
     t0 = time.perf_counter()
     stage = build_stage(
         ctx.spec.source,
@@ -179,7 +182,7 @@ def serve_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
     )
 
     def from_driver(_mb: int | None) -> MicroBatch | None:
-        item: Batch | Stop = queues["in"].get()
+        item: Batch | Stop = ctx.link.get()
         if isinstance(item, Stop):
             return None
         types = item.token_type_ids
@@ -192,7 +195,7 @@ def serve_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
 
     def to_driver(mb: int, logits: torch.Tensor) -> None:
         if ctx.tp_rank == 0:
-            queues["out"].put(Result(mb, logits.cpu().numpy()))  # (B, S, 2) float32
+            ctx.link.send(Result(mb, logits.cpu().numpy()))  # (B, S, 2) float32
 
     comm = P2PCommunicator(device=ctx.device, backend=ctx.backend)
     ex = ctx.stage_executor(stage, comm, get_inputs=from_driver, on_logits=to_driver, forward_only=True)
@@ -302,10 +305,8 @@ def dp_groups_for(
     return dp_mine, mp_mine
 
 
-def worker_main(
-    rank: int, spec: GangSpec, env: dict[str, str], queues: dict[str, Any], progress: Any, busy_since: Any
-) -> None:
-    """Process entry point of one rank."""
+def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
+    """Process entry point of one rank (``env``: the rendezvous and the driver's channel)."""
     os.environ.update(env)
     # Ctrl-C in a terminal (or `timeout`, or `kill -- -PGID`) signals the whole process group: let
     # the driver drain and stop the gang rather than every rank dying mid-micro-batch. Ranks still
@@ -316,8 +317,9 @@ def worker_main(
         level=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
-    threading.Thread(target=_watch_parent, args=(int(env["SHARDSERVE_PARENT_PID"]),), daemon=True).start()
-    ctrl = queues["ctrl"]
+    if "SHARDSERVE_PARENT_PID" in env:  # spawned by a local driver: leave with it at once
+        threading.Thread(target=_watch_parent, args=(int(env["SHARDSERVE_PARENT_PID"]),), daemon=True).start()
+    link = RankChannel.from_env(rank)  # heartbeats start now, before the slow part
     code = 0
     try:
         torch.set_num_threads(spec.threads_per_rank)
@@ -339,27 +341,26 @@ def worker_main(
             device,
             backend,
             tp_group,
-            progress,
-            busy_since,
+            link,
             dp_rank=dp_rank,
             dp_group=dp_group,
             mp_group=mp_group,
         )
         ctx.maybe_fault(-1)
-        spec.program(
-            ctx,
-            queues,
-            ready=lambda info: ctrl.put(RankReady(rank, {**info, "setup_s": time.perf_counter() - t0})),
-        )
-        ctrl.put(RankStopped(rank))
+        if not link.wait_connected(spec.collective_timeout_s):
+            raise RuntimeError(f"rank {rank}: the driver at {env.get(ENV_ENDPOINTS)} never reached this rank")
+
+        def ready(info: dict[str, Any]) -> None:
+            info = {**info, "setup_s": time.perf_counter() - t0, "host": socket.gethostname()}
+            link.send(RankReady(rank, info))
+
+        spec.program(ctx, ready=ready)
+        link.send(RankStopped(rank))
     except BaseException:
-        ctrl.put(RankFailed(rank, traceback.format_exc()))
+        link.send(RankFailed(rank, traceback.format_exc()))
         code = 1
     finally:
-        for q in queues.values():
-            if hasattr(q, "close"):
-                q.close()
-                q.join_thread()
+        link.close()  # delivers the last report
         if code == 0 and dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -305,12 +305,12 @@ def _clip_and_step(
     return norm
 
 
-def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dict], None]) -> None:
+def train_rank(ctx: RankContext, *, ready: Callable[[dict], None]) -> None:
     """One rank of a training gang (``GangSpec.program``, ``GangMode.RUN``): build, restore, then
     the step loop; reports ``StepReport`` / ``EvalLogits`` / ``CheckpointSaved`` to the driver."""
     cfg: TrainConfig = ctx.spec.extra["train"]
     run: RunInfo = ctx.spec.extra["run"]
-    ctrl = queues["ctrl"]
+    report = ctx.link.send  # StepReport / EvalLogits / CheckpointSaved to the driver
     plan = ctx.plan
     pp, world = plan.dims.pp, plan.dims.world_size
     stage, opt = _build_trainable_stage(ctx, cfg)
@@ -388,7 +388,7 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
         loss_scale = scaler.scale if scaler is not None else 1.0  # the scale this step's loss carried
         norm = _clip_and_step(stage, opt, ctx, cfg, lr=lr, scaler=scaler)
         done = step + 1
-        ctx.progress[ctx.rank] = done
+        ctx.link.progress = done
         loss = sum(ex.losses) / loss_scale
         if ctx.is_last and dp > 1:  # the dp group of a last-stage shard: every replica's last stage
             total = torch.tensor(loss, dtype=torch.float64)
@@ -396,14 +396,14 @@ def train_rank(ctx: RankContext, queues: dict[str, Any], *, ready: Callable[[dic
             loss = float(total)
         if ctx.is_last and ctx.tp_rank == 0 and ctx.dp_rank == 0:
             allreduce = dataclasses.asdict(reduced) if reduced is not None else None
-            ctrl.put(StepReport(ctx.rank, done, loss, lr, norm, len(idx), allreduce))
+            report(StepReport(ctx.rank, done, loss, lr, norm, len(idx), allreduce))
         final = done == run.total_steps
         if evaluates and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
-            _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, ctrl, autocast)
+            _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, autocast)
         if checkpoints.due(done):
             checkpoints.save(done, loss_scale=scaler.scale if scaler is not None else 1.0)
             if ctx.rank == 0:
-                ctrl.put(CheckpointSaved(ctx.rank, done, final))
+                report(CheckpointSaved(ctx.rank, done, final))
     if comm is not None:
         comm.flush()
 
@@ -416,7 +416,6 @@ def _evaluate_in_gang(
     run: RunInfo,
     cfg: TrainConfig,
     step: int,
-    ctrl: Any,
     autocast: Callable[[], contextlib.AbstractContextManager],
 ) -> None:
     """Forward the evaluation windows through the pipeline (the training schedule, forward only);
@@ -445,7 +444,7 @@ def _evaluate_in_gang(
     )
     run_gpipe(ex, n_micro)  # forward_only: the n_micro forwards, no backward
     if ctx.is_last and ctx.tp_rank == 0:
-        ctrl.put(EvalLogits(ctx.rank, step, torch.cat(chunks).numpy()))
+        ctx.link.send(EvalLogits(ctx.rank, step, torch.cat(chunks).numpy()))
     stage.train()
 
 

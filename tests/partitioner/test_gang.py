@@ -112,6 +112,19 @@ def test_killed_rank_fails_fast_and_is_named():
         assert all(p.exitcode is not None for p in gang._procs)  # the whole gang is down
 
 
+def test_frozen_rank_is_found_by_its_missing_heartbeat_even_when_idle():
+    """SIGSTOP: the process lives, nothing is in flight (no stall to see), but it stops beating."""
+    with Gang(_spec(pp=2), heartbeat_timeout_s=1.5) as gang:
+        gang.run([_batch()], timeout_s=60)
+        os.kill(gang.pids()[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        while gang.healthy and time.monotonic() - t0 < 20:
+            time.sleep(0.1)
+        assert not gang.healthy and time.monotonic() - t0 < 6
+        assert gang.error is not None and gang.error.rank == 1
+        assert "rank 1 (stage 1, tp 0) sent no heartbeat for 2s (hung, frozen or unreachable)" in str(gang.error)
+
+
 def test_raising_rank_reports_its_traceback():
     with Gang(_spec(pp=2, fault=FaultSpec(rank=1, mode="raise", at_batch=1))) as gang:
         gang.run([_batch()], timeout_s=60)
@@ -182,11 +195,14 @@ def test_rendezvous_store_listens_on_loopback_only():
     gang = Gang(_spec(pp=2)).start()
     try:
         port = int(gang._store.port)
-        assert _listen_addresses(port) == {"127.0.0.1"}  # not 0.0.0.0 / :: (every interface)
+        # the driver's channel (ZeroMQ ROUTER + PULL) too
+        channel_ports = [int(ep.rsplit(":", 1)[1]) for ep in gang._channel.endpoints.split(";")]
+        for p in (port, *channel_ports):
+            assert _listen_addresses(p) == {"127.0.0.1"}  # not 0.0.0.0 / :: (every interface)
         assert gang.run([_batch()], timeout_s=60)[0].shape == (2, 12, 2)
     finally:
         gang.stop()
-    assert _listen_addresses(port) == set()
+    assert all(_listen_addresses(p) == set() for p in (port, *channel_ports))
 
 
 def test_spec_names_its_program_and_mode_explicitly():
@@ -194,7 +210,7 @@ def test_spec_names_its_program_and_mode_explicitly():
     assert spec.program is serve_rank and spec.mode is GangMode.STREAM  # serving by default
     assert pickle.loads(pickle.dumps(spec)).program is serve_rank  # spawn pickles it by name
     with pytest.raises(TypeError, match="module-level function"):
-        _spec(program=lambda ctx, queues, *, ready: None)
+        _spec(program=lambda ctx, *, ready: None)
     with pytest.raises(TypeError, match="GangMode"):
         _spec(mode="run")
     with pytest.raises(RuntimeError, match=r"join\(\) is for GangMode\.RUN"):
@@ -203,11 +219,11 @@ def test_spec_names_its_program_and_mode_explicitly():
         Gang(_spec(mode=GangMode.RUN)).submit(*_batch())
 
 
-def report_and_finish(ctx: RankContext, queues, *, ready) -> None:
+def report_and_finish(ctx: RankContext, *, ready) -> None:
     """A GangMode.RUN program: ready, one message from the last rank, done."""
     ready({"stage": ctx.stage})
     if ctx.is_last:
-        queues["ctrl"].put(CheckpointSaved(ctx.rank, step=1, final=True))
+        ctx.link.send(CheckpointSaved(ctx.rank, step=1, final=True))
 
 
 def test_run_mode_gang_joins_and_hands_over_program_messages():

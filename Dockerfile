@@ -3,14 +3,13 @@
 #
 #   docker build -t shardserve:cpu .                                 # small CPU image (default)
 #   docker build -t shardserve:cuda --build-arg VARIANT=cuda .       # CUDA torch wheels, device=cuda
-#   docker run -p 8000:8000 --shm-size=1g shardserve:cpu             # serves on http://127.0.0.1:8000
+#   docker run -p 8000:8000 shardserve:cpu                           # serves on http://127.0.0.1:8000
 #   docker run -p 8000:8000 -e SHARDSERVE_PP=2 shardserve:cpu        # every flag: SHARDSERVE_<FLAG>
 #
 # Stages: `builder` installs torch (CPU or CUDA wheels by VARIANT) and the project into a virtual
 # environment; `runtime` copies only that environment onto a slim Python image and runs as a
 # non-root user. The CUDA variant needs the NVIDIA container toolkit on the host (`--gpus all`);
 # the CUDA libraries come with the torch wheels, so both variants share the same base image.
-# Gang ranks talk over shared memory: give the container a larger /dev/shm (--shm-size=1g).
 # Linted in CI by hadolint (tests/deploy/test_dockerfile.py).
 
 ARG PYTHON_VERSION=3.11

@@ -4,6 +4,7 @@ shardserve plan --model minilm --pp 2 --tp 2 --batch-size 8 --seq-len 384
 shardserve plan --model tiny-bert --pp 3 --json
 shardserve plan --model minilm --dp 2 --pp 2 --batch-size 4 --seq-len 256   # training: 4 ranks
 shardserve verify --model tiny-roberta --pp 2 --tp 2
+MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 RANK=1 shardserve worker --key-file gang.key   # on another host
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from models.config import ModelConfigError
@@ -19,6 +21,7 @@ from models.registry import MODEL_NAMES, resolve_model
 from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
 from partitioner.plan import ParallelDims, default_devices, make_plan
 from partitioner.precision import DTYPE_CHOICES, PrecisionError, resolve_dtype
+from partitioner.remote import JoinError, join_gang, read_gang_key
 from partitioner.verify import TOLERANCES
 
 logger = logging.getLogger(__name__)
@@ -126,6 +129,60 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     v.set_defaults(func=cmd_verify)
 
+    w = sub.add_parser(
+        "worker",
+        help="run one rank of a gang whose driver is on another host",
+        description="Join the gang whose rendezvous store is at MASTER_ADDR:MASTER_PORT as rank RANK "
+        "(torchrun's variables, or the flags), read the model and layout the driver published (signed "
+        "with the gang key), load only this rank's shard and serve until the gang stops; exits 0 then, "
+        "non-zero on a failure (a supervisor such as Kubernetes restarts it to join the next gang). "
+        "GLOO_SOCKET_IFNAME names the interface the other ranks reach.",
+    )
+    w.add_argument(
+        "--master-addr", default=os.environ.get("MASTER_ADDR"), help="the driver's host (env MASTER_ADDR)"
+    )
+    w.add_argument(
+        "--master-port",
+        type=int,
+        default=_env_int("MASTER_PORT"),
+        help="its rendezvous port (env MASTER_PORT)",
+    )
+    w.add_argument(
+        "--rank", type=int, default=_env_int("RANK"), help="this worker's rank in the gang (env RANK)"
+    )
+    w.add_argument(
+        "--key-file",
+        help="file holding the gang key (hex), as given to the server; default: env SHARDSERVE_GANG_KEY",
+    )
+    w.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the driver's spec (default: %(default)s)",
+    )
+    w.set_defaults(func=cmd_worker)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value and value.isdigit() else None
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    missing = [flag for flag, v in (("--master-addr", args.master_addr), ("--master-port", args.master_port),
+                                    ("--rank", args.rank)) if v is None]  # fmt: skip
+    if missing:
+        raise JoinError(f"{', '.join(missing)} not given (or MASTER_ADDR / MASTER_PORT / RANK not set)")
+    key = read_gang_key(args.key_file)
+    join_gang(
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rank=args.rank,
+        key=key,
+        timeout_s=args.join_timeout_s,
+    )
+    return 0  # not reached: the rank exits with its own code
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
@@ -221,7 +278,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
-USER_ERRORS = (ModelConfigError, CheckpointError, InfeasiblePlanError, PrecisionError)
+USER_ERRORS = (ModelConfigError, CheckpointError, InfeasiblePlanError, PrecisionError, JoinError)
 
 
 def main_guard(func, args: argparse.Namespace) -> int:

@@ -24,7 +24,10 @@ future at once:
 
 After a failure the remaining ranks are killed; ``stop()`` drains in-flight work, sends ``Stop``
 down the pipeline and joins the processes (the rendezvous store lives in the driver, so
-no port outlives the gang). The store listens on loopback only (``loopback_store``).
+no port outlives the gang). The store and the channel listen on loopback only (``bound_store``),
+unless ``GangNetwork`` names the host address other hosts reach: then the ranks it lists as
+external are not spawned but joined by ``shardserve worker`` elsewhere (``partitioner/remote.py``)
+and watched through their heartbeats alone.
 
     with Gang(GangSpec(source, plan)) as gang:                   # serve_rank, GangMode.STREAM
         logits = gang.submit(input_ids, attention_mask).result()   # (B, S, 2) float32 tensor
@@ -54,14 +57,17 @@ import torch.multiprocessing as mp
 
 from partitioner.channel import ENV_ENDPOINTS, ENV_KEY, ChannelError, DriverChannel
 from partitioner.messages import Batch, ControlMessage, RankFailed, RankReady, RankStopped, Result, Stop
+from partitioner.remote import SPEC_KEY, GangNetwork, publish_spec
 from partitioner.wire import new_key
 from partitioner.worker import GangMode, GangSpec, worker_main
 
 logger = logging.getLogger(__name__)
 
 
-def loopback_store(world_size: int, *, timeout: timedelta) -> dist.TCPStore:
-    """A rendezvous store (master side) listening on 127.0.0.1 only, on a free port.
+def bound_store(
+    world_size: int, *, timeout: timedelta, host: str = "127.0.0.1", port: int = 0
+) -> dist.TCPStore:
+    """A rendezvous store (master side) listening on ``host`` only (port 0: a free one).
 
     ``TCPStore("127.0.0.1", 0, is_master=True)`` listens on EVERY interface (the host name only
     tells clients where to connect) and the store has no authentication, so a local gang would
@@ -70,7 +76,8 @@ def loopback_store(world_size: int, *, timeout: timedelta) -> dist.TCPStore:
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind(("127.0.0.1", 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a fixed port, right after a restart
+        sock.bind((host, port))
         sock.listen(max(128, world_size))
         port = sock.getsockname()[1]
     except BaseException:
@@ -79,7 +86,7 @@ def loopback_store(world_size: int, *, timeout: timedelta) -> dist.TCPStore:
     fd = sock.detach()  # the store closes it when it is destroyed
     try:
         return dist.TCPStore(
-            "127.0.0.1",
+            host,
             port,
             world_size,
             is_master=True,
@@ -126,20 +133,23 @@ class Gang:
         stall_timeout_s: float = 60.0,
         heartbeat_timeout_s: float = 10.0,
         poll_s: float = 0.05,
+        network: GangNetwork | None = None,
     ) -> None:
         self.spec = spec
         self.name = name
         self.start_timeout_s = start_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.network = network or GangNetwork()
         self.poll_s = poll_s
         self.stats = GangStats()
         self.error: GangError | None = None
         self._ctx = mp.get_context("spawn")
-        self._procs: list[Any] = []
+        self._procs: dict[int, Any] = {}  # rank -> process, for the ranks spawned here
         self._pending: dict[int, Future] = {}  # micro-batch id -> its result
         self._lock = threading.Lock()
         self._next_id = 0
+        self._started = False  # ranks spawned / awaited, until stop()
         self._stopping = False
         self._monitor: threading.Thread | None = None
         self._last_progress = time.monotonic()
@@ -169,22 +179,34 @@ class Gang:
                 f"{self.name}: a serving gang is one replica (dp=1), got dp={dims.dp}; "
                 "scale serving with more replicas instead"
             )
-        self._store = loopback_store(dims.world_size, timeout=timedelta(seconds=self.start_timeout_s))
-        key = new_key()
-        self._channel = DriverChannel(world_size=dims.world_size, key=key, host="127.0.0.1")
+        net = self.network
+        self._store = bound_store(
+            dims.world_size,
+            timeout=timedelta(seconds=self.start_timeout_s),
+            host=net.host,
+            port=net.store_port,
+        )
+        key = net.key or new_key()
+        self._channel = DriverChannel(world_size=dims.world_size, key=key, host=net.host)
         self._stage0 = [dims.rank_of(0, t) for t in range(dims.tp)]
+        if net.external_ranks:
+            publish_spec(self._store, self.spec, endpoints=self._channel.endpoints, key=key)
+            logger.info("%s: waiting for ranks %s to join at %s:%d", self.name, list(net.external_ranks),
+                        net.host, self._store.port)  # fmt: skip
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo" if net.host == "127.0.0.1" else None)
         base_env = {
             ENV_ENDPOINTS: self._channel.endpoints,
             ENV_KEY: key.hex(),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": net.host,
             "MASTER_PORT": str(self._store.port),
             "WORLD_SIZE": str(dims.world_size),
             "SHARDSERVE_DRIVER_STORE": "1",
             "SHARDSERVE_PARENT_PID": str(os.getpid()),
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
-        }
+        } | ({"GLOO_SOCKET_IFNAME": ifname} if ifname else {})
         for rank in range(dims.world_size):
+            if rank in net.external_ranks:
+                continue
             env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             proc = self._ctx.Process(
                 target=worker_main,
@@ -193,7 +215,8 @@ class Gang:
                 daemon=True,
             )
             proc.start()
-            self._procs.append(proc)
+            self._procs[rank] = proc
+        self._started = True
         try:
             self._wait_ready()
         except BaseException:
@@ -244,25 +267,27 @@ class Gang:
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         """Drain in-flight micro-batches, stop every rank, release the rendezvous port."""
-        if not self._procs:
+        if not self._started:
             return
         if self.error is None:
             deadline = time.monotonic() + timeout_s
             while self._pending and self.error is None and time.monotonic() < deadline:
                 time.sleep(self.poll_s)
         self._stopping = True
+        self._unpublish()
         if self.error is None:
             for rank in self._stage0:
                 with contextlib.suppress(ChannelError):
                     self._send(rank, Stop())
-            for proc in self._procs:
+            for proc in self._procs.values():
                 proc.join(timeout=max(0.1, timeout_s))
         self._kill_all()
         self._fail_pending(self.error or GangError(f"{self.name}: gang stopped"))
         if self._monitor is not None:
             self._monitor.join(timeout=5)
         self._release()
-        self._procs = []
+        self._procs = {}
+        self._started = False
         self._store = None
 
     def __enter__(self) -> Gang:
@@ -273,19 +298,19 @@ class Gang:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and bool(self._procs) and not self._stopping
+        return self.error is None and self._started and not self._stopping
 
     @property
     def inflight(self) -> int:
         return len(self._pending)
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for _, p in sorted(self._procs.items())]
 
     def busy_ranks(self) -> list[bool]:
         """Per rank: inside a micro-batch right now? (for sampling busy time; empty when not started)."""
         channel = self._channel
-        return [bool(t) for t in channel.busy_since] if channel is not None and self._procs else []
+        return [bool(t) for t in channel.busy_since] if channel is not None and self._started else []
 
     # ------------------------------------------------------------------ work
     def submit(
@@ -361,7 +386,7 @@ class Gang:
                 continue
             handle(msg)
         self._stopping = True
-        for proc in self._procs:
+        for proc in self._procs.values():
             proc.join(timeout=30)
         self._release()
 
@@ -441,23 +466,30 @@ class Gang:
         assert self._channel is not None
         channel = self._channel
 
-        def survey() -> list[int]:
+        external = set(self.network.external_ranks)
+
+        def survey(silent_after_s: float) -> list[int]:
             while (msg := channel.recv(0)) is not None:
                 if isinstance(msg, RankFailed):
                     reports.setdefault(msg.rank, msg.traceback)
                 elif on_other is not None:
                     on_other(msg)
-            exited = {r for r, p in enumerate(self._procs) if p.exitcode is not None}
+            exited = {r for r, p in self._procs.items() if p.exitcode is not None}
             silent = set(channel.silent_ranks(self.heartbeat_timeout_s))
+            silent |= external & set(channel.silent_ranks(silent_after_s))
             return sorted((exited | silent) - set(finished))
 
-        dead = survey()
+        dead = survey(self.heartbeat_timeout_s)
         if self._stopping or (not reports and not dead):
             return None
-        settle = time.monotonic() + 0.3  # a raiser's traceback or a killed peer's exit may lag a little
+        # A raiser's traceback or a killed peer's exit may lag a little. An external rank has no
+        # process to watch: once something failed, three missed heartbeats make it the suspect
+        # (its peers' connection errors only echo its death).
+        suspect_after = 3 * channel.heartbeat_s
+        settle = time.monotonic() + (suspect_after + 0.2 if external else 0.3)
         while time.monotonic() < settle:
             time.sleep(0.02)
-            dead = survey()
+            dead = survey(suspect_after)
         unreported = [r for r in dead if r not in reports]
         where = f" {phase}" if phase else ""
         if unreported:
@@ -472,7 +504,8 @@ class Gang:
         return GangError(msg, rank=rank)
 
     def _exit_code(self, rank: int) -> int | None:
-        return self._procs[rank].exitcode if rank < len(self._procs) else None
+        proc = self._procs.get(rank)
+        return proc.exitcode if proc is not None else None
 
     def _blame_order(self, rank: int) -> int:
         """Among ranks lost without a report: killed by a signal first, then exited, then silent."""
@@ -482,7 +515,9 @@ class Gang:
     def _how_lost(self, rank: int) -> str:
         code = self._exit_code(rank)
         if code is None:
-            return f"sent no heartbeat for {self.heartbeat_timeout_s:.0f}s (hung, frozen or unreachable)"
+            last = self._channel.last_seen[rank] if self._channel is not None else None
+            quiet = f"{time.monotonic() - last:.1f}s" if last is not None else "ever"
+            return f"sent no heartbeat for {quiet} (died, hung, frozen or unreachable)"
         return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
     def _on_late(self, msg: ControlMessage | Result) -> None:
@@ -490,8 +525,15 @@ class Gang:
         if isinstance(msg, Result):
             self._resolve(msg)
 
+    def _unpublish(self) -> None:
+        """A restarted worker must not join this gang any more: withdraw its spec from the store."""
+        if self.network.external_ranks and self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.delete_key(SPEC_KEY)
+
     def _fail(self, err: GangError) -> None:
         logger.error("%s", err)
+        self._unpublish()
         self.error = err
         self._kill_all()
         self._fail_pending(err)
@@ -504,10 +546,11 @@ class Gang:
                 fut.set_exception(err)
 
     def _kill_all(self) -> None:
-        for proc in self._procs:
+        """Kill the ranks spawned here (external ranks exit when their peers or their driver are gone)."""
+        for proc in self._procs.values():
             if proc.exitcode is None:
                 proc.kill()
-        for proc in self._procs:
+        for proc in self._procs.values():
             proc.join(timeout=5)
 
     def _release(self) -> None:

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.qa_processing import WindowConfig
 from partitioner.precision import DtypeChoice, resolve_dtype
+from partitioner.remote import GangNetwork
 from serving import kserve_v2
 from serving.access import AccessMiddleware, include_protected
 from serving.engine import Engine
@@ -69,6 +70,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         dtype=precision.name,
         stall_timeout_s=settings.stall_after_s,
         start_timeout_s=settings.gang_start_timeout_s,
+        network=GangNetwork(
+            host=settings.gang_host,
+            store_port=settings.gang_port,
+            external_ranks=tuple(settings.external_ranks),
+            key=bytes.fromhex(settings.gang_key) if settings.external_ranks and settings.gang_key else None,
+        ),
     )
     scheduler = Scheduler(settings.scheduler_config())  # the one ledger of in-flight work
     manager = ReplicaManager(

@@ -44,6 +44,7 @@ import torch
 from models.qa_processing import WindowConfig, encode_qa, pad_windows
 from models.registry import ModelSource
 from partitioner.plan import ParallelDims, PartitionPlan, make_plan
+from partitioner.remote import GangNetwork
 from serving.metrics import ServingMetrics
 from serving.redact import one_line, scrub_paths
 
@@ -83,15 +84,23 @@ BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
 
 
 def gang_factory(
-    *, threads_per_rank: int, stall_timeout_s: float, start_timeout_s: float, dtype: str = "float32"
+    *,
+    threads_per_rank: int,
+    stall_timeout_s: float,
+    start_timeout_s: float,
+    dtype: str = "float32",
+    network: GangNetwork | None = None,
 ) -> BackendFactory:
-    """A factory of real gangs (worker processes) with these settings."""
+    """A factory of real gangs (worker processes) with these settings; ``network``: where the gang
+    listens and which ranks run elsewhere (default: all here, on loopback)."""
     from partitioner.gang import Gang
     from partitioner.worker import GangSpec
 
     def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
         spec = GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype)
-        return Gang(spec, name=name, stall_timeout_s=stall_timeout_s, start_timeout_s=start_timeout_s)
+        return Gang(
+            spec, name=name, stall_timeout_s=stall_timeout_s, start_timeout_s=start_timeout_s, network=network
+        )
 
     return make
 

@@ -194,6 +194,35 @@ class ServeSettings(BaseSettings):
         "(default: a third of request_timeout_s)",
     )
     gang_start_timeout_s: float = Field(300.0, gt=0, description="a gang not ready after this is failed")
+
+    # ---- a gang across hosts (README "Gangs across hosts")
+    external_ranks: Annotated[list[int], NoDecode] = Field(
+        default_factory=list,
+        description="comma-separated ranks of the replica gang that run on other hosts, each started there "
+        "with `shardserve worker` (MASTER_ADDR=gang_host MASTER_PORT=gang_port RANK=r and the gang key); "
+        "the server spawns the others and waits for these. One replica per server: scale by running more "
+        "(e.g. a Kubernetes LeaderWorkerSet)",
+    )
+    gang_host: str = Field(
+        "127.0.0.1",
+        description="address the gang's rendezvous store and channel listen on: 127.0.0.1 for a gang on this "
+        "machine; with external_ranks this host's address on the network the workers share (not 0.0.0.0)",
+    )
+    gang_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="rendezvous port of the gang (0: a free one; with external_ranks: fixed, "
+        "the workers' MASTER_PORT)",
+    )
+    gang_key: str | None = Field(
+        None,
+        description="the gang key (hex, at least 16 bytes) the workers were given: their messages and the "
+        "published spec are signed with it",
+    )
+    gang_key_file: str | None = Field(
+        None, description="read the gang key from this file (first line); not together with gang_key"
+    )
     restart_backoff_s: float = Field(1.0, ge=0, description="pause before restarting a failed gang")
 
     @model_validator(mode="before")
@@ -208,10 +237,16 @@ class ServeSettings(BaseSettings):
 
     @model_validator(mode="before")
     @classmethod
-    def _split_buckets(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("length_buckets"), str):
-            raw = data["length_buckets"].strip().strip("[]")
-            data = {**data, "length_buckets": [int(x) for x in raw.split(",") if x.strip()]}
+    def _read_gang_key_file(cls, data: Any) -> Any:
+        return _secret_from_file(data, secret="gang_key", file="gang_key_file")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_lists(cls, data: Any) -> Any:
+        for name in ("length_buckets", "external_ranks"):
+            if isinstance(data, dict) and isinstance(data.get(name), str):
+                raw = data[name].strip().strip("[]")
+                data = {**data, name: [int(x) for x in raw.split(",") if x.strip()]}
         return data
 
     @model_validator(mode="after")
@@ -248,11 +283,38 @@ class ServeSettings(BaseSettings):
             problems.append(f"device={self.device!r} must be cpu or cuda")
         if self.dtype not in DTYPE_CHOICES:
             problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
+        problems += self._gang_problems()
         if problems:
             raise ValueError("invalid settings: " + "; ".join(problems))
         self.scheduler_config()  # raises with the numbers
         self.autoscaling_config()
         return self
+
+    def _gang_problems(self) -> list[str]:
+        if not self.external_ranks:
+            return []
+        out = []
+        outside = [r for r in self.external_ranks if not 0 <= r < self.world_size]
+        if outside:
+            out.append(
+                f"external_ranks {outside} are not ranks of a pp={self.pp} x tp={self.tp} gang (0..{self.world_size - 1})"
+            )
+        if self.replica_bounds != (1, 1):
+            out.append(
+                f"external_ranks need exactly one replica, got {self.replica_bounds[0]}..{self.replica_bounds[1]}"
+            )
+        if self.gang_port == 0:
+            out.append("external_ranks need a fixed gang_port (the workers' MASTER_PORT)")
+        if self.gang_host in ("0.0.0.0", "::", ""):
+            out.append(
+                f"gang_host={self.gang_host!r} would listen on every interface: give this host's address"
+            )
+        key = self.gang_key or ""
+        if not all(c in "0123456789abcdefABCDEF" for c in key) or len(key) < 32:
+            out.append(
+                "external_ranks need the gang key (gang_key / gang_key_file / SHARDSERVE_GANG_KEY): hex, >= 16 bytes"
+            )
+        return out
 
     @property
     def world_size(self) -> int:
@@ -303,6 +365,8 @@ class ServeSettings(BaseSettings):
         """Rank slots of the CPU device pool (see ``cpu_slots``)."""
         if self.cpu_slots is not None:
             return self.cpu_slots
+        if self.external_ranks:  # one gang on a fixed port: a restart or reload replaces it in place
+            return self.world_size
         return self.world_size * (self.replica_bounds[1] + 1)
 
     @property

@@ -22,7 +22,7 @@ DEPLOY = REPO / "deploy"
 # oldest version with everything used here (pod-index labels, Indexed Jobs) .. the newest bundled
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
-from tests.deploy.kserve_schemas import is_kserve, validate_kserve  # noqa: E402 (needs the skip above)
+from tests.deploy.crd_schemas import is_crd, validate_crd  # noqa: E402 (needs the skip above)
 
 
 def _docs() -> list[tuple[str, dict[str, Any]]]:
@@ -53,7 +53,7 @@ def test_every_manifest_passes_the_schema() -> None:
         "ConfigMap",
         "Job",
     }
-    assert {d["kind"] for _, d in docs} >= {"ServingRuntime", "InferenceService"}
+    assert {d["kind"] for _, d in docs} >= {"ServingRuntime", "InferenceService", "LeaderWorkerSet"}
     for version in K8S_VERSIONS:
         for filename, doc in docs:
             try:
@@ -63,9 +63,9 @@ def test_every_manifest_passes_the_schema() -> None:
 
 
 def _validate(doc: dict[str, Any], version: str) -> None:
-    """Strict schema validation; the KServe kinds through ``tests/deploy/kserve_schemas.py``."""
-    if is_kserve(doc):
-        validate_kserve(doc, version)
+    """Strict schema validation; the custom resources through ``tests/deploy/crd_schemas.py``."""
+    if is_crd(doc):
+        validate_crd(doc, version)
     else:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -180,11 +180,11 @@ def test_the_kserve_validator_rejects_a_broken_manifest() -> None:
         broken = yaml.safe_load(yaml.safe_dump(runtime))
         mutate(broken)
         with pytest.raises(kubernetes_validate.ValidationError, match=match):
-            validate_kserve(broken, K8S_VERSIONS[-1])
+            validate_crd(broken, K8S_VERSIONS[-1])
     isvc = yaml.safe_load(yaml.safe_dump(_one("InferenceService", "squad-qa")))
     isvc["spec"]["predictor"]["model"]["modelformat"] = {"name": "x"}
     with pytest.raises(kubernetes_validate.ValidationError):
-        validate_kserve(isvc, K8S_VERSIONS[-1])
+        validate_crd(isvc, K8S_VERSIONS[-1])
 
 
 def test_kserve_runtime_serves_the_v2_protocol_on_open_probes() -> None:
@@ -215,3 +215,68 @@ def test_kserve_runtime_serves_the_v2_protocol_on_open_probes() -> None:
     assert model["modelFormat"]["name"] in {f["name"] for f in spec["supportedModelFormats"]}
     # the served name ({{.Name}} = the InferenceService name) is a valid served_model_name
     assert ServeSettings(served_model_name=isvc["metadata"]["name"]).served_model_name == "squad-qa"
+
+
+# ------------------------------------------------------------------------------------------ LeaderWorkerSet
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    return dict(zip(args[1::2], args[2::2], strict=True))
+
+
+def test_lws_replica_spans_two_hosts_leader_serves_and_worker_joins_its_gang() -> None:
+    """deploy/lws-two-hosts.yaml: the leader's serve flags and the worker's join settings agree."""
+    from serving.settings import ServeSettings
+
+    lws = _one("LeaderWorkerSet", "shardserve-2host")
+    tmpl = lws["spec"]["leaderWorkerTemplate"]
+    (leader,) = tmpl["leaderTemplate"]["spec"]["containers"]
+    (worker,) = tmpl["workerTemplate"]["spec"]["containers"]
+    args = leader["args"]
+    assert args[0] == "serve"
+    flags = _flags(args)
+    for flag in flags:  # every flag is a real `shardserve serve` flag
+        assert flag[2:].replace("-", "_") in ServeSettings.model_fields, flag
+    pp = int(flags["--pp"])
+    external = [int(r) for r in flags["--external-ranks"].split(",")]
+    assert tmpl["size"] == pp == 2 and external == list(range(1, pp))  # one pod per stage; leader: rank 0
+    assert flags["--replicas"] == "1" and tmpl["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert flags["--gang-host"] == "$(POD_IP)"  # this pod's address, not every interface
+    pod_ip = next(e for e in leader["env"] if e["name"] == "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"]
+    assert pod_ip == "status.podIP"
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    assert ports["rendezvous"] == int(flags["--gang-port"]) == int(_env(worker)["MASTER_PORT"])
+    assert "shardserve worker" in worker["command"][-1] and "$LWS_LEADER_ADDRESS" in worker["command"][-1]
+    assert '--rank "$LWS_WORKER_INDEX"' in worker["command"][-1]
+    keys = [
+        next(e for e in c["env"] if e["name"] == "SHARDSERVE_GANG_KEY")["valueFrom"]["secretKeyRef"]
+        for c in (leader, worker)
+    ]
+    assert keys[0] == keys[1] and "optional" not in keys[0]  # one shared key, required
+    assert leader["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    svc = _one("Service", "shardserve-2host")
+    leader_labels = tmpl["leaderTemplate"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= leader_labels.items()
+    assert not svc["spec"]["selector"].items() <= tmpl["workerTemplate"]["metadata"]["labels"].items()
+    # the leader's settings validate as `shardserve serve` would (with a key, as the Secret gives)
+    settings = ServeSettings(
+        pp=pp, replicas=1, external_ranks=external, gang_host="10.1.2.3", gang_port=int(flags["--gang-port"]),
+        gang_key="ab" * 32,
+    )  # fmt: skip
+    assert settings.pool_slots == pp
+
+
+def test_the_lws_validator_rejects_a_broken_manifest() -> None:
+    lws = _one("LeaderWorkerSet", "shardserve-2host")
+    for mutate, match in [
+        (lambda d: d["spec"]["leaderWorkerTemplate"].update(size="two"), "is not of type 'integer'"),
+        (lambda d: d["spec"]["leaderWorkerTemplate"].update(restartPolicy="Always"), "is not one of"),
+        (
+            lambda d: d["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"].update(containerz=[]),
+            "containerz",
+        ),
+    ]:
+        broken = yaml.safe_load(yaml.safe_dump(lws))
+        mutate(broken)
+        with pytest.raises(kubernetes_validate.ValidationError, match=match):
+            validate_crd(broken, K8S_VERSIONS[-1])

@@ -5,6 +5,8 @@ python -m pytest tests/serving/test_settings.py -q
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -53,3 +55,22 @@ def test_dtype_is_validated_with_the_choices():
     assert ServeSettings().dtype == "auto"
     with pytest.raises(ValidationError, match="dtype='int8' must be one of auto, float32, bfloat16, float16"):
         ServeSettings(dtype="int8")
+
+
+def test_external_ranks_need_one_replica_a_fixed_port_an_address_and_the_key(tmp_path) -> None:
+    ok = dict(pp=2, replicas=1, external_ranks="1", gang_host="10.0.0.1", gang_port=29500, gang_key="ab" * 32)
+    s = ServeSettings(**ok)
+    assert s.external_ranks == [1] and s.pool_slots == 2  # one gang on a fixed port, replaced in place
+    key_file = tmp_path / "gang.key"
+    key_file.write_text("cd" * 32 + "\n")
+    assert ServeSettings(**{**ok, "gang_key": None, "gang_key_file": str(key_file)}).gang_key == "cd" * 32
+    for change, problem in [
+        ({"external_ranks": "2"}, "external_ranks [2] are not ranks of a pp=2 x tp=1 gang (0..1)"),
+        ({"replicas": 2}, "external_ranks need exactly one replica, got 2..2"),
+        ({"gang_port": 0}, "external_ranks need a fixed gang_port"),
+        ({"gang_host": "0.0.0.0"}, "would listen on every interface"),
+        ({"gang_key": None}, "external_ranks need the gang key"),
+        ({"gang_key": "not-hex" * 10}, "external_ranks need the gang key"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            ServeSettings(**{**ok, **change})

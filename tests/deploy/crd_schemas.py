@@ -1,13 +1,14 @@
-"""Offline schemas of the KServe kinds in deploy/kserve.yaml (ServingRuntime, InferenceService).
+"""Offline schemas of the custom resources in deploy/: KServe's ServingRuntime and
+InferenceService (deploy/kserve.yaml) and the LeaderWorkerSet (deploy/lws-two-hosts.yaml).
 
-kubernetes-validate bundles only the Kubernetes API, not KServe's CRDs (each is hundreds of KB).
-So the serving.kserve.io fields shardserve's manifests use are written out here, strict
-(``additionalProperties: false``; names and types as in kserve ``config/crd/full``), and every
-embedded Kubernetes object (Container, Volume, ResourceRequirements, ...) is a ``$ref`` into the
+kubernetes-validate bundles only the Kubernetes API, not these CRDs (each is hundreds of KB).
+So the fields shardserve's manifests use are written out here, strict (``additionalProperties:
+false``; names and types as in kserve ``config/crd/full`` and lws ``config/crd/bases``), and every
+embedded Kubernetes object (Container, PodTemplateSpec, Volume, ...) is a ``$ref`` into the
 bundled strict Kubernetes definitions of the version asked for: the same validator, the same
 registry as ``kubernetes_validate.validate``.
 
-    validate_kserve(doc, "1.29.0")      # raises kubernetes_validate.ValidationError
+    validate_crd(doc, "1.29.0")      # raises kubernetes_validate.ValidationError
 """
 
 from __future__ import annotations
@@ -120,15 +121,61 @@ INFERENCE_SERVICE = _obj(
     required=("apiVersion", "kind", "metadata", "spec"),
 )
 
-SCHEMAS = {"ServingRuntime": SERVING_RUNTIME, "InferenceService": INFERENCE_SERVICE}
+_POD_TEMPLATE = {"$ref": f"{DEFS}io.k8s.api.core.v1.PodTemplateSpec"}
+
+LEADER_WORKER_SET = _obj(
+    {
+        "apiVersion": {"const": "leaderworkerset.x-k8s.io/v1"},
+        "kind": {"const": "LeaderWorkerSet"},
+        "metadata": _META,
+        "spec": _obj(
+            {
+                "replicas": {"type": "integer", "minimum": 0},
+                "startupPolicy": {"type": "string", "enum": ["LeaderCreated", "LeaderReady"]},
+                "rolloutStrategy": _obj(
+                    {
+                        "type": {"type": "string", "enum": ["RollingUpdate"]},
+                        "rollingUpdateConfiguration": _obj(
+                            {
+                                "maxUnavailable": {"type": ["integer", "string"]},
+                                "maxSurge": {"type": ["integer", "string"]},
+                            }
+                        ),
+                    }
+                ),
+                "networkConfig": _obj(
+                    {"subdomainPolicy": {"type": "string", "enum": ["Shared", "UniquePerReplica"]}}
+                ),
+                "leaderWorkerTemplate": _obj(
+                    {
+                        "size": {"type": "integer", "minimum": 1},
+                        "restartPolicy": {"type": "string", "enum": ["RecreateGroupOnPodRestart", "None"]},
+                        "leaderTemplate": _POD_TEMPLATE,
+                        "workerTemplate": _POD_TEMPLATE,
+                    },
+                    required=("workerTemplate",),
+                ),
+            },
+            required=("leaderWorkerTemplate",),
+        ),
+    },
+    required=("apiVersion", "kind", "metadata", "spec"),
+)
+
+SCHEMAS = {
+    "ServingRuntime": SERVING_RUNTIME,
+    "InferenceService": INFERENCE_SERVICE,
+    "LeaderWorkerSet": LEADER_WORKER_SET,
+}
+CRD_GROUPS = ("serving.kserve.io/", "leaderworkerset.x-k8s.io/")
 
 
-def is_kserve(doc: dict[str, Any]) -> bool:
-    return str(doc.get("apiVersion", "")).startswith("serving.kserve.io/")
+def is_crd(doc: dict[str, Any]) -> bool:
+    return str(doc.get("apiVersion", "")).startswith(CRD_GROUPS)
 
 
-def validate_kserve(doc: dict[str, Any], version: str) -> None:
-    """Validate a KServe document as ``kubernetes_validate.validate(doc, version, strict=True)`` does."""
+def validate_crd(doc: dict[str, Any], version: str) -> None:
+    """Validate a custom resource as ``kubernetes_validate.validate(doc, version, strict=True)`` does."""
     schema = SCHEMAS.get(doc.get("kind", ""))
     if schema is None:
         raise kubernetes_validate.SchemaNotFoundError(

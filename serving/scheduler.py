@@ -41,11 +41,11 @@ Capacity (AlpaServe's view: a request meets its SLO only if the work ahead of it
 service rate has been measured, a request is refused with 429 ``overloaded`` when the queued
 windows that fair order puts before it (``windows_ahead``), plus its own, cannot be computed before
 its deadline at that rate. ``reserve()`` checks with an estimate of its windows (before tokenizing,
-so an overloaded server says no at once) inside a margin of the deadline (``RESERVE_MARGIN``); a
-reservation is a promise: ``submit()`` checks again only a request that needs more windows than
-the margin covers (the estimate was wrong), so a refusal never comes after the tokenizer wait.
-Admitted work then finishes in time instead of every request sharing the replicas until all of
-them answer 504.
+so an overloaded server says no at once) inside half of the time left (``RESERVE_MARGIN``: the
+estimates move while it waits for the tokenizer); ``submit()`` checks again with the real count
+and the time really left, so work that became late is refused (late, but before any compute)
+rather than admitted to time out. Admitted work then finishes in time instead of every request
+sharing the replicas until all of them answer 504.
 
 Release rule for a bucket's candidate batch (its first windows in fair order, greedily up to
 ``max_batch_size`` windows and ``max_batch_tokens`` padded tokens = size * longest window):
@@ -69,7 +69,7 @@ from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-RESERVE_MARGIN = 0.8  # reserve() admits when the estimated work fits this share of the time left
+RESERVE_MARGIN = 0.5  # reserve() admits when the estimated work fits this share of the time left
 RETRY_AFTER_MIN_S = 1  # Retry-After floor (integer seconds, as the HTTP header wants)
 RETRY_AFTER_MAX_S = 60  # Retry-After ceiling
 RATE_EWMA_TAU_S = 10.0  # time constant of the service-rate EWMA (busy seconds)
@@ -404,9 +404,7 @@ class Scheduler:
                 f"{len(windows_token_counts) / rate:.1f} s at the measured {rate:.1f} windows/s, more "
                 f"than its deadline of {max(0.0, deadline - now):.1f} s; send less text or a longer timeout_s"
             )
-        # a reservation holds for the work its margin covers; a request beyond it is checked anew
-        honoured = reserved and len(windows_token_counts) <= windows_hint / RESERVE_MARGIN
-        if not honoured and (late := self._overloaded(len(windows_token_counts), now, deadline)):
+        if late := self._overloaded(len(windows_token_counts), now, deadline):
             return late
         req = _Request(
             request_id,

@@ -6,9 +6,8 @@ tokenizer's backlog and the measured rate, so what it admits finishes in time), 
 ``Retry-After``, and the server's memory stays bounded. Before the capacity-aware admission all
 256 were admitted and 252 answered 504 after a minute (docs/benchmarks.md).
 
-The 429s must take under 100 ms at p99 inside the server (its access log: a refusal is decided
-before tokenizing, and a reservation is honoured after it, so no "no" waits for the tokenizer).
-The client-side bound has headroom for a busy CI machine: the load generator shares the 2 CPU
+The median 429 must take under 100 ms inside the server (its access log: a refusal is decided
+before tokenizing). The client-side bound has headroom for a busy CI machine: the load generator shares the 2 CPU
 cores with the server and its rank, and the 256 first requests arrive at once. The measured
 figures (429 latency server- and client-side, RSS growth) are in docs/benchmarks.md
 (``benchmarks/bench_overload.py``).
@@ -30,9 +29,9 @@ from loadtest.overload import QUESTION, OverloadConfig, access_log_latencies, lo
 
 CLIENTS = 256
 CONTEXT_CHARS = 20_000
-# measured (docs/benchmarks.md): 429 p99 8.8 ms inside the server, p50 0.04-0.3 s at the clients
-# (the load generator and the 256 first requests share the 2 cores); RSS growth 70-90 MB (was 226-321)
-P99_429_SERVER_BOUND_MS = 100.0
+# measured (docs/benchmarks.md): 429 p50 < 1 ms inside the server, 0.04-0.3 s at the clients (the
+# load generator and the 256 first requests share the 2 cores); RSS growth 60-90 MB (was 226-321)
+P50_429_SERVER_BOUND_MS = 100.0
 P50_429_CLIENT_BOUND_MS = 2000.0
 RSS_GROWTH_BOUND_MB = 150.0
 
@@ -67,9 +66,10 @@ def test_256_clients_with_long_contexts_get_fast_429s_and_memory_stays_bounded(
     # it served, and every client it did not serve was told to come back (at least once)
     assert report.count(200) >= 1 and report.count(429) >= CLIENTS - report.count(200), summary
     assert report.missing_retry_after == 0, summary
-    # "no" comes at once: decided before tokenizing, never after (a reservation is honoured)
-    assert report.latency_ms(429, 99, server=True) < P99_429_SERVER_BOUND_MS, summary
+    # "no" comes at once, decided before tokenizing: the median inside the server (the tail is the
+    # work refused after tokenizing because the rate dropped meanwhile: docs/benchmarks.md)
+    assert report.latency_ms(429, 50, server=True) < P50_429_SERVER_BOUND_MS, summary
     assert report.latency_ms(429, 50) < P50_429_CLIENT_BOUND_MS, summary
-    # admitted work meets its deadline; a few 504s when the rate drops after admission (a busy machine)
-    assert report.count(504) <= max(5, report.count(200) // 4), summary
+    # admitted work meets its deadline: a few 504s may come from a rate estimate that moved
+    assert report.count(504) <= max(2, report.count(200) // 10), summary
     assert report.rss_growth_mb is not None and report.rss_growth_mb < RSS_GROWTH_BOUND_MB, summary

@@ -14,7 +14,7 @@ logits are small; activations never pass here (they go rank to rank over torch.d
 Threads: on the driver, any thread may ``send`` (a lock guards the ROUTER) and ONE thread at a
 time reads with ``recv``; a heartbeat thread beats. On a rank, a receiver thread owns the DEALER
 (driver messages go to ``get()``), any thread may ``send`` (a lock guards the PUSH), and a
-heartbeat thread beats with the rank's ``progress`` / ``busy_since``.
+heartbeat thread beats with the rank's ``progress`` / ``busy_since`` / ``busy_s``.
 
 Health without process handles: both ends send a ``Heartbeat`` every ``heartbeat_s``. The driver
 keeps each rank's last sign of life (``silent_ranks``); a rank that hears nothing from its driver
@@ -86,6 +86,7 @@ class DriverChannel:
         self.last_seen: list[float | None] = [None] * world_size
         self.progress = [0] * world_size
         self.busy_since = [0.0] * world_size
+        self.busy_s = [0.0] * world_size  # seconds each rank spent inside micro-batches (cumulative)
         self._beater = threading.Thread(target=self._beat_loop, name="gang-driver-heartbeat", daemon=True)
         self._beater.start()
 
@@ -121,6 +122,7 @@ class DriverChannel:
                 if 0 <= msg.rank < self.world_size:
                     self.progress[msg.rank] = msg.progress
                     self.busy_since[msg.rank] = msg.busy_since
+                    self.busy_s[msg.rank] = msg.busy_s
                 continue
             return msg
 
@@ -174,6 +176,7 @@ class RankChannel:
         self.on_driver_lost = on_driver_lost or (lambda: os._exit(4))
         self.progress = 0  # micro-batches finished (RankContext.micro_batch keeps it)
         self.busy_since = 0.0  # wall time the current micro-batch started, 0 when idle
+        self.busy_s = 0.0  # seconds spent inside micro-batches so far
         self._ctx = zmq.Context()
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, _identity(rank))
@@ -241,7 +244,7 @@ class RankChannel:
     def _beat_loop(self) -> None:
         while not self._closing.wait(self.heartbeat_s):
             try:
-                self.send(Heartbeat(self.rank, self.progress, self.busy_since))
+                self.send(Heartbeat(self.rank, self.progress, self.busy_since, self.busy_s))
             except zmq.ZMQError:
                 return  # closing
 

@@ -307,10 +307,11 @@ class Gang:
     def pids(self) -> list[int]:
         return [p.pid for _, p in sorted(self._procs.items())]
 
-    def busy_ranks(self) -> list[bool]:
-        """Per rank: inside a micro-batch right now? (for sampling busy time; empty when not started)."""
+    def busy_seconds(self) -> list[float]:
+        """Per rank: seconds spent inside micro-batches so far, as of its last heartbeat (<= 0.5 s
+        old); empty when not started."""
         channel = self._channel
-        return [bool(t) for t in channel.busy_since] if channel is not None and self._started else []
+        return list(channel.busy_s) if channel is not None and self._started else []
 
     # ------------------------------------------------------------------ work
     def submit(

@@ -121,6 +121,7 @@ class Heartbeat:
     rank: int  # the sender; DRIVER for the driver
     progress: int = 0  # micro-batches this rank has finished
     busy_since: float = 0.0  # wall time its current micro-batch started (0: idle or waiting)
+    busy_s: float = 0.0  # seconds spent inside micro-batches so far (per-stage busy time, bubbles)
 
 
 DRIVER = -1  # Heartbeat.rank of the driver's heartbeats

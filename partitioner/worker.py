@@ -150,9 +150,11 @@ class RankContext:
     def micro_batch(self, n: int) -> Iterator[None]:
         """Around the computation of this rank's ``n``-th micro-batch (0-based): busy while inside
         (the driver's stall diagnosis), the injected fault if any, progress counted after."""
+        t0 = time.perf_counter()
         self.link.busy_since = time.time()
         self.maybe_fault(n)
         yield
+        self.link.busy_s += time.perf_counter() - t0
         self.link.progress = n + 1
         self.link.busy_since = 0.0
 

@@ -7,8 +7,9 @@ GET /metrics renders ``ServingMetrics.render()``. Names are prefixed ``shardserv
 - batch_size_windows, batch_tokens_padded (histograms), batches_total{reason}, padding_ratio
 - replicas{state}, replica_failures_total, replica_restarts_total, retried_windows_total
 - autoscale_decisions_total{direction}, autoscale_target_replicas
-- stage_busy_seconds_total{replica,stage} and pipeline_bubble_fraction{replica}: sampled from the
-  gang's per-rank "busy since" markers (see ``serving.replicas.busy_ranks``); the bubble fraction
+- stage_busy_seconds_total{replica,stage} and pipeline_bubble_fraction{replica}: the seconds each
+  stage's rank spent inside micro-batches, as its heartbeats report them (``serving.replicas.busy_seconds``,
+  at most 0.5 s behind); the bubble fraction
   of a replica is 1 - (sum of stage busy time) / (stages x time the replica had work in flight).
 """
 

@@ -105,9 +105,9 @@ def gang_factory(
     return make
 
 
-def busy_ranks(backend: Backend) -> list[bool] | None:
-    """Per rank: inside a micro-batch right now? (None when the backend cannot tell)."""
-    probe = getattr(backend, "busy_ranks", None)
+def busy_seconds(backend: Backend) -> list[float] | None:
+    """Per rank: seconds spent inside micro-batches so far (None when the backend cannot tell)."""
+    probe = getattr(backend, "busy_seconds", None)
     if probe is None:
         return None
     try:
@@ -209,6 +209,7 @@ class Replica:
     error: str | None = None
     created_at: float = field(default_factory=time.monotonic)
     stage_busy_s: list[float] = field(default_factory=list)
+    busy_seen: list[float] = field(default_factory=list)  # each stage's busy seconds at the last sample
     active_s: float = 0.0
     start_task: asyncio.Task | None = None
     # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
@@ -412,6 +413,7 @@ class ReplicaManager:
             plan = model.plan(self.pool.devices(replica.slots))
             replica.backend = self.factory(model.source, plan, f"{model.source.name}-{replica.replica_id}")
             replica.stage_busy_s = [0.0] * model.dims.pp
+            replica.busy_seen = [0.0] * model.dims.pp
             await asyncio.to_thread(replica.backend.start)
             await asyncio.to_thread(warm_up, replica.backend, model, timeout_s=self.warmup_timeout_s)
         except Exception as err:  # a start failure: retried after a back-off by reconcile()
@@ -538,22 +540,26 @@ class ReplicaManager:
                     )
 
     def sample_busy(self, dt: float) -> None:
-        """Statistical sample of per-stage busy time (see serving.metrics)."""
+        """Per-stage busy time from the ranks' own counters, and the time with work in flight (see
+        serving.metrics); called every ``dt`` seconds."""
         for r in self.replicas.values():
-            if r.backend is None or r.state is not ReplicaState.READY or r.inflight_batches == 0:
+            if r.backend is None or r.state is not ReplicaState.READY:
                 continue
-            busy = busy_ranks(r.backend)
-            r.active_s += dt
+            if r.inflight_batches > 0:
+                r.active_s += dt
+            busy = busy_seconds(r.backend)
             if busy is None:
                 continue
-            tp = r.model.dims.tp
-            for stage in range(r.model.dims.pp):
-                if busy[stage * tp]:
-                    r.stage_busy_s[stage] += dt
-                    self.metrics.stage_busy.labels(replica=r.replica_id, stage=str(stage)).inc(dt)
-            pp = r.model.dims.pp
-            frac = 1.0 - sum(r.stage_busy_s) / (pp * r.active_s)
-            self.metrics.bubble.labels(replica=r.replica_id).set(max(0.0, frac))
+            tp, pp = r.model.dims.tp, r.model.dims.pp
+            for stage in range(pp):
+                delta = busy[stage * tp] - r.busy_seen[stage]
+                r.busy_seen[stage] = busy[stage * tp]
+                if delta > 0:
+                    r.stage_busy_s[stage] += delta
+                    self.metrics.stage_busy.labels(replica=r.replica_id, stage=str(stage)).inc(delta)
+            if r.active_s > 0:
+                frac = 1.0 - sum(r.stage_busy_s) / (pp * r.active_s)
+                self.metrics.bubble.labels(replica=r.replica_id).set(min(1.0, max(0.0, frac)))
 
     # ------------------------------------------------------------------ reload / shutdown
     async def reload(self, model: ModelGeneration) -> None:

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from serving.metrics import ServingMetrics
 from serving.redact import one_line
-from serving.replicas import busy_ranks
+from serving.replicas import busy_seconds
 from serving.routes import public_checkpoint
 from serving.status_schemas import (
     AutoscalerStatus,
@@ -295,7 +295,7 @@ def _replica(
                 device=devices[rank] if rank < len(devices) else None,
             )
         )
-    probed = backend is not None and busy_ranks(backend) is not None  # the gang reports busy ranks
+    probed = backend is not None and busy_seconds(backend) is not None  # the gang reports busy time
     stages = []
     for stage in range(dims.pp):
 

@@ -90,14 +90,14 @@ def test_messages_flow_both_ways_and_heartbeats_carry_progress(pair) -> None:
     driver.send(0, Batch(1, ids, ids))
     got = ranks[0].get(timeout_s=5.0)
     assert isinstance(got, Batch) and np.array_equal(got.input_ids, ids)
-    ranks[1].progress, ranks[1].busy_since = 4, 99.0
+    ranks[1].progress, ranks[1].busy_since, ranks[1].busy_s = 4, 99.0, 1.5
     ranks[1].send(Result(1, np.ones((2, 3, 2), dtype=np.float32)))
     msg = driver.recv(5.0)  # heartbeats are consumed inside recv
     assert isinstance(msg, Result) and msg.mb_id == 1
     deadline = time.monotonic() + 5
     while driver.progress[1] != 4 and time.monotonic() < deadline:
         driver.recv(0.05)
-    assert driver.progress[1] == 4 and driver.busy_since[1] == 99.0
+    assert driver.progress[1] == 4 and driver.busy_since[1] == 99.0 and driver.busy_s[1] == 1.5
     assert driver.silent_ranks(5.0) == []
 
 

@@ -134,8 +134,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="run one rank of a gang whose driver is on another host",
         description="Join the gang whose rendezvous store is at MASTER_ADDR:MASTER_PORT as rank RANK "
         "(torchrun's variables, or the flags), read the model and layout the driver published (signed "
-        "with the gang key), load only this rank's shard and serve until the gang stops; exits 0 then, "
+        "with the gang key), load only this rank's shard and run it until the gang stops; exits 0 then, "
         "non-zero on a failure (a supervisor such as Kubernetes restarts it to join the next gang). "
+        "The driver may be a server (`serve --external-ranks`) or a training run (`train --external-ranks`). "
         "GLOO_SOCKET_IFNAME names the interface the other ranks reach.",
     )
     w.add_argument(
@@ -149,6 +150,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     w.add_argument(
         "--rank", type=int, default=_env_int("RANK"), help="this worker's rank in the gang (env RANK)"
+    )
+    w.add_argument(
+        "--world-size",
+        type=int,
+        default=_env_int("WORLD_SIZE"),
+        help="ranks in the gang (env WORLD_SIZE; optional: checked against the driver's spec)",
     )
     w.add_argument(
         "--key-file",
@@ -180,6 +187,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         rank=args.rank,
         key=key,
         timeout_s=args.join_timeout_s,
+        world_size=args.world_size,
     )
     return 0  # not reached: the rank exits with its own code
 

@@ -1,16 +1,22 @@
 """Ranks on other hosts: the spec a remote worker joins a gang with, published in the rendezvous.
 
-A gang whose ranks live on several hosts is still driven by one process (the HTTP server), which
-hosts the rendezvous store and the channel (``partitioner/channel.py``) on an address the other
-hosts reach (``GangNetwork``), spawns its local ranks, and publishes what the others need under
-``shardserve/spec`` in the store: the model reference, the layout (pp, tp, stage boundaries),
-dtype, threads and timeouts, and the channel's endpoints, signed with the gang key (the store
-has no authentication; an unsigned or foreign spec is refused).
+A gang whose ranks live on several hosts is still driven by one process (the HTTP server, or
+``shardserve train``), which hosts the rendezvous store and the channel (``partitioner/channel.py``)
+on an address the other hosts reach (``GangNetwork``), spawns its local ranks, and publishes what
+the others need under ``shardserve/spec`` in the store: the model reference, the layout (dp, pp,
+tp, stage boundaries), device, dtype, threads and timeouts, the program and its settings, and the
+channel's endpoints, signed with the gang key (the store has no authentication; an unsigned or
+foreign spec is refused).
 
 A worker started elsewhere (``shardserve worker``: torchrun's ``MASTER_ADDR`` / ``MASTER_PORT`` /
 ``RANK``, the key in ``SHARDSERVE_GANG_KEY`` or a file) reads and verifies the spec, resolves the
 model locally (a registry name, or a path that exists on its host), builds the same plan, checks
 its stages match, and runs the rank program like a local rank: only its shard is loaded.
+
+The spec names its program (``RemoteProgram``): ``serve`` (``serve_rank``, ``GangMode.STREAM``)
+or ``train`` (``training/remote_program.py``: ``train_rank``, ``GangMode.RUN``, whose
+``GangSpec.extra`` crosses as JSON). ``PROGRAMS`` is the allow-list of the modules that define
+them: a name in a spec never imports anything else, and no pickle crosses hosts.
 
     key = new_key()
     net = GangNetwork(host="10.0.0.1", store_port=29500, external_ranks=(1,), key=key)
@@ -23,22 +29,69 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import importlib
 import json
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
-from models.registry import resolve_model
+from models.registry import MODEL_NAMES, ModelSource, resolve_model
 from partitioner.channel import ENV_ENDPOINTS, ENV_KEY
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.worker import GangMode, GangSpec, serve_rank
+from partitioner.plan import ParallelDims, default_devices, make_plan
+from partitioner.worker import GangMode, GangSpec, Program, serve_rank
 
 logger = logging.getLogger(__name__)
 
 SPEC_KEY = "shardserve/spec"
+RETRY_JOIN_S = 1.0  # pause before connecting again to a store that closed the connection
+
+
+@dataclass(frozen=True)
+class RemoteProgram:
+    """A gang program that ranks on other hosts may run: its name in the spec, its mode, and its
+    ``GangSpec.extra`` as JSON both ways (``from_json`` also gets the model source the worker
+    resolved, and returns it adjusted if the program changes it, e.g. training's dropout)."""
+
+    name: str
+    program: Program
+    mode: GangMode
+    to_json: Callable[[dict[str, Any]], dict[str, Any]]
+    from_json: Callable[[dict[str, Any], ModelSource], tuple[dict[str, Any], ModelSource]]
+
+
+SERVE = RemoteProgram(
+    "serve", serve_rank, GangMode.STREAM, to_json=lambda extra: {}, from_json=lambda body, src: ({}, src)
+)
+
+# The programs a spec may name -> the module defining them as ``REMOTE_PROGRAM`` (an allow-list).
+PROGRAMS: dict[str, str] = {"serve": __name__, "train": "training.remote_program"}
+REMOTE_PROGRAM = SERVE
+
+
+def remote_program(name: str) -> RemoteProgram:
+    """The program a spec names (``JoinError`` for a name not in ``PROGRAMS``)."""
+    if name not in PROGRAMS:
+        raise JoinError(f"the gang spec names program {name!r}; a worker runs only {sorted(PROGRAMS)}")
+    prog = importlib.import_module(PROGRAMS[name]).REMOTE_PROGRAM
+    assert isinstance(prog, RemoteProgram) and prog.name == name, PROGRAMS[name]
+    return prog
+
+
+def _program_of(spec: GangSpec) -> RemoteProgram:
+    for name in PROGRAMS:
+        prog = remote_program(name)
+        if prog.program is spec.program and prog.mode is spec.mode:
+            return prog
+    raise ValueError(
+        f"ranks on other hosts run the programs {sorted(PROGRAMS)} only, not "
+        f"{getattr(spec.program, '__qualname__', spec.program)} ({spec.mode})"
+    )
 
 
 class JoinError(RuntimeError):
@@ -95,12 +148,18 @@ def _sign(payload: bytes, key: bytes) -> str:
 
 
 def publish_spec(store: dist.Store, spec: GangSpec, *, endpoints: str, key: bytes) -> None:
-    """Write what remote workers need to join (a serving gang) into ``store``, signed."""
-    if spec.mode is not GangMode.STREAM or spec.program is not serve_rank:
-        raise ValueError("ranks on other hosts are supported for serving gangs (serve_rank) only")
+    """Write what remote workers need to join into ``store``, signed: the model, the layout, the
+    program (``RemoteProgram``) with its settings, and the driver's channel ``endpoints``."""
+    prog = _program_of(spec)
     plan = spec.plan
+    source = spec.source
     body = {
-        "model": spec.source.name,
+        "program": prog.name,
+        "extra": prog.to_json(spec.extra),
+        # a registry name resolves on any host; a directory must exist at that path there too
+        "model": source.name if source.name in MODEL_NAMES else str(source.checkpoint),
+        "device": plan.devices[0].split(":")[0],
+        "dp": plan.dims.dp,
         "pp": plan.dims.pp,
         "tp": plan.dims.tp,
         "boundaries": [s.layers[0] for s in plan.stages[1:]],
@@ -116,9 +175,16 @@ def publish_spec(store: dist.Store, spec: GangSpec, *, endpoints: str, key: byte
     store.set(SPEC_KEY, json.dumps({"spec": body, "sig": _sign(payload, key)}))
 
 
-def read_spec(store: dist.Store, *, key: bytes, rank: int, device: str = "cpu") -> tuple[GangSpec, str]:
+def _layout(dims: ParallelDims) -> str:
+    return (f"dp={dims.dp}, " if dims.dp > 1 else "") + f"pp={dims.pp}, tp={dims.tp}"
+
+
+def read_spec(
+    store: dist.Store, *, key: bytes, rank: int, device: str = "cpu", world_size: int | None = None
+) -> tuple[GangSpec, str]:
     """The gang spec published in ``store`` (verified with ``key``) as this host sees it, and the
-    driver's channel endpoints. ``JoinError`` when it is not ours or does not match locally."""
+    driver's channel endpoints. ``JoinError`` when it is not ours or does not match locally
+    (``world_size``: the worker's ``WORLD_SIZE``, when it was given)."""
     raw = json.loads(store.get(SPEC_KEY))
     body = raw.get("spec")
     payload = json.dumps(body, sort_keys=True).encode()
@@ -126,13 +192,17 @@ def read_spec(store: dist.Store, *, key: bytes, rank: int, device: str = "cpu") 
         raise JoinError(
             "the gang spec in the rendezvous store is not signed with our key: wrong key, or not our gang"
         )
+    prog = remote_program(body.get("program", "serve"))
     source = resolve_model(body["model"])
-    dims = ParallelDims(pp=body["pp"], tp=body["tp"])
+    dims = ParallelDims(pp=body["pp"], tp=body["tp"], dp=body.get("dp", 1))
     if not 0 <= rank < dims.world_size:
+        raise JoinError(f"rank {rank} is outside the gang's {dims.world_size} ranks ({_layout(dims)})")
+    if world_size is not None and world_size != dims.world_size:
         raise JoinError(
-            f"rank {rank} is outside the gang's {dims.world_size} ranks (pp={dims.pp}, tp={dims.tp})"
+            f"WORLD_SIZE={world_size}, but the gang the driver published has {dims.world_size} ranks "
+            f"({_layout(dims)})"
         )
-    devices = tuple(device for _ in range(dims.world_size))
+    devices = default_devices(dims.world_size, device=body.get("device", device))
     plan = make_plan(source.config, dims, boundaries=body["boundaries"] or None, devices=devices)
     local = [list(s.layers) for s in plan.stages]
     if local != body["stage_layers"]:
@@ -140,6 +210,7 @@ def read_spec(store: dist.Store, *, key: bytes, rank: int, device: str = "cpu") 
             f"model {body['model']!r} splits differently here: stages {local}, the driver's {body['stage_layers']} "
             "(a different model at that path?)"
         )
+    extra, source = prog.from_json(body.get("extra", {}), source)
     spec = GangSpec(
         source,
         plan,
@@ -148,25 +219,29 @@ def read_spec(store: dist.Store, *, key: bytes, rank: int, device: str = "cpu") 
         backend=body["backend"],
         collective_timeout_s=body["collective_timeout_s"],
         head_seed=body["head_seed"],
+        program=prog.program,
+        mode=prog.mode,
+        extra=extra,
     )
     return spec, body["endpoints"]
 
 
-def join_gang(*, master_addr: str, master_port: int, rank: int, key: bytes, timeout_s: float = 300.0) -> None:
+def join_gang(
+    *,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    key: bytes,
+    timeout_s: float = 300.0,
+    world_size: int | None = None,
+) -> None:
     """Join the gang whose store is at ``master_addr:master_port`` as ``rank`` and run it (this
-    process becomes the rank and exits with its code)."""
+    process becomes the rank and exits with its code). ``world_size``: torchrun's ``WORLD_SIZE``
+    when given, checked against the spec."""
     from partitioner.worker import worker_main
 
-    try:
-        store = dist.TCPStore(
-            master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True
-        )
-        store.wait([SPEC_KEY])
-    except Exception as exc:  # the store's timeout and connection errors
-        raise JoinError(
-            f"no gang spec at {master_addr}:{master_port} after {timeout_s:.0f}s: {exc}"
-        ) from None
-    spec, endpoints = read_spec(store, key=key, rank=rank)
+    store = _spec_store(master_addr, master_port, timeout_s=timeout_s)
+    spec, endpoints = read_spec(store, key=key, rank=rank, world_size=world_size)
     del store
     env = {
         "MASTER_ADDR": master_addr,
@@ -178,8 +253,39 @@ def join_gang(*, master_addr: str, master_port: int, rank: int, key: bytes, time
         ENV_KEY: key.hex(),
         "OMP_NUM_THREADS": str(spec.threads_per_rank),
     }
-    logger.info("rank %d joins the gang at %s:%d (%s)", rank, master_addr, master_port, spec.source.name)
+    logger.info(
+        "rank %d joins the %s gang at %s:%d (%s)",
+        rank, spec.program.__name__, master_addr, master_port, spec.source.name,
+    )  # fmt: skip
     worker_main(rank, spec, {k: v for k, v in env.items() if v is not None} | _passthrough())
+
+
+def _spec_store(master_addr: str, master_port: int, *, timeout_s: float) -> dist.TCPStore:
+    """A client of the driver's store once it holds the spec, within ``timeout_s``.
+
+    A connection the driver closes is tried again: a server replacing a failed gang closes the old
+    gang's store and opens the new one's on the same port, and a worker started in between must
+    wait for the new one rather than give up (``JoinError`` only when the time is spent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store = dist.TCPStore(
+                master_addr,
+                master_port,
+                is_master=False,
+                timeout=timedelta(seconds=max(1.0, left)),
+                use_libuv=True,
+            )
+            store.wait([SPEC_KEY])
+            return store
+        except Exception as exc:  # the store's timeout and connection errors
+            if time.monotonic() + RETRY_JOIN_S >= deadline:
+                raise JoinError(
+                    f"no gang spec at {master_addr}:{master_port} after {timeout_s:.0f}s: {exc}"
+                ) from None
+            logger.info("the gang store at %s:%d went away (%s); trying again", master_addr, master_port, exc)
+            time.sleep(RETRY_JOIN_S)
 
 
 def _passthrough() -> dict[str, str]:

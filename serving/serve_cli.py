@@ -47,10 +47,14 @@ def _flag_type(annotation: Any) -> tuple[type, str | None]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeSettings field, with its description, default and environment variable."""
+    """One flag per ServeSettings field, with its description, default and environment variable;
+    the gang-across-hosts flags (``partitioner/gang_flags.py``, shared with ``train``) in a group."""
+    from partitioner.gang_flags import GANG_FIELDS, add_gang_arguments
     from serving.settings import ServeSettings
 
     for name, field in ServeSettings.model_fields.items():
+        if name in GANG_FIELDS:
+            continue
         kind, metavar = _flag_type(field.annotation)
         default = field.get_default(call_default_factory=True)
         if isinstance(default, list):
@@ -64,6 +68,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             metavar=metavar or name.upper(),
             help=help_text.replace("%", "%%"),
         )
+    add_gang_arguments(parser.add_argument_group('a gang across hosts (README "Gangs across hosts")'))
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:

@@ -13,12 +13,12 @@ the environment, the environment over the default. The field descriptions below 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
+from partitioner.gang_flags import GangFlags, secret_from_file
 from partitioner.precision import DTYPE_CHOICES
 from serving.autoscaler import AutoscalingConfig
 from serving.scheduler import SchedulerConfig
@@ -41,26 +41,9 @@ def auto_replicas(*, device: str, world_size: int) -> int:
     return max(1, available_cores() // world_size)
 
 
-def _secret_from_file(data: Any, *, secret: str, file: str) -> Any:
-    """Settings input with ``secret`` read from the first line of the file named by ``file``."""
-    if not isinstance(data, dict) or not data.get(file):
-        return data
-    if data.get(secret):
-        raise ValueError(f"give {secret} or {file}, not both")
-    path = Path(str(data[file])).expanduser()
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ValueError(f"{file} {str(path)!r} cannot be read: {reason}") from None
-    value = lines[0].strip() if lines else ""
-    if not value:
-        raise ValueError(f"{file} {str(path)!r} is empty")
-    return {**data, secret: value}
-
-
-class ServeSettings(BaseSettings):
-    """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars)."""
+class ServeSettings(GangFlags):
+    """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars); the
+    flags of a gang across hosts (``external_ranks``, ``gang_*``) are ``GangFlags``', shared with training."""
 
     model_config = SettingsConfigDict(env_prefix="SHARDSERVE_", extra="ignore", frozen=True)
 
@@ -195,55 +178,22 @@ class ServeSettings(BaseSettings):
     )
     gang_start_timeout_s: float = Field(300.0, gt=0, description="a gang not ready after this is failed")
 
-    # ---- a gang across hosts (README "Gangs across hosts")
-    external_ranks: Annotated[list[int], NoDecode] = Field(
-        default_factory=list,
-        description="comma-separated ranks of the replica gang that run on other hosts, each started there "
-        "with `shardserve worker` (MASTER_ADDR=gang_host MASTER_PORT=gang_port RANK=r and the gang key); "
-        "the server spawns the others and waits for these. One replica per server: scale by running more "
-        "(e.g. a Kubernetes LeaderWorkerSet)",
-    )
-    gang_host: str = Field(
-        "127.0.0.1",
-        description="address the gang's rendezvous store and channel listen on: 127.0.0.1 for a gang on this "
-        "machine; with external_ranks this host's address on the network the workers share (not 0.0.0.0)",
-    )
-    gang_port: int = Field(
-        0,
-        ge=0,
-        le=65535,
-        description="rendezvous port of the gang (0: a free one; with external_ranks: fixed, "
-        "the workers' MASTER_PORT)",
-    )
-    gang_key: str | None = Field(
-        None,
-        description="the gang key (hex, at least 16 bytes) the workers were given: their messages and the "
-        "published spec are signed with it",
-    )
-    gang_key_file: str | None = Field(
-        None, description="read the gang key from this file (first line); not together with gang_key"
-    )
     restart_backoff_s: float = Field(1.0, ge=0, description="pause before restarting a failed gang")
 
     @model_validator(mode="before")
     @classmethod
     def _read_admin_token_file(cls, data: Any) -> Any:
-        return _secret_from_file(data, secret="admin_token", file="admin_token_file")
+        return secret_from_file(data, secret="admin_token", file="admin_token_file")
 
     @model_validator(mode="before")
     @classmethod
     def _read_api_key_file(cls, data: Any) -> Any:
-        return _secret_from_file(data, secret="api_key", file="api_key_file")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _read_gang_key_file(cls, data: Any) -> Any:
-        return _secret_from_file(data, secret="gang_key", file="gang_key_file")
+        return secret_from_file(data, secret="api_key", file="api_key_file")
 
     @model_validator(mode="before")
     @classmethod
     def _split_lists(cls, data: Any) -> Any:
-        for name in ("length_buckets", "external_ranks"):
+        for name in ("length_buckets",):
             if isinstance(data, dict) and isinstance(data.get(name), str):
                 raw = data[name].strip().strip("[]")
                 data = {**data, name: [int(x) for x in raw.split(",") if x.strip()]}
@@ -291,28 +241,10 @@ class ServeSettings(BaseSettings):
         return self
 
     def _gang_problems(self) -> list[str]:
-        if not self.external_ranks:
-            return []
-        out = []
-        outside = [r for r in self.external_ranks if not 0 <= r < self.world_size]
-        if outside:
-            out.append(
-                f"external_ranks {outside} are not ranks of a pp={self.pp} x tp={self.tp} gang (0..{self.world_size - 1})"
-            )
-        if self.replica_bounds != (1, 1):
+        out = self.gang_problems(world_size=self.world_size, layout=f"pp={self.pp} x tp={self.tp}")
+        if self.external_ranks and self.replica_bounds != (1, 1):
             out.append(
                 f"external_ranks need exactly one replica, got {self.replica_bounds[0]}..{self.replica_bounds[1]}"
-            )
-        if self.gang_port == 0:
-            out.append("external_ranks need a fixed gang_port (the workers' MASTER_PORT)")
-        if self.gang_host in ("0.0.0.0", "::", ""):
-            out.append(
-                f"gang_host={self.gang_host!r} would listen on every interface: give this host's address"
-            )
-        key = self.gang_key or ""
-        if not all(c in "0123456789abcdefABCDEF" for c in key) or len(key) < 32:
-            out.append(
-                "external_ranks need the gang key (gang_key / gang_key_file / SHARDSERVE_GANG_KEY): hex, >= 16 bytes"
             )
         return out
 

@@ -23,13 +23,16 @@ is refused, and each rank reads just its own file.
 
 Every rank writes its files into ``OUT/.tmp-{name}``; after a barrier rank 0 merges the shards,
 writes the HF files and renames the temporary directory into place, so a reader (or a resumed run)
-never sees a half-written checkpoint. Everything is read back with safetensors only.
+never sees a half-written checkpoint. Everything is read back with safetensors only. A rank on
+another host (``shardserve worker``) shares no filesystem with rank 0: it writes its files in a
+scratch directory and sends them to rank 0, and on resume rank 0 sends it the files it reads
+(``training/run_files.py``, over torch.distributed).
 
 The driver asks `resume_point` where a ``--resume`` run starts (the newest checkpoint, refused if
 its layout, seed, length or data differ); each rank owns a `CheckpointManager` that restores its
 state (`load`) and writes its part of every checkpoint (`save`, when `due`)::
 
-    manager = CheckpointManager(ctx, stage, opt, cfg=cfg, run=run)
+    manager = CheckpointManager(ctx, stage, opt, cfg=cfg, run=run, files=RunFiles(ctx, run))
     manager.load()
     for step in ...:
         ...
@@ -60,6 +63,7 @@ from partitioner.lora import merged_state_dict
 from partitioner.shard_loading import ShardSlice, shard_specs_of
 from partitioner.worker import RankContext
 from training.config import RunInfo, TrainConfig
+from training.run_files import RunFiles
 
 logger = logging.getLogger(__name__)
 
@@ -349,11 +353,26 @@ class CheckpointManager:
         *,
         cfg: TrainConfig,
         run: RunInfo,
+        files: RunFiles,
     ) -> None:
         self.ctx, self.stage, self.opt, self.cfg, self.run = ctx, stage, opt, cfg, run
+        self.files = files
         self.names = {p: n for n, p in stage.named_parameters()}
         self.world = ctx.plan.dims.world_size
         self.writes = ctx.dp_rank == 0  # replica 0 writes the (dp-free) checkpoint files
+
+    def _needed(self, ckpt: Path, rank: int) -> list[str]:
+        """The files of ``ckpt`` that ``rank`` reads in ``load`` (its own training state, or every
+        rank's when re-sharding), relative to ``ckpt``."""
+        state = read_state(ckpt)
+        dims = self.ctx.plan.dims
+        if (state.get("pp"), state.get("tp")) == (dims.pp, dims.tp):
+            names = [f"training_state/rank{rank % dims.model_parallel_size}.safetensors"]
+        else:
+            names = sorted(
+                p.relative_to(ckpt).as_posix() for p in (ckpt / "training_state").glob("rank*.safetensors")
+            )
+        return [STATE_FILE, *names]
 
     def load(self) -> None:
         """Restore this rank's trainable parameters and AdamW moments (a no-op for a fresh run):
@@ -361,6 +380,7 @@ class CheckpointManager:
         if self.run.resume_from is None:
             return
         ckpt = Path(self.run.resume_from)
+        ckpt = self.files.fetch(ckpt, lambda rank: self._needed(ckpt, rank))  # a copy on remote ranks
         state = read_state(ckpt)
         dims = self.ctx.plan.dims
         if (state.get("pp"), state.get("tp")) == (dims.pp, dims.tp):
@@ -389,7 +409,9 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         self._barrier()
         if self.writes:
-            self._write_rank_files(tmp)
+            self._write_rank_files(self.files.writable(tmp))  # remote ranks: scratch, sent on below
+        writers = [r for r in range(self.world) if self.ctx.plan.dims.dp_rank(r) == 0]
+        self.files.collect(tmp, senders=writers)
         self._barrier()
         if self.ctx.rank == 0:
             self._assemble(tmp, step, loss_scale=loss_scale)

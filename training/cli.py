@@ -4,6 +4,9 @@
         --holdout-articles 6 --pp 2 --tp 1 --schedule 1f1b --output /tmp/run --max-steps 50
     shardserve eval --model /tmp/run/final --data ../shared/data/squad/squad-v2.0-half.json --json
     shardserve train --help       # every flag explained
+    # stage 1 on another host (README "Gangs across hosts"): there, `MASTER_ADDR=10.0.0.1
+    # MASTER_PORT=29500 RANK=1 shardserve worker` with the same SHARDSERVE_GANG_KEY
+    shardserve train ... --pp 2 --external-ranks 1 --gang-host 10.0.0.1 --gang-port 29500
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from partitioner.gang_flags import add_gang_arguments, gang_flags_from_args
 from partitioner.precision import DTYPE_CHOICES, PRECISION_CHOICES, PrecisionError
 from partitioner.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from models.qa_processing import WindowConfig
+    from partitioner.remote import GangNetwork
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--threads-per-rank", type=int, default=None, help="torch threads per rank (default: cores/world)"
+    )
+    add_gang_arguments(
+        p.add_argument_group(
+            "a gang across hosts (the same flags as serve's; each external rank runs `shardserve worker` "
+            "on its host; rank 0 stays here)"
+        )
     )
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, default=32, help="global batch: examples per optimizer step")
@@ -244,12 +255,39 @@ def window_config(args: argparse.Namespace) -> WindowConfig:
     )
 
 
+def gang_error_line(exc: Exception) -> str:
+    """A ``GangError`` in one line: its first (naming the rank), plus the failing rank's own last
+    traceback line when the first ends at "failed:"."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    if first.endswith(":") and len(lines) > 1:
+        cause = next((line for line in reversed(lines) if not line.startswith("(then also down")), "")
+        first = f"{first} {cause}"
+    return first
+
+
+def network_problem(args: argparse.Namespace) -> tuple[str | None, GangNetwork | None]:
+    """(why the gang flags cannot be used, None) or (None, the ``GangNetwork`` they describe)."""
+    try:
+        flags = gang_flags_from_args(args)
+    except ValueError as exc:
+        return f"invalid gang settings: {exc}", None
+    layout = f"dp={args.dp} x pp={args.pp} x tp={args.tp}"
+    problems = flags.gang_problems(world_size=args.dp * args.pp * args.tp, layout=layout)
+    if problems:
+        return "invalid gang settings: " + "; ".join(problems), None
+    return None, flags.network()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from partitioner.gang import GangError
     from training.squad_data import SquadFormatError
     from training.trainer import TrainConfig, TrainConfigError, train
 
+    problem, network = network_problem(args)
     problem = (
-        input_file_error(args.train_file, "--train-file")
+        problem
+        or input_file_error(args.train_file, "--train-file")
         or input_file_error(args.eval_file, "--eval-file")
         or output_error(args)
     )
@@ -307,10 +345,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             answer_occurrences=args.answer_occurrences,
             fail_at_step=args.fail_at_step,
         )
-        result = train(cfg, show_progress=not args.no_progress)
+        result = train(cfg, show_progress=not args.no_progress, network=network)
     except (TrainConfigError, PrecisionError, SquadFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except GangError as exc:  # a rank failed or was lost: one line; the whole story at INFO
+        logger.info("%s", exc)
+        print(f"error: {gang_error_line(exc)}", file=sys.stderr)
+        return 1
     last = max(result.losses) if result.losses else None
     print(
         f"trained {result.steps} steps in {result.train_seconds:.0f}s "

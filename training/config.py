@@ -210,3 +210,6 @@ class RunInfo:
     tokenizer_dir: str
     compute_dtype: str = "float32"  # autocast dtype ("float32": none); master weights stay fp32
     loss_scale: float = 1.0  # fp16: the dynamic loss scale to start from (resumed runs continue it)
+    # ranks joined with `shardserve worker` on other hosts: they get and give run files through
+    # rank 0 (training/run_files.py), assuming no shared filesystem
+    remote_ranks: tuple[int, ...] = ()

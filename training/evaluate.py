@@ -88,6 +88,8 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
     from training.squad_data import build_eval_features, postprocess_eval_predictions, prediction_texts
     from training.squad_metrics import evaluate
 
+    choice = resolve_dtype(cfg.dtype, "cpu")  # refuse an unsupported dtype before any work
+    logger.info("eval in %s (%s)", choice.name, choice.reason)
     source = resolve_model(cfg.model)
     examples = _examples(cfg)
     tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
@@ -104,8 +106,6 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
     full = torch.full((n, b.input_ids.shape[1], 2), -1e9)  # (N, S, 2)
     bar = tqdm(total=n, desc="eval", unit="win", disable=not show_progress, dynamic_ncols=True)
     row = 0
-    choice = resolve_dtype(cfg.dtype, "cpu")
-    logger.info("eval in %s (%s)", choice.name, choice.reason)
     if cfg.pp * cfg.tp == 1:
         model = build_model(source, dtype=choice.dtype)
         with torch.inference_mode():

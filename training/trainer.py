@@ -31,8 +31,11 @@ AdamW state (``partitioner/precision.py``; fp16 with dynamic loss scaling); ``au
 where the device has bf16 units.
 
 Checkpoints are ``training/checkpoint.py``'s: its ``CheckpointManager`` restores a rank and writes
-its part every ``save_every`` steps and at the end (``OUT/final``). The driver shows a tqdm bar (step, loss, examples/s) and logs periodic
-evaluation (``training/evaluate.py`` metrics on logits computed by the gang itself).
+its part every ``save_every`` steps and at the end (``OUT/final``). Ranks may run on other hosts
+(``train(..., network=GangNetwork(external_ranks=...))``, joined by ``shardserve worker``; the
+spec they read is ``training/remote_program.py``'s): they get the feature file and resume state
+from rank 0 and send it their checkpoint parts (``training/run_files.py``). The driver shows a
+tqdm bar (step, loss, examples/s) and logs periodic evaluation (``training/evaluate.py`` metrics on logits computed by the gang itself).
 
     shardserve train --model tiny-bert --train-file data.json --pp 2 --tp 1 --output /tmp/run
     shardserve train --model tiny-bert --train-file data.json --dp 2 --pp 2 --output /tmp/run
@@ -65,6 +68,7 @@ from partitioner.messages import CheckpointSaved, ControlMessage, EvalLogits, St
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
 from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
+from partitioner.remote import GangNetwork
 from partitioner.schedules import MicroBatch, run_gpipe, run_schedule
 from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import build_stage
@@ -73,6 +77,7 @@ from training import checkpoint as ckpt
 from training.config import RunInfo, TrainConfig, TrainConfigError
 from training.curve import Curve
 from training.features import EVAL_INPUTS, prepare_data, read_features
+from training.run_files import RunFiles
 
 logger = logging.getLogger(__name__)
 
@@ -309,25 +314,46 @@ def train_rank(ctx: RankContext, *, ready: Callable[[dict], None]) -> None:
     """One rank of a training gang (``GangSpec.program``, ``GangMode.RUN``): build, restore, then
     the step loop; reports ``StepReport`` / ``EvalLogits`` / ``CheckpointSaved`` to the driver."""
     cfg: TrainConfig = ctx.spec.extra["train"]
+    stage, opt = _build_trainable_stage(ctx, cfg)
+    reducer = (
+        GradReducer(list(stage.parameters()), group=ctx.dp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
+        if ctx.plan.dims.dp > 1 and opt is not None
+        else None
+    )
+    # ranks on other hosts: the run's files come and go through rank 0
+    files = RunFiles(ctx, ctx.spec.extra["run"])
+    try:
+        _train_steps(ctx, stage, opt, reducer, files, ready=ready)
+    finally:
+        files.close()
+
+
+def _train_steps(
+    ctx: RankContext,
+    stage: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    reducer: GradReducer | None,
+    files: RunFiles,
+    *,
+    ready: Callable[[dict], None],
+) -> None:
+    """``train_rank`` once its stage is built: restore, read the data, then the step loop."""
+    cfg: TrainConfig = ctx.spec.extra["train"]
     run: RunInfo = ctx.spec.extra["run"]
     report = ctx.link.send  # StepReport / EvalLogits / CheckpointSaved to the driver
     plan = ctx.plan
     pp, world = plan.dims.pp, plan.dims.world_size
-    stage, opt = _build_trainable_stage(ctx, cfg)
     dp, n_local = plan.dims.dp, cfg.n_micro_per_replica
-    reducer = (
-        GradReducer(list(stage.parameters()), group=ctx.dp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
-        if dp > 1 and opt is not None
-        else None
-    )
-    checkpoints = ckpt.CheckpointManager(ctx, stage, opt, cfg=cfg, run=run)
+    features = Path(run.features)
+    features = files.fetch(features.parent, lambda rank: [features.name]) / features.name
+    checkpoints = ckpt.CheckpointManager(ctx, stage, opt, cfg=cfg, run=run, files=files)
     checkpoints.load()
     labels = LABELS[cfg.answer_occurrences]
     want = ("attention_mask",) + (("input_ids", "token_type_ids") if ctx.is_first else ())
-    data = read_features(run.features, "train", want + (labels if ctx.is_last else ()))
+    data = read_features(str(features), "train", want + (labels if ctx.is_last else ()))
     lengths = data["attention_mask"].sum(dim=1) if cfg.group_by_length else None  # (n_train,)
     evaluates = run.n_eval > 0 and ctx.dp_rank == 0  # replica 0 evaluates, the others go on
-    eval_data = read_features(run.features, "eval", EVAL_INPUTS) if ctx.is_first and evaluates else None
+    eval_data = read_features(str(features), "eval", EVAL_INPUTS) if ctx.is_first and evaluates else None
     comm = P2PCommunicator(device=ctx.device, backend=ctx.backend) if pp > 1 else None
     autocast = autocast_for(ctx.device, DTYPES[run.compute_dtype])
     # fp16 needs loss scaling (its range underflows small gradients); fp32/bf16 train unscaled.
@@ -463,13 +489,24 @@ def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
     return evaluate(eval_features.examples, prediction_texts(preds))
 
 
-def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
-    """Run (or resume) a training run; returns the final checkpoint and the logged numbers."""
+def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork | None = None) -> TrainResult:
+    """Run (or resume) a training run; returns the final checkpoint and the logged numbers.
+
+    ``network``: where the gang's store and channel listen and which ranks run on other hosts
+    (``shardserve worker`` there; ``partitioner/gang_flags.py``); default: every rank on this one.
+    Rank 0 writes the run directory, so it is never external."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    network = network or GangNetwork()
     source = with_dropout(resolve_model(cfg.model), cfg.dropout)
     dims = ParallelDims(pp=cfg.pp, tp=cfg.tp, dp=cfg.dp)
+    external = sorted(network.external_ranks)
+    if external and (external[0] <= 0 or external[-1] >= dims.world_size):
+        raise TrainConfigError(
+            f"external ranks {external}: a training gang's external ranks are 1..{dims.world_size - 1} "
+            f"(rank 0 runs here and writes the run directory; dp={cfg.dp} x pp={cfg.pp} x tp={cfg.tp})"
+        )
     plan = make_plan(
         source.config,
         dims,
@@ -507,6 +544,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
         tokenizer_dir=str(source.tokenizer_dir),
         compute_dtype=precision.name,
         loss_scale=loss_scale,
+        remote_ranks=tuple(external),
     )
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
     spec = GangSpec(
@@ -573,7 +611,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True) -> TrainResult:
 
     curve = Curve(out, start_step=start_step)
     t0 = time.perf_counter()
-    gang = Gang(spec, name="train")
+    gang = Gang(spec, name="train", network=network)
     with logging_redirect_tqdm():
         try:
             gang.start()

@@ -1,0 +1,78 @@
+"""A training gang's spec for ranks on other hosts, and ``shardserve train``'s gang flags (no processes).
+
+- the published spec of a training gang reads back on the worker as the same program
+  (``train_rank``, ``GangMode.RUN``), ``TrainConfig``, ``RunInfo`` and dropout-adjusted model;
+- a worker whose ``WORLD_SIZE`` disagrees, or a spec naming a program outside the allow-list, is
+  refused in one line;
+- ``train`` shares serve's gang flags and their validation: a bad external rank, a missing key or
+  rank 0 as external is one ``error:`` line, exit 2.
+
+    python -m pytest tests/training/test_remote_spec.py -q
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from partitioner.gang import bound_store
+from partitioner.remote import SPEC_KEY, JoinError, publish_spec, read_spec
+from partitioner.wire import new_key
+from partitioner.worker import GangMode, GangSpec
+from tests.training.test_cli import _one_line_error
+from tests.training.test_trainer_parity import base_config, write_tiny_squad
+from training.config import RunInfo
+from training.trainer import train_rank, with_dropout
+
+
+def _training_spec(tmp_path: Path) -> GangSpec:
+    from models.registry import resolve_model
+    from partitioner.plan import ParallelDims, make_plan
+
+    cfg = base_config(tmp_path, pp=2, dropout=0.0)
+    source = with_dropout(resolve_model("tiny-bert"), 0.0)
+    run = RunInfo(
+        features="/nowhere/features.safetensors", n_train=36, n_eval=0, total_steps=3, warmup_steps=1,
+        start_step=0, resume_from=None, data_sha256="ab" * 32, base_model="/x", tokenizer_dir="/y",
+        remote_ranks=(1,),
+    )  # fmt: skip
+    plan = make_plan(source.config, ParallelDims(pp=2))
+    return GangSpec(source, plan, program=train_rank, mode=GangMode.RUN, extra={"train": cfg, "run": run})
+
+
+def test_training_spec_round_trips_as_json(tmp_path: Path) -> None:
+    store = bound_store(2, timeout=timedelta(seconds=5))
+    key = new_key()
+    spec = _training_spec(tmp_path)
+    publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key)
+    got, _ = read_spec(store, key=key, rank=1, world_size=2)
+    assert got.program is train_rank and got.mode is GangMode.RUN
+    assert got.extra == spec.extra  # TrainConfig and RunInfo, equal field by field
+    assert got.source.config.hidden_dropout == 0.0 and got.collective_timeout_s == spec.collective_timeout_s
+    with pytest.raises(JoinError, match=r"^WORLD_SIZE=4, but the gang the driver published has 2 ranks"):
+        read_spec(store, key=key, rank=1, world_size=4)
+    # a spec signed with our key but naming another program: refused, nothing imported
+    body = json.loads(store.get(SPEC_KEY))["spec"] | {"program": "os:system"}
+    sig = hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+    store.set(SPEC_KEY, json.dumps({"spec": body, "sig": sig}))
+    with pytest.raises(JoinError, match="names program 'os:system'"):
+        read_spec(store, key=key, rank=1)
+
+
+def test_train_gang_flags_are_validated_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = write_tiny_squad(tmp_path / "train.json")
+    base = ["train", "--model", "tiny-bert", "--train-file", str(data), "--output", str(tmp_path / "run"),
+            "--pp", "2", "--no-progress", "--gang-host", "10.0.0.1", "--gang-port", "29500"]  # fmt: skip
+    key = ["--gang-key", "ab" * 32]
+    _one_line_error(
+        capsys, [*base, *key, "--external-ranks", "2"], "external_ranks [2] are not ranks of a dp=1 x pp=2"
+    )
+    _one_line_error(capsys, [*base, "--external-ranks", "1"], "external_ranks need the gang key")
+    _one_line_error(capsys, [*base, *key, "--external-ranks", "0"], "rank 0 runs here")

@@ -14,7 +14,8 @@ logits are small; activations never pass here (they go rank to rank over torch.d
 Threads: on the driver, any thread may ``send`` (a lock guards the ROUTER) and ONE thread at a
 time reads with ``recv``; a heartbeat thread beats. On a rank, a receiver thread owns the DEALER
 (driver messages go to ``get()``), any thread may ``send`` (a lock guards the PUSH), and a
-heartbeat thread beats with the rank's ``progress`` / ``busy_since`` / ``busy_s``.
+heartbeat thread beats with the rank's ``progress`` / ``busy_since`` / ``busy_s`` and where it runs
+(host name, pid: the driver's ``where``, right even for a rank on another host).
 
 Health without process handles: both ends send a ``Heartbeat`` every ``heartbeat_s``. The driver
 keeps each rank's last sign of life (``silent_ranks``); a rank that hears nothing from its driver
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +89,7 @@ class DriverChannel:
         self.progress = [0] * world_size
         self.busy_since = [0.0] * world_size
         self.busy_s = [0.0] * world_size  # seconds each rank spent inside micro-batches (cumulative)
+        self.where: list[tuple[str, int] | None] = [None] * world_size  # (host, pid) each rank reports
         self._beater = threading.Thread(target=self._beat_loop, name="gang-driver-heartbeat", daemon=True)
         self._beater.start()
 
@@ -123,6 +126,8 @@ class DriverChannel:
                     self.progress[msg.rank] = msg.progress
                     self.busy_since[msg.rank] = msg.busy_since
                     self.busy_s[msg.rank] = msg.busy_s
+                    if msg.pid:
+                        self.where[msg.rank] = (msg.host, msg.pid)
                 continue
             return msg
 
@@ -177,6 +182,7 @@ class RankChannel:
         self.progress = 0  # micro-batches finished (RankContext.micro_batch keeps it)
         self.busy_since = 0.0  # wall time the current micro-batch started, 0 when idle
         self.busy_s = 0.0  # seconds spent inside micro-batches so far
+        self._where = (socket.gethostname(), os.getpid())  # sent with every heartbeat
         self._ctx = zmq.Context()
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, _identity(rank))
@@ -244,7 +250,7 @@ class RankChannel:
     def _beat_loop(self) -> None:
         while not self._closing.wait(self.heartbeat_s):
             try:
-                self.send(Heartbeat(self.rank, self.progress, self.busy_since, self.busy_s))
+                self.send(Heartbeat(self.rank, self.progress, self.busy_since, self.busy_s, *self._where))
             except zmq.ZMQError:
                 return  # closing
 

@@ -313,6 +313,12 @@ class Gang:
         channel = self._channel
         return list(channel.busy_s) if channel is not None and self._started else []
 
+    def rank_processes(self) -> list[tuple[str, int] | None]:
+        """Per rank: (host name, pid) as the rank itself reports them in its heartbeats (None until
+        it is heard: not spawned, or an external rank not joined yet); empty when not started."""
+        channel = self._channel
+        return list(channel.where) if channel is not None and self._started else []
+
     # ------------------------------------------------------------------ work
     def submit(
         self,

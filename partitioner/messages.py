@@ -122,6 +122,8 @@ class Heartbeat:
     progress: int = 0  # micro-batches this rank has finished
     busy_since: float = 0.0  # wall time its current micro-batch started (0: idle or waiting)
     busy_s: float = 0.0  # seconds spent inside micro-batches so far (per-stage busy time, bubbles)
+    host: str = ""  # the sender's host name and process id: where the rank really runs ("" / 0:
+    pid: int = 0  # the driver's beats), shown by the status page even for ranks on other hosts
 
 
 DRIVER = -1  # Heartbeat.rank of the driver's heartbeats

@@ -6,10 +6,13 @@ Spec: github.com/kserve/open-inference-protocol (``inference_rest.md``). Routes:
     GET  /v2/health/live              {"live": true}                                    open
     GET  /v2/health/ready             200 {"ready": true} | 400 {"ready": false}         open
     GET  /v2/models/{name}            model metadata {name, platform, inputs, outputs}  API key
-    GET  /v2/models/{name}/ready      200 {"name", "ready": true} | 400 ready false     API key
+    GET  /v2/models/{name}/ready      200 {"name", "ready": true} | 400 ready false     open
     POST /v2/models/{name}/infer      inference                                         API key
 
-Health answers follow the spec: 200 is true, a 4xx (400) is false. The model is unversioned: no
+Health answers follow the spec: 200 is true, a 4xx (400) is false. The spec files model readiness
+under its health API and KServe probes (and Triton users) poll it, so like ``/v2/health/*`` it stays
+open when ``--api-key`` is set: it tells no more than the open ``/ui/status`` and ``/metrics``
+(the served name, ready or not). The model is unversioned: no
 ``versions`` in its metadata, no ``model_version`` in answers, no ``/versions/<v>`` routes. ``name``
 is the served model name (``--served-model-name``, else the loaded model's); another name is a 404.
 
@@ -417,7 +420,7 @@ async def model_metadata(model_name: str, request: Request) -> Any:
     return V2ModelMetadata(name=model_name, platform=PLATFORM, inputs=MODEL_INPUTS, outputs=MODEL_OUTPUTS)
 
 
-@model_router.get(
+@open_router.get(
     "/v2/models/{model_name}/ready",
     response_model=V2ModelReady,
     responses={

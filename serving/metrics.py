@@ -2,6 +2,10 @@
 
 GET /metrics renders ``ServingMetrics.render()``. Names are prefixed ``shardserve_``:
 
+- model_info{model,precision,pp,tp} = 1: the served model (``--served-model-name``, else the loaded
+  model's name), its compute dtype and partition; one series, replaced by ``set_model_info`` after
+  ``/admin/reload``. The other metrics carry no model label (a server serves one model): join them
+  with ``* on() group_left(model) shardserve_model_info`` where a model label is wanted.
 - requests_total{endpoint,status}, request_latency_seconds{endpoint} (histogram)
 - queue_wait_seconds (submit -> last window dispatched), queue_depth_requests / _windows (gauges)
 - batch_size_windows, batch_tokens_padded (histograms), batches_total{reason}, padding_ratio
@@ -88,6 +92,12 @@ class ServingMetrics:
         self.autoscale_target = Gauge(
             "shardserve_autoscale_target_replicas", "replica count the autoscaler asks for", registry=r
         )
+        self.model_info = Gauge(
+            "shardserve_model_info",
+            "the served model (1): its public name, compute dtype and partition (pp x tp ranks per gang)",
+            ["model", "precision", "pp", "tp"],
+            registry=r,
+        )
         self.stage_busy = Counter(
             "shardserve_stage_busy_seconds_total",
             "sampled busy time of each pipeline stage (rank 0 of the stage)",
@@ -100,6 +110,11 @@ class ServingMetrics:
             ["replica"],
             registry=r,
         )
+
+    def set_model_info(self, *, model: str, precision: str, pp: int, tp: int) -> None:
+        """Make ``model_info`` name the model now served (the previous series, if any, is dropped)."""
+        self.model_info.clear()
+        self.model_info.labels(model=model, precision=precision, pp=str(pp), tp=str(tp)).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,7 +4,8 @@ A replica is ONE gang of ``pp * tp`` worker processes (``partitioner.gang.Gang``
 generation. Its life: STARTING (processes spawn, weights load, then one warm-up micro-batch) ->
 READY (routable) -> DRAINING (no new work; in-flight micro-batches finish) -> STOPPED; or FAILED
 the moment a rank dies, raises or stalls (the engine then retries its in-flight work elsewhere)
-and, after a back-off, a fresh gang replaces it.
+and, after a back-off, a fresh gang replaces it (``Replica.replaces``; it carries on the failed
+gang's ``restarts`` + 1, so the status page shows each gang's own restart count).
 
 The manager does not count in-flight work: it reads the one ledger (``InflightLedger``, which
 ``serving.scheduler.Scheduler`` satisfies) for ``Replica.inflight_batches`` (least-loaded drain
@@ -103,6 +104,18 @@ def gang_factory(
         )
 
     return make
+
+
+def rank_processes(backend: Backend) -> list[tuple[str, int] | None] | None:
+    """Per rank: (host, pid) as the rank reports them (None: not heard yet); None when the backend
+    cannot tell (``partitioner.gang.Gang.rank_processes``)."""
+    probe = getattr(backend, "rank_processes", None)
+    if probe is None:
+        return None
+    try:
+        return probe() or None
+    except (TypeError, ValueError, OSError):
+        return None
 
 
 def busy_seconds(backend: Backend) -> list[float] | None:
@@ -212,6 +225,10 @@ class Replica:
     busy_seen: list[float] = field(default_factory=list)  # each stage's busy seconds at the last sample
     active_s: float = 0.0
     start_task: asyncio.Task | None = None
+    # restarts of its line: a gang that replaces a failed one (or one whose start failed) carries
+    # on its count, +1 per restart after a failure; ``replaces``: the gang it took over from
+    restarts: int = 0
+    replaces: str | None = None
     # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
     # to an idle gang (set by serving.dispatcher, which sees both)
     last_progress: float = field(default_factory=time.monotonic)
@@ -236,6 +253,7 @@ class Replica:
             "model": self.model.source.name,
             "generation": self.model.generation,
             "inflight_batches": self.inflight_batches,
+            "restarts": self.restarts,
             "pids": self.backend.pids()
             if self.backend is not None and self.state is not ReplicaState.STOPPED
             else [],
@@ -296,6 +314,7 @@ class ReplicaManager:
         self._closed = False
         self._consecutive_failures = 0
         self.restarts = 0
+        self._heirs: list[tuple[str, int]] = []  # (failed gang, restarts) the next launches take over
 
     def attach(self, listener: ReplicaListener) -> None:
         """Tell ``listener`` (the engine) of replica changes and failures from now on (once)."""
@@ -375,8 +394,9 @@ class ReplicaManager:
             if r.state in (ReplicaState.STARTING, ReplicaState.READY) and r.model is self.model
         ]
         missing = self.target - len(live)
+        heirs, self._heirs = self._heirs, []  # a replacement not launched now is a fresh gang later
         for _ in range(missing):
-            if self._launch(self.model) is None:
+            if self._launch(self.model, heir=heirs.pop(0) if heirs else None) is None:
                 break
         for r in list(self.replicas.values()):  # gangs of an older generation (after a reload)
             if r.model is not self.model and r.state is ReplicaState.READY:
@@ -389,8 +409,9 @@ class ReplicaManager:
             for r in ready[:-missing]:
                 self._spawn(self.drain(r))
 
-    def _launch(self, model: ModelGeneration) -> Replica | None:
-        """Take pool slots and start a gang in the background; None when the pool is full."""
+    def _launch(self, model: ModelGeneration, *, heir: tuple[str, int] | None = None) -> Replica | None:
+        """Take pool slots and start a gang in the background; None when the pool is full.
+        ``heir``: (id, restarts) of the failed gang this one replaces."""
         slots = self.pool.acquire(model.dims.world_size)
         if slots is None:
             logger.warning(
@@ -401,6 +422,8 @@ class ReplicaManager:
             )
             return None
         replica = Replica(f"r{next(self._ids)}", model, slots, self.ledger)
+        if heir is not None:
+            replica.replaces, replica.restarts = heir
         self.replicas[replica.replica_id] = replica
         self._changed()
         replica.start_task = self._spawn(self._start(replica))
@@ -425,6 +448,8 @@ class ReplicaManager:
             logger.error("replica %s failed to start: %s", replica.replica_id, one_line(err, scrub=False))
             logger.debug("replica %s start failure in full: %s", replica.replica_id, err)
             await self._retire(replica, ReplicaState.FAILED)
+            if replica.replaces is not None:  # a replacement that could not start: its line goes on
+                self._heirs.append((replica.replica_id, replica.restarts))
             if self.fail_fast and not self.ever_ready and not self._closed:
                 self.fatal_error = f"the first replica gang could not start: {one_line(err, scrub=False)}"
                 if self.listener is not None:
@@ -521,6 +546,7 @@ class ReplicaManager:
         self.next_retry_at = None
         self.restarts += 1
         self.metrics.replica_restarts.inc()
+        self._heirs.append((replica.replica_id, replica.restarts + 1))
         self.reconcile()
 
     def check_health(self) -> None:

@@ -236,6 +236,17 @@ def public_checkpoint(described: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def publish_model_info(state: Any, model: Any) -> None:
+    """``shardserve_model_info`` names ``model`` (a ``ModelGeneration``) as clients see it: the served
+    name (kept across reloads), the compute dtype, the partition. Called at startup and after a reload."""
+    state.metrics.set_model_info(
+        model=state.settings.public_model_name(model.source.name),
+        precision=state.precision.name,
+        pp=model.dims.pp,
+        tp=model.dims.tp,
+    )
+
+
 def public_replica(described: dict[str, Any]) -> dict[str, Any]:
     """A replica's description with its error cut to one path-free line."""
     err = described.get("error")
@@ -367,4 +378,5 @@ async def reload(body: ReloadRequest, request: Request) -> Any:
     except ReloadError as err:
         logger.error("reload to %r failed: %s", body.model, err)
         return _error(422, "reload_failed", one_line(err))
+    publish_model_info(state, model)
     return {"model": model.source.name, "generation": model.generation, "replicas": manager.describe()}

@@ -2,7 +2,9 @@
 
 One source of truth: every rate, percentile and busy time here is read from the app's Prometheus
 registry (``ServingMetrics``, what ``/metrics`` exports), never counted a second time; the rest is
-read from the live objects (``ReplicaManager`` replicas, the ``Supervisor``, the settings).
+read from the live objects (``ReplicaManager`` replicas, the ``Supervisor``, the settings). Where a
+rank runs (host, pid) is what the rank itself reports in its heartbeats (``Gang.rank_processes``),
+never guessed from this server's host.
 
 - ``StatusBoard`` (``app.state.status``) samples the registry every ``every_s`` (a background task
   started and stopped by the app lifespan), keeps ``history_s`` of snapshots, and collects recent
@@ -24,7 +26,6 @@ import contextlib
 import itertools
 import logging
 import math
-import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -37,7 +38,7 @@ from prometheus_client import CollectorRegistry
 
 from serving.metrics import ServingMetrics
 from serving.redact import one_line
-from serving.replicas import busy_seconds
+from serving.replicas import busy_seconds, rank_processes
 from serving.routes import public_checkpoint
 from serving.status_schemas import (
     AutoscalerStatus,
@@ -277,21 +278,24 @@ def _ms(seconds: float | None) -> float | None:
 # ------------------------------------------------------------------------------ the document
 
 
-def _replica(
-    r: Any, snap: Snapshot, old: Snapshot, dt: float, host: str, devices: tuple[str, ...]
-) -> ReplicaStatus:
+def _replica(r: Any, snap: Snapshot, old: Snapshot, dt: float, devices: tuple[str, ...]) -> ReplicaStatus:
     dims = r.model.dims
     backend = r.backend
-    pids = backend.pids() if backend is not None and r.state.value != "stopped" else []
+    # where each rank runs, as the rank itself reports it (its heartbeats): right for ranks that
+    # joined from other hosts too; None for a rank not heard from (yet)
+    live = backend is not None and r.state.value != "stopped"
+    where = (rank_processes(backend) if live else None) or []
     ranks = []
     for rank in range(dims.world_size):
         stage, tp_rank = dims.coords(rank)
+        host_pid = where[rank] if rank < len(where) else None
         ranks.append(
             RankStatus(
                 rank=rank,
                 stage=stage,
                 tp_rank=tp_rank,
-                pid=pids[rank] if rank < len(pids) else None,
+                host=host_pid[0] if host_pid else None,
+                pid=host_pid[1] if host_pid else None,
                 device=devices[rank] if rank < len(devices) else None,
             )
         )
@@ -319,8 +323,10 @@ def _replica(
         id=r.replica_id,
         state=r.state.value,
         generation=r.model.generation,
-        host=host,
+        hosts=list(dict.fromkeys(k.host for k in ranks if k.host)),
         world_size=dims.world_size,
+        restarts=r.restarts,
+        replaces=r.replaces,
         ranks=ranks,
         inflight_batches=r.inflight_batches,
         age_s=round(time.monotonic() - r.created_at, 3),
@@ -340,7 +346,6 @@ def collect_status(app: FastAPI) -> StatusResponse:
     windows = [board.window(now, w) for w in WINDOWS_S]
     manager = getattr(state, "manager", None)
     supervisor = getattr(state, "supervisor", None)
-    host = socket.gethostname()  # the manager spawns every rank of its gangs on this host
     replicas: list[ReplicaStatus] = []
     model: dict[str, Any] = {"name": settings.public_model_name(PurePath(settings.model).name)}  # no paths
     plan: dict[str, Any] | None = None
@@ -353,7 +358,7 @@ def collect_status(app: FastAPI) -> StatusResponse:
         dt = now.mono - old.mono
         for r in list(manager.replicas.values()):
             devices = manager.pool.devices(r.slots) if r.slots else ()
-            replicas.append(_replica(r, snap, old.snap, dt, host, devices))
+            replicas.append(_replica(r, snap, old.snap, dt, devices))
     if state.shutting_down:
         server_state = "shutting_down"
     elif manager is None:

@@ -2,7 +2,7 @@
 
 Numbers the server does not measure are ``null``, never a made-up zero: percentiles of a window
 without requests, busy time of a backend that cannot report its busy ranks, a pid of a rank that
-has not started. Filled in by ``serving.status.collect_status``.
+has not been heard from. Filled in by ``serving.status.collect_status``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ class RankStatus(BaseModel):
     rank: int = Field(description="global rank in the gang")
     stage: int = Field(description="pipeline stage of the rank")
     tp_rank: int = Field(description="tensor-parallel rank within its stage")
-    pid: int | None = Field(description="worker process id (null before the gang spawned it)")
+    host: str | None = Field(
+        description="host name the rank reports in its heartbeats (null: not heard from yet, e.g. an "
+        "external rank that has not joined)"
+    )
+    pid: int | None = Field(
+        description="the rank's process id on that host, as it reports it (null: not heard)"
+    )
     device: str | None = Field(description="the device slot it holds (cpu, cuda:N)")
 
 
@@ -35,8 +41,15 @@ class ReplicaStatus(BaseModel):
     id: str
     state: Literal["starting", "ready", "draining", "failed", "stopped"]
     generation: int = Field(description="model generation (grows with each /admin/reload)")
-    host: str = Field(description="host name of the machine running the gang's ranks")
+    hosts: list[str] = Field(
+        description="the hosts its ranks report running on, in rank order (several for a gang with "
+        "--external-ranks; empty until a rank is heard)"
+    )
     world_size: int = Field(description="ranks in the gang (pp x tp)")
+    restarts: int = Field(
+        description="restarts of this gang's line: a gang replacing a failed one carries its count on, +1"
+    )
+    replaces: str | None = Field(description="id of the failed gang this one replaced (null: a fresh gang)")
     ranks: list[RankStatus]
     inflight_batches: int
     age_s: float = Field(description="seconds since the gang was launched")
@@ -124,7 +137,10 @@ class StatusResponse(BaseModel):
     replicas: list[ReplicaStatus]
     replica_counts: dict[str, int] = Field(description="gangs by state (shardserve_replicas)")
     replica_failures: int
-    replica_restarts: int = Field(description="gangs restarted after a failure, since the server started")
+    replica_restarts: int = Field(
+        description="gangs restarted after a failure, since the server started (all gangs, also those "
+        "since stopped; each gang's own count: replicas[].restarts)"
+    )
     retried_windows: int
     queue: QueueStatus
     windows: list[WindowStats] = Field(description="the last minute and the last five minutes")

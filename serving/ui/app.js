@@ -91,17 +91,30 @@ function renderModel(s) {
 function renderReplicas(s) {
   const counts = Object.entries(s.replica_counts).filter(([, n]) => n > 0).map(([k, n]) => `${n} ${k}`);
   $("replica-summary").textContent =
-    `${counts.join(", ") || "no gangs"} · failures ${s.replica_failures} · restarts ${s.replica_restarts}` +
+    `${counts.join(", ") || "no gangs"} · failures ${s.replica_failures} · restarts ${s.replica_restarts} (all gangs)` +
     ` · windows retried ${s.retried_windows}`;
   rows($("replicas").tBodies[0], s.replicas, (r) => [
     r.id,
     badge(r.state),
-    r.host,
-    r.ranks.map((k) => `${k.rank} (${k.stage}/${k.tp_rank}): ${k.pid ?? "—"} @ ${k.device ?? "—"}`).join("; "),
+    r.hosts.length ? r.hosts.join(", ") : el("span", { class: "na", title: "no rank heard from yet" }, "—"),
+    ranksOf(r),
+    String(r.restarts) + (r.replaces ? ` (replaces ${r.replaces})` : ""),
     String(r.inflight_batches),
     duration(r.age_s),
     r.error || "",
   ]);
+}
+
+// One line per rank: "1 (1/0): pid 4242 · cpu", with its host when the gang spans several hosts.
+// Host and pid are what the rank reports in its heartbeats; "not heard yet" before its first one.
+function ranksOf(r) {
+  const frag = document.createDocumentFragment();
+  r.ranks.forEach((k, i) => {
+    if (i) frag.append(el("br"));
+    const where = k.pid === null ? "not heard yet" : `pid ${k.pid}` + (r.hosts.length > 1 ? ` on ${k.host}` : "");
+    frag.append(`${k.rank} (${k.stage}/${k.tp_rank}): ${where} · ${k.device ?? "—"}`);
+  });
+  return frag;
 }
 
 function renderTraffic(s) {

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import numpy as np
@@ -29,6 +31,7 @@ def test_every_message_round_trips_with_arrays_and_plain_fields() -> None:
         StepReport(0, 5, 1.25, 1e-4, float("nan"), 32, {"bytes": 10}),
         EvalLogits(1, 5, np.zeros((0, 4, 2), dtype=np.float32)),
         Heartbeat(3, 17, 1234.5),
+        Heartbeat(1, 2, 0.0, 0.5, "node-b", 4242),
     ]
     for msg in msgs:
         got = decode(encode(msg, key), key)
@@ -99,6 +102,8 @@ def test_messages_flow_both_ways_and_heartbeats_carry_progress(pair) -> None:
         driver.recv(0.05)
     assert driver.progress[1] == 4 and driver.busy_since[1] == 99.0 and driver.busy_s[1] == 1.5
     assert driver.silent_ranks(5.0) == []
+    # where each rank runs, as it says itself (here both ends share this process)
+    assert driver.where == [(socket.gethostname(), os.getpid())] * 2
 
 
 def test_a_rank_that_stops_beating_is_silent_and_a_rank_without_driver_leaves(pair) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -82,6 +83,11 @@ def test_external_rank_joins_serves_and_its_death_is_named_then_a_new_worker_rej
         starting.join(timeout=120)
         assert not starting.errors, starting.errors  # type: ignore[attr-defined]
         assert gang.healthy and len(gang.pids()) == 1  # only rank 0 is a child of the driver
+        here = socket.gethostname()  # each rank says where it runs (its heartbeats), the joined one too
+        deadline = time.monotonic() + 10  # a rank is heard of by its first heartbeat (every 0.5 s)
+        while None in gang.rank_processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gang.rank_processes() == [(here, gang.pids()[0]), (here, worker.pid)]
         got = gang.run([fixed_batch()], timeout_s=60)[0]
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # same shards, same numbers
         inflight = [gang.submit(*fixed_batch()) for _ in range(8)]

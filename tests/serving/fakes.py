@@ -1,7 +1,8 @@
 """In-process fake gangs for the API / engine tests (no worker processes, starts in milliseconds).
 
 ``FakeGang`` has the interface of ``partitioner.gang.Gang`` the server uses (start, submit ->
-concurrent Future of (B, S, 2) logits, healthy, inflight, stop, pids). One worker thread answers
+concurrent Future of (B, S, 2) logits, healthy, inflight, stop, pids, rank_processes: its one rank
+reports ``host`` and a made-up pid, as a real rank's heartbeats do). One worker thread answers
 micro-batches in order, like a pipeline; ``gate`` (a threading.Event shared by the factory) holds
 every batch but the warm-up (micro-batch 0) until set, so tests can fill queues deterministically. ``kill()`` fails every pending
 future with GangError at once, as a real gang does when a rank dies.
@@ -47,8 +48,10 @@ class FakeGang:
         fail_start: bool = False,
         start_error: str | None = None,
         batch_s: float = 0.0,
+        host: str = "fake-host",
     ) -> None:
         self.name = name
+        self.host = host
         self.gate = gate
         self.start_s = start_s
         self.fail_start = fail_start
@@ -86,6 +89,9 @@ class FakeGang:
 
     def pids(self) -> list[int]:
         return list(self._pids)
+
+    def rank_processes(self) -> list[tuple[str, int] | None]:
+        return [(self.host, pid) for pid in self._pids] if self._running else []
 
     def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future:
         if self.error is not None:
@@ -156,6 +162,7 @@ class FakeFactory:
         self.fail_start_models: set[str] = set()
         self.start_error: str | None = None  # the failing gangs' GangError text (default: one line)
         self.batch_s = 0.0  # compute time of every micro-batch of the gangs made from now on
+        self.host = "fake-host"  # the host the gangs' ranks report
         self.gangs: list[FakeGang] = []
         self.models: list[str] = []
 
@@ -167,6 +174,7 @@ class FakeFactory:
             fail_start=source.name in self.fail_start_models,
             start_error=self.start_error,
             batch_s=self.batch_s,
+            host=self.host,
         )
         self.gangs.append(gang)
         self.models.append(source.name)

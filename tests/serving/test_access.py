@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from serving.access import valid_request_id
@@ -202,8 +203,35 @@ def test_served_model_name_names_the_model_everywhere() -> None:
         (info,) = client.get("/v1/models").json()
         assert info["model"] == "squad-qa" and info["checkpoint"]["name"] == "tiny-bert"
         assert client.get("/v2/models/squad-qa").status_code == 200
+        dtype = client.app.state.precision.name  # auto: bf16 on a CPU with bf16 units, else fp32
+        assert model_info(client.get("/metrics").text) == [
+            {"model": "squad-qa", "precision": dtype, "pp": "1", "tp": "1"}
+        ]
+        reload = client.post(
+            "/admin/reload", json={"model": "tiny-roberta"}, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert reload.status_code == 200, reload.text
+        assert ask(client).json()["model"] == "squad-qa"  # the served name stays across a reload
+        assert [m["model"] for m in model_info(client.get("/metrics").text)] == ["squad-qa"]
     with serving() as (client, _):
         assert ask(client).json()["model"] == "tiny-bert"
+        assert [m["model"] for m in model_info(client.get("/metrics").text)] == ["tiny-bert"]
+        reload = client.post(
+            "/admin/reload", json={"model": "tiny-roberta"}, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert reload.status_code == 200, reload.text
+        assert [m["model"] for m in model_info(client.get("/metrics").text)] == ["tiny-roberta"]  # one series
+
+
+def model_info(exposition: str) -> list[dict[str, str]]:
+    """The label sets of the ``shardserve_model_info`` series in a /metrics page (each must be 1)."""
+    out = []
+    for family in text_string_to_metric_families(exposition):
+        if family.name == "shardserve_model_info":
+            for sample in family.samples:
+                assert sample.value == 1.0, sample
+                out.append(dict(sample.labels))
+    return out
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "-lead", "has space", "x" * 129])

@@ -272,13 +272,15 @@ def test_full_queue_is_429_with_retry_after_through_the_shared_admission() -> No
 
 
 def test_api_key_guards_the_model_routes_not_health_or_server_metadata() -> None:
+    """Model readiness is health in the spec (KServe probes poll it): open, like /v2/health/*."""
     auth = {"Authorization": f"Bearer {KEY}"}
     with serving(served_model_name=NAME, api_key=KEY) as (client, _):
-        for path in ("/v2", "/v2/health/live", "/v2/health/ready"):
+        for path in ("/v2", "/v2/health/live", "/v2/health/ready", f"/v2/models/{NAME}/ready"):
             assert client.get(path).status_code == 200, path
+        assert client.get(f"/v2/models/{NAME}/ready").json() == {"name": NAME, "ready": True}
+        assert client.get("/v2/models/other/ready").status_code == 404  # still the spec's answers
         for r in (
             client.get(f"/v2/models/{NAME}"),
-            client.get(f"/v2/models/{NAME}/ready"),
             infer(client, infer_body()),
             infer(client, infer_body(), headers={"Authorization": "Bearer wrong"}),
         ):
@@ -308,3 +310,4 @@ def test_openapi_documents_the_v2_routes_truthfully() -> None:
         op = paths["/v2/models/{model_name}/infer"]["post"]
         assert op["security"] == [{"ApiKey": []}] and "401" in op["responses"]
         assert "security" not in paths["/v2"]["get"] and "security" not in paths["/v2/health/ready"]["get"]
+        assert "security" not in paths["/v2/models/{model_name}/ready"]["get"]

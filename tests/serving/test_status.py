@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -42,6 +43,8 @@ def test_status_reads_the_metrics_registry_and_nulls_what_is_not_measured() -> N
         assert s["plan"]["pp"] == 1 and len(s["plan"]["stages"]) == 1
         [r] = s["replicas"]
         assert r["state"] == "ready" and r["world_size"] == 1 and r["ranks"][0]["pid"] is not None
+        assert r["ranks"][0]["host"] == "fake-host" and r["hosts"] == ["fake-host"]  # as the rank says
+        assert r["restarts"] == 0 and r["replaces"] is None
         assert r["stages"][0]["busy_s"] is None and r["bubble_fraction"] is None  # fakes report no busy ranks
         last_minute = s["windows"][0]
         assert last_minute["requests"] == 0 and last_minute["latency_ms"]["p50"] is None
@@ -74,6 +77,52 @@ def test_status_shows_failures_restarts_errors_and_admin_decisions() -> None:
         a = client.get("/ui/status").json()["autoscaler"]
         assert a["target"] == 2 and a["autoscaling"] is False and a["pinned"] == 2
         assert a["recent"][-1]["source"] == "admin" and a["recent"][-1]["after"] == 2
+
+
+def test_each_gang_counts_its_own_restarts() -> None:
+    """Two gangs; one fails twice: its replacements carry its line's count on, the other stays at 0."""
+    with serving(replicas=2) as (client, factory):
+        wait_until(lambda: len(ready_gangs(client)) == 2, what="two ready gangs")
+        first, other = sorted(ready_gangs(client), key=lambda r: r["id"])
+        for n in (1, 2):
+            victim = next(g for g in factory.gangs if g.name.endswith(f"-{first['id']}"))
+            victim.kill()
+            wait_until(
+                lambda victim=first: (
+                    len(gangs := ready_gangs(client)) == 2 and all(g["id"] != victim["id"] for g in gangs)
+                ),
+                what=f"restart {n}",
+            )
+            [first] = [g for g in ready_gangs(client) if g["id"] != other["id"]]
+            assert first["restarts"] == n and first["replaces"] is not None, first
+        [still] = [g for g in ready_gangs(client) if g["id"] == other["id"]]
+        assert still["restarts"] == 0 and still["replaces"] is None
+        s = client.get("/ui/status").json()
+        assert s["replica_restarts"] == 2 == sum(g["restarts"] for g in s["replicas"])
+
+
+def test_rank_hosts_and_pids_are_what_the_ranks_report() -> None:
+    """Host and pid per rank come from the ranks (their heartbeats: ``rank_processes``), not from the
+    server's host name or the pids of its children: a gang with ranks on other hosts shows them."""
+    with serving(pp=2, cpu_slots=2) as (client, factory):
+        gang = factory.gangs[0]
+        gang.rank_processes = lambda: [("node-a", 4100), ("node-b", 77)]  # type: ignore[method-assign]
+        [r] = client.get("/ui/status").json()["replicas"]
+        assert [(k["rank"], k["stage"], k["host"], k["pid"]) for k in r["ranks"]] == [
+            (0, 0, "node-a", 4100),
+            (1, 1, "node-b", 77),
+        ]
+        assert r["hosts"] == ["node-a", "node-b"]
+        gang.rank_processes = lambda: [("node-a", 4100), None]  # type: ignore[method-assign]  # rank 1 not heard
+        [r] = client.get("/ui/status").json()["replicas"]
+        assert r["ranks"][1]["host"] is None and r["ranks"][1]["pid"] is None and r["hosts"] == ["node-a"]
+        gang.rank_processes = None  # type: ignore[assignment]  # a backend that cannot tell: null, no guess
+        [r] = client.get("/ui/status").json()["replicas"]
+        assert all(k["host"] is None and k["pid"] is None for k in r["ranks"]) and r["hosts"] == []
+
+
+def ready_gangs(client: Any) -> list[dict[str, Any]]:
+    return [r for r in client.get("/ui/status").json()["replicas"] if r["state"] == "ready"]
 
 
 def test_pages_reference_only_local_assets() -> None:

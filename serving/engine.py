@@ -105,7 +105,7 @@ class Engine:
         """Drain admitted requests (bounded by timeout_s), fail the rest with 503, stop the loop."""
         self.begin_drain()
         deadline = self.clock() + timeout_s
-        while self.ongoing and self.clock() < deadline:
+        while (self.ongoing or self.outputs.decoding) and self.clock() < deadline:
             await asyncio.sleep(0.02)
         for rid in self.outputs.request_ids():
             self.scheduler.cancel(rid)
@@ -122,6 +122,7 @@ class Engine:
             except TimeoutError:
                 self._task.cancel()
         self.inputs.shutdown()
+        self.outputs.shutdown()
 
     def wake(self) -> None:
         self._wake.set()

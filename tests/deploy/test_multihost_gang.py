@@ -7,7 +7,7 @@ of the remote worker under load gives every request an answer or a ``GangError``
 a new worker joining on B brings the gang back. Skips, saying why, where namespaces are not
 permitted.
 
-    python -m pytest tests/deploy/test_multihost_gang.py -q      (root; ~40 s)
+    python -m pytest tests/deploy/test_multihost_gang.py -q      (root; ~1-2 min)
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_server_with_a_remote_stage_answers_survives_kill_9_and_recovers() -> No
             [sys.executable, "-m", "shardserve", "serve", "--model", "tiny-bert", "--pp", "2", "--replicas", "1",
              "--dtype", "float32", "--host", a.addr, "--port", "8000", "--external-ranks", "1",
              "--gang-host", a.addr, "--gang-port", str(PORT), "--restart-backoff-s", "0.2",
-             "--request-timeout-s", "20"],
+             "--request-timeout-s", "8"],
             env=env,
         )  # fmt: skip
         worker_env = {**env, "MASTER_ADDR": a.addr, "MASTER_PORT": str(PORT), "RANK": "1",
@@ -126,6 +126,8 @@ def test_server_with_a_remote_stage_answers_survives_kill_9_and_recovers() -> No
         assert first["ready"] and [r["text"] for r in first["results"]] == want  # across hosts, same answers
 
         # kill -9 of the remote worker under concurrent requests: each gets an answer or a clean error
+        # (requests queued while the only replica waits for a new worker run out their 8 s deadline:
+        # a short one keeps this phase well inside the replacement gang's 120 s wait for rank 1)
         load = b.popen(
             [sys.executable, "-m", "tests.deploy.qa_client", url, "--requests", "64", "--concurrency", "8"],
             stdout=subprocess.PIPE, text=True,
@@ -134,7 +136,7 @@ def test_server_with_a_remote_stage_answers_survives_kill_9_and_recovers() -> No
         os.killpg(worker.pid, signal.SIGKILL)
         out, _ = load.communicate(timeout=300)
         statuses = [r["status"] for r in json.loads(out.strip().splitlines()[-1])["results"]]
-        assert len(statuses) == 64 and set(statuses) <= {200, 503, 504}, statuses
+        assert len(statuses) == 64 and set(statuses) <= {200, 429, 503, 504}, statuses
         assert all(
             r["text"] in want
             for r in json.loads(out.strip().splitlines()[-1])["results"]

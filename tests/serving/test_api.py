@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import signal
 import threading
 import time
@@ -20,6 +22,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from serving.app import build_app
+from serving.qa_types import QAPair
 from serving.replicas import ReplicaState
 from serving.serve_cli import DrainingServer
 from serving.settings import ServeSettings, available_cores
@@ -32,6 +35,8 @@ CONTEXT = (
 )
 QUESTION = "Which team won Super Bowl 50?"
 TOKEN = "s3cret-token"
+
+logger = logging.getLogger(__name__)
 
 
 def wait_until(cond: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
@@ -788,32 +793,95 @@ def test_admin_token_file_keeps_the_token_off_the_command_line(tmp_path: Any) ->
         ServeSettings(admin_token_file=str(tmp_path / "empty"))
 
 
-def test_a_maximal_request_does_not_starve_small_ones() -> None:
-    """Fairness (issue 11.1): while a ~120-window request is computed (~1.5 s), small requests sent after it
-    are answered before it (their windows are interleaved with its windows, not queued behind all
-    of them); each small latency stays far below the big request's time (bound stated: < 1 s)."""
+FAIR_BATCH_S = 0.25  # the fake gangs' compute time per micro-batch (fixed: the bound below is exact)
+FAIR_CLIENTS = 8  # closed-loop clients of small requests (one window each, fewer than max_batch_size)
+
+
+def _maximal_items(client: TestClient) -> list[dict[str, str]]:
+    """Two items (each context within max_context_chars) needing exactly max_windows_per_request
+    windows together, at the default windowing (found with the server's own tokenizer)."""
+    engine = client.app.state.engine
+    cap = engine.scheduler.config.max_windows_per_request
+    copies = client.app.state.settings.max_context_chars // (len(CONTEXT) + 1)
+
+    def windows(n: int) -> int:
+        return len(engine.inputs.encode([QAPair(QUESTION, " ".join([CONTEXT] * n))]).windows)
+
+    first = windows(copies)
+    lo, hi = 1, copies  # fewest copies for the second item that reach the bound (windows grow by <= 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if first + windows(mid) >= cap else (mid + 1, hi)
+    assert first + windows(lo) == cap
+    return [{"question": QUESTION, "context": " ".join([CONTEXT] * n)} for n in (copies, lo)]
+
+
+def test_a_maximal_request_does_not_starve_a_steady_stream_of_small_ones() -> None:
+    """Fairness (issue 11.1, acceptance): while a request of max_windows_per_request windows (the
+    default 128, 384-token windows) is computed, 8 concurrent clients keep sending one-window
+    requests; their p99 stays under a bound derived from the batch shape, and the big one is served.
+
+    The bound: a small request admitted while the big one runs waits for the micro-batches already
+    in flight on the replica (at most max_inflight_per_replica, the first partly done), at most one
+    more batch of the big request (its window with the same fair-queuing tag was queued first), then
+    its own batch (all 8 small windows fit one): (max_inflight_per_replica + 2) x batch time from its
+    admission; plus one batch when a dispatch happens while it is still on its way in (HTTP path,
+    tokenizer thread), plus max_queue_delay_ms, plus half a batch of allowance for the event loop on
+    a loaded 2-core machine. With the fake gangs' fixed 250 ms per batch: 5.5 batches = 1.375 s.
+    Measured: p99 1.01-1.26 s (4 batches, 5 when it missed a dispatch; background training running). Before the virtual-time fix (serving/scheduler.py ``_advance_vtime``)
+    p99 was 2.0 s (8 batches); a FIFO scheduler gives 2.5 s: the small requests wait for the whole
+    big one (~10 batches). Decoding the big request off the event loop (serving/output_processor.py)
+    keeps the small ones answered while its 128 windows are decoded (~0.1-0.2 s)."""
     factory = FakeFactory()
-    factory.batch_s = 0.05  # every micro-batch "computes" 50 ms
-    big_context = " ".join([CONTEXT] * 80)
-    kw = dict(replicas=1, max_seq_len=64, doc_stride=16, max_question_len=16, length_buckets="32,64")
-    with serving(factory, max_batch_size=4, max_windows_per_request=1000, **kw) as (client, _):
-        with ThreadPoolExecutor(2) as pool:
-            big = pool.submit(lambda: (ask(client, context=big_context), time.monotonic()))
-            engine = client.app.state.engine
-            wait_until(
-                lambda: engine.ongoing == 1 and engine.scheduler.stats().queued_windows > 0, what="big"
-            )
-            small_latencies, small_done_at = [], []
-            for _ in range(3):
+    factory.batch_s = FAIR_BATCH_S
+    with serving(factory) as (client, _):
+        engine = client.app.state.engine
+        cfg = engine.scheduler.config
+        batches = cfg.max_inflight_per_replica + 2 + 1 + 0.5  # in flight, one tie, own, one missed, allowance
+        bound_s = batches * FAIR_BATCH_S + cfg.max_queue_delay_ms / 1000
+        items = _maximal_items(client)
+        stop = threading.Event()
+        spans: list[tuple[float, float]] = []  # (sent, answered) of every small request
+
+        def small_client() -> None:
+            while not stop.is_set():
                 t0 = time.monotonic()
                 r = ask(client)
-                small_latencies.append(time.monotonic() - t0)
-                small_done_at.append(time.monotonic())
-                assert r.status_code == 200
-            big_response, big_done_at = big.result(timeout=60)
-        assert big_response.status_code == 200 and big_response.json()["windows"] >= 100
-        assert max(small_done_at) < big_done_at  # none waited for the whole big request
-        assert max(small_latencies) < 1.0, small_latencies  # ~2 batches of 50 ms each, generously
+                assert r.status_code == 200, r.text
+                spans.append((t0, time.monotonic()))
+
+        with ThreadPoolExecutor(FAIR_CLIENTS + 1) as pool:
+            clients = [pool.submit(small_client) for _ in range(FAIR_CLIENTS)]
+            wait_until(lambda: len(spans) >= FAIR_CLIENTS, what="the small clients running")
+            sent = time.monotonic()
+            big = pool.submit(lambda: (client.post("/v1/qa/batch", json={"items": items}), time.monotonic()))
+            wait_until(
+                lambda: big.done() or engine.scheduler.stats().queued_windows > cfg.max_batch_size,
+                what="the big request queued",
+            )
+            admitted = time.monotonic()
+            big_response, big_done = big.result(timeout=60)
+            stop.set()
+            for c in clients:
+                c.result(timeout=30)
+        # served, not rejected: 413 would be "rejected up front", but nothing is measured before it
+        assert big_response.status_code == 200, big_response.text
+        assert sum(r["windows"] for r in big_response.json()["results"]) == cfg.max_windows_per_request
+        # sent while it was in flight (admitted: its windows queued); one sent while it was still being
+        # tokenized also waits for the one tokenizer thread (~0.2-0.4 s here; not part of this bound)
+        during = sorted(done - t0 for t0, done in spans if admitted <= t0 < big_done)
+        assert len(during) >= 2 * FAIR_CLIENTS, during  # a steady stream the whole time, not a few
+        p99 = during[max(0, math.ceil(0.99 * len(during)) - 1)]
+        logger.info(
+            "fairness: big request %.2f s; %d small requests during it, p50 %.3f s, p99 %.3f s (bound %.2f s)",
+            big_done - sent,
+            len(during),
+            during[len(during) // 2],
+            p99,
+            bound_s,
+        )
+        assert p99 < bound_s, (p99, bound_s, during)
+        assert bound_s < big_done - sent  # the bound means something: waiting for all of it breaks it
 
 
 def test_windows_per_request_over_the_bound_is_413_with_the_numbers() -> None:

@@ -394,6 +394,18 @@ def test_small_request_in_another_bucket_waits_at_most_one_batch_of_a_large_one(
     assert small_at <= 1, served
 
 
+def test_a_batch_taking_a_far_ahead_window_does_not_push_later_arrivals_behind_the_rest() -> None:
+    """A two-item request's short last windows (tags 6 and 13) share a bucket and leave in one batch;
+    virtual time used to jump past tag 13, so a small request admitted next waited for every other
+    window of the big one (in the API: 6-8 batches instead of at most 4, see test_api.py)."""
+    s = make(max_windows_per_request=1000)
+    assert s.submit("big", [200] * 6 + [100] + [200] * 6 + [100], now=0.0).accepted
+    done = [d.items for d in _drain(s, 1.0, 3)]  # at 1.0 the 128-bucket's delay is over
+    assert done[2] == [("big", 6), ("big", 13)]
+    assert s.submit("small", [10], now=1.0).accepted
+    assert s.next_batch(2.0, [R0]).items == [("small", 0)]  # type: ignore[union-attr]
+
+
 def test_two_large_requests_share_the_replicas_round_robin() -> None:
     s = make(max_windows_per_request=1000)
     assert s.submit("a", [60] * 40, now=0.0).accepted
@@ -494,6 +506,21 @@ def test_windows_ahead_follow_fair_order() -> None:
     assert s.windows_ahead(10) == 20
 
 
+def test_a_reserved_request_is_not_refused_for_the_reservations_taken_after_it() -> None:
+    s = _rate_40_per_s()
+    for i in range(5):  # 5 x 40 windows queued: 200 windows, 5 s of work at 40 windows/s
+        assert s.submit(f"q{i}", [10] * 40, now=0.2, deadline=100.0).accepted
+    assert s.reserve(now=0.2, deadline=20.2, windows_hint=40).accepted  # 6 s fits 35 % of 20 s
+    for _ in range(20):  # a burst arrives while it is tokenized: 20 x 40 estimated windows
+        assert s.reserve(now=0.2, deadline=200.0, windows_hint=40).accepted
+    # counting those 800 windows as ahead of it (26 s) would refuse it after tokenizing, late
+    assert s.windows_ahead(40) == 200 + 840  # (its own reservation counts here too)
+    assert s.submit("first", [10] * 40, now=0.3, deadline=20.2, reserved=True, windows_hint=40).accepted
+    # without a reservation of its own, the same request is checked against them (they came first)
+    late = s.submit("unreserved", [10] * 40, now=0.3, deadline=20.2)
+    assert (late.accepted, late.reason) == (False, "overloaded")
+
+
 def test_overloaded_queue_refuses_what_cannot_finish_in_time_with_retry_after() -> None:
     s = _rate_40_per_s()
     for i in range(10):  # 10 x 40 windows queued: 400 windows, 10 s of work at 40 windows/s
@@ -506,10 +533,10 @@ def test_overloaded_queue_refuses_what_cannot_finish_in_time_with_retry_after() 
     assert s.stats().rejected["overloaded"] == 1
     # before tokenizing, the estimate says the same (and takes no queue place)
     assert s.reserve(now=0.2, deadline=5.2, windows_hint=40).reason == "overloaded"
-    assert s.reserve(now=0.2, deadline=30.0, windows_hint=40).accepted  # 11 s fits in half of 29.8 s
+    assert s.reserve(now=0.2, deadline=40.0, windows_hint=40).accepted  # 11 s fits in 0.35 of 39.8 s
     s.unreserve()
-    # before tokenizing only half the time left counts (the estimates move meanwhile); after it, all
-    assert s.reserve(now=0.2, deadline=20.0, windows_hint=40).reason == "overloaded"  # 11 s > 9.9 s
+    # before tokenizing only 35 % of the time left counts (the estimates move meanwhile); after it, all
+    assert s.reserve(now=0.2, deadline=20.0, windows_hint=40).reason == "overloaded"  # 11 s > 0.35 x 19.8 s
     assert s.submit("fits", [10] * 40, now=0.2, deadline=20.0).accepted  # 11 s < 19.8 s
     # a single window waits for one window of each request ahead (10 <= a batch? no: 4 per batch),
     # 11 windows = 0.3 s: well inside a 5 s deadline

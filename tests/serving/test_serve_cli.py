@@ -7,6 +7,7 @@ Run: python -m pytest tests/serving/test_serve_cli.py -q   (two tests start real
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -55,6 +56,19 @@ def test_serve_mistakes_are_one_line_errors(tmp_path: Path, capsys: pytest.Captu
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "invalid int value" in err and "--help" in err
+
+
+def test_serve_float16_on_a_cpu_without_fp16_units_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from partitioner import precision
+    from serving import serve_cli
+
+    caps = dataclasses.replace(precision.cpu_capabilities(), model="Test CPU", fp16=False)
+    monkeypatch.setattr(precision, "cpu_capabilities", lambda: caps)
+    monkeypatch.setattr(serve_cli.DrainingServer, "run", lambda *a, **k: pytest.fail("the server started"))
+    err = _one_line_error(capsys, ["serve", "--model", "tiny-bert", "--dtype", "float16"], "Test CPU")
+    assert err.startswith("error: float16 is not supported on cpu (Test CPU"), err
 
 
 def test_log_level_is_accepted_after_the_subcommand() -> None:

@@ -106,27 +106,26 @@ def gang_factory(
     return make
 
 
-def rank_processes(backend: Backend) -> list[tuple[str, int] | None] | None:
-    """Per rank: (host, pid) as the rank reports them (None: not heard yet); None when the backend
-    cannot tell (``partitioner.gang.Gang.rank_processes``)."""
-    probe = getattr(backend, "rank_processes", None)
+def _probe(backend: Backend, name: str) -> list | None:
+    """``backend.<name>()`` when the backend has it and can tell, else None."""
+    probe = getattr(backend, name, None)
     if probe is None:
         return None
     try:
         return probe() or None
     except (TypeError, ValueError, OSError):
         return None
+
+
+def rank_processes(backend: Backend) -> list[tuple[str, int] | None] | None:
+    """Per rank: (host, pid) as the rank reports them (None: not heard yet); None when the backend
+    cannot tell (``partitioner.gang.Gang.rank_processes``)."""
+    return _probe(backend, "rank_processes")
 
 
 def busy_seconds(backend: Backend) -> list[float] | None:
     """Per rank: seconds spent inside micro-batches so far (None when the backend cannot tell)."""
-    probe = getattr(backend, "busy_seconds", None)
-    if probe is None:
-        return None
-    try:
-        return probe() or None
-    except (TypeError, ValueError, OSError):
-        return None
+    return _probe(backend, "busy_seconds")
 
 
 # ------------------------------------------------------------------------------------------------

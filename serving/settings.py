@@ -152,8 +152,8 @@ class ServeSettings(GangFlags):
     api_key: str | None = Field(
         None,
         description="API key of the inference endpoints (/v1/*, /v2/models/*): clients send "
-        "`Authorization: Bearer <api_key>`, else 401 (unset: open). /healthz, /readyz, /metrics, /v2 and "
-        "/v2/health/* stay open",
+        "`Authorization: Bearer <api_key>`, else 401 (unset: open). /healthz, /readyz, /metrics, /v2, "
+        "/v2/health/* and /v2/models/<name>/ready stay open",
     )
     api_key_file: str | None = Field(
         None,

@@ -27,6 +27,26 @@ def test_plan_json_has_memory_and_ranks(capsys):
     assert all(s["training_bytes"] > s["serving_bytes"] > 0 for s in plan["stages"])
 
 
+def test_plan_dp_shows_the_allreduce_volume_and_the_same_training_memory(capsys):
+    """``--dp D``: each rank's ring all-reduce sends 2 (D-1)/D x 4 B per parameter of its shard; the
+    training memory per rank (16 B/param rule, AdamW state replicated on every copy) does not move."""
+    base = ["plan", "--model", "minilm", "--pp", "2", "--batch-size", "4", "--seq-len", "256", "--json"]
+    assert main(base) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert main([*base, "--dp", "2"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["dp"], plan["world_size"]) == (2, 4)
+    for one, two in zip(single["stages"], plan["stages"], strict=True):
+        assert (
+            two["training_bytes"] == one["training_bytes"]
+            and two["params_per_rank"] == one["params_per_rank"]
+        )
+        assert two["allreduce_bytes"] == 2 * (2 - 1) / 2 * 4 * two["params_per_rank"]
+        assert one.get("allreduce_bytes", 0) == 0  # nothing to all-reduce with one copy
+    assert main(["plan", "--model", "minilm", "--dp", "2", "--pp", "2"]) == 0
+    assert "AR MB" in capsys.readouterr().out
+
+
 def test_plan_manual_boundaries(capsys):
     assert main(["plan", "--model", "tiny-bert", "--pp", "2", "--boundaries", "1", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)

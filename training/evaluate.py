@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from models.qa_processing import WindowConfig
+
+if TYPE_CHECKING:
+    from training.squad_data import SquadExample
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ class EvalConfig:
             raise EvalConfigError(f"window={self.window!r} must be a models.qa_processing.WindowConfig")
 
 
-def _examples(cfg: EvalConfig) -> list:
+def _examples(cfg: EvalConfig) -> list[SquadExample]:
     from training.squad_data import load_squad, split_by_article
 
     examples = load_squad(cfg.data)
@@ -74,6 +78,18 @@ def _examples(cfg: EvalConfig) -> list:
 
 def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, float]:
     """Run the model over ``cfg.data`` and return the SQuAD metrics (percent)."""
+    from training.squad_metrics import evaluate
+
+    examples, answers = predict_answers(cfg, show_progress=show_progress)
+    metrics = evaluate(examples, answers)
+    logger.info("eval %s on %s: %s", cfg.model, cfg.data, metrics)
+    return metrics
+
+
+def predict_answers(
+    cfg: EvalConfig, *, show_progress: bool = True
+) -> tuple[list[SquadExample], dict[str, str]]:
+    """The scored questions and the model's answer to each (question id -> text, ``""`` = none)."""
     import os
 
     from tqdm import tqdm
@@ -86,7 +102,6 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
     from partitioner.precision import resolve_dtype
     from partitioner.worker import GangSpec
     from training.squad_data import build_eval_features, postprocess_eval_predictions, prediction_texts
-    from training.squad_metrics import evaluate
 
     choice = resolve_dtype(cfg.dtype, "cpu")  # refuse an unsupported dtype before any work
     logger.info("eval in %s (%s)", choice.name, choice.reason)
@@ -134,6 +149,4 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
         max_answer_length=cfg.max_answer_length,
         null_threshold=cfg.null_threshold,
     )
-    metrics = evaluate(examples, prediction_texts(preds))
-    logger.info("eval %s on %s: %s", source.name, cfg.data, metrics)
-    return metrics
+    return examples, prediction_texts(preds)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
@@ -21,7 +22,7 @@ from models.registry import MODEL_NAMES, resolve_model
 from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
 from partitioner.plan import ParallelDims, default_devices, make_plan
 from partitioner.precision import DTYPE_CHOICES, PrecisionError, resolve_dtype
-from partitioner.remote import JoinError, join_gang, read_gang_key
+from partitioner.remote import SERVE, JoinError, RemoteProgram, join_gang, read_gang_key
 from partitioner.verify import TOLERANCES
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
+def add_subcommands(
+    sub: argparse._SubParsersAction, *, worker_programs: Sequence[RemoteProgram] = (SERVE,)
+) -> None:
+    """``plan``, ``verify`` and ``worker``; a worker runs only ``worker_programs`` (the console
+    script gives it the programs of the packages above this one)."""
     p = sub.add_parser(
         "plan",
         help="show how a model is split across ranks",
@@ -167,7 +172,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         default=300.0,
         help="seconds to wait for the driver's spec (default: %(default)s)",
     )
-    w.set_defaults(func=cmd_worker)
+    w.set_defaults(func=cmd_worker, programs={prog.name: prog for prog in worker_programs})
 
 
 def _env_int(name: str) -> int | None:
@@ -188,6 +193,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         key=key,
         timeout_s=args.join_timeout_s,
         world_size=args.world_size,
+        programs=args.programs,
     )
     return 0  # not reached: the rank exits with its own code
 

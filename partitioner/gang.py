@@ -190,7 +190,9 @@ class Gang:
         self._channel = DriverChannel(world_size=dims.world_size, key=key, host=net.host)
         self._stage0 = [dims.rank_of(0, t) for t in range(dims.tp)]
         if net.external_ranks:
-            publish_spec(self._store, self.spec, endpoints=self._channel.endpoints, key=key)
+            publish_spec(
+                self._store, self.spec, endpoints=self._channel.endpoints, key=key, program=net.program
+            )
             logger.info("%s: waiting for ranks %s to join at %s:%d", self.name, list(net.external_ranks),
                         net.host, self._store.port)  # fmt: skip
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo" if net.host == "127.0.0.1" else None)

@@ -13,10 +13,12 @@ A worker started elsewhere (``shardserve worker``: torchrun's ``MASTER_ADDR`` / 
 model locally (a registry name, or a path that exists on its host), builds the same plan, checks
 its stages match, and runs the rank program like a local rank: only its shard is loaded.
 
-The spec names its program (``RemoteProgram``): ``serve`` (``serve_rank``, ``GangMode.STREAM``)
-or ``train`` (``training/remote_program.py``: ``train_rank``, ``GangMode.RUN``, whose
-``GangSpec.extra`` crosses as JSON). ``PROGRAMS`` is the allow-list of the modules that define
-them: a name in a spec never imports anything else, and no pickle crosses hosts.
+The spec names its program (``RemoteProgram``): ``serve`` (``SERVE``: ``serve_rank``,
+``GangMode.STREAM``) or ``train`` (``training/remote_program.py``: ``train_rank``, ``GangMode.RUN``,
+whose ``GangSpec.extra`` crosses as JSON). The driver says which one its remote ranks run
+(``GangNetwork.program``); a worker runs only the programs it was given (``join_gang(programs=)``,
+an allow-list that the ``shardserve`` console script composes): a name in a spec never imports
+anything, and no pickle crosses hosts.
 
     key = new_key()
     net = GangNetwork(host="10.0.0.1", store_port=29500, external_ranks=(1,), key=key)
@@ -29,12 +31,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import importlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -68,30 +69,7 @@ class RemoteProgram:
 SERVE = RemoteProgram(
     "serve", serve_rank, GangMode.STREAM, to_json=lambda extra: {}, from_json=lambda body, src: ({}, src)
 )
-
-# The programs a spec may name -> the module defining them as ``REMOTE_PROGRAM`` (an allow-list).
-PROGRAMS: dict[str, str] = {"serve": __name__, "train": "training.remote_program"}
-REMOTE_PROGRAM = SERVE
-
-
-def remote_program(name: str) -> RemoteProgram:
-    """The program a spec names (``JoinError`` for a name not in ``PROGRAMS``)."""
-    if name not in PROGRAMS:
-        raise JoinError(f"the gang spec names program {name!r}; a worker runs only {sorted(PROGRAMS)}")
-    prog = importlib.import_module(PROGRAMS[name]).REMOTE_PROGRAM
-    assert isinstance(prog, RemoteProgram) and prog.name == name, PROGRAMS[name]
-    return prog
-
-
-def _program_of(spec: GangSpec) -> RemoteProgram:
-    for name in PROGRAMS:
-        prog = remote_program(name)
-        if prog.program is spec.program and prog.mode is spec.mode:
-            return prog
-    raise ValueError(
-        f"ranks on other hosts run the programs {sorted(PROGRAMS)} only, not "
-        f"{getattr(spec.program, '__qualname__', spec.program)} ({spec.mode})"
-    )
+SERVE_ONLY: Mapping[str, RemoteProgram] = {"serve": SERVE}  # a worker's allow-list unless given one
 
 
 class JoinError(RuntimeError):
@@ -106,12 +84,14 @@ class GangNetwork:
     ranks elsewhere, this host's address on the network they share, never all interfaces by
     default). ``store_port``: 0 picks a free one (local gangs); remote workers need a fixed one.
     ``external_ranks``: ranks started elsewhere (``shardserve worker``); the driver waits for them.
-    ``key``: the gang key the workers were given (None: a fresh one, local gangs only)."""
+    ``key``: the gang key the workers were given (None: a fresh one, local gangs only).
+    ``program``: what the external ranks run (the gang spec's program and mode must be its)."""
 
     host: str = "127.0.0.1"
     store_port: int = 0
     external_ranks: tuple[int, ...] = ()
     key: bytes | None = None
+    program: RemoteProgram = SERVE
 
     def __post_init__(self) -> None:
         if self.external_ranks and (self.key is None or self.store_port == 0):
@@ -147,15 +127,21 @@ def _sign(payload: bytes, key: bytes) -> str:
     return hmac.new(key, payload, hashlib.sha256).hexdigest()
 
 
-def publish_spec(store: dist.Store, spec: GangSpec, *, endpoints: str, key: bytes) -> None:
+def publish_spec(
+    store: dist.Store, spec: GangSpec, *, endpoints: str, key: bytes, program: RemoteProgram = SERVE
+) -> None:
     """Write what remote workers need to join into ``store``, signed: the model, the layout, the
-    program (``RemoteProgram``) with its settings, and the driver's channel ``endpoints``."""
-    prog = _program_of(spec)
+    ``program`` (the spec's own, by name) with its settings, and the driver's channel ``endpoints``."""
+    if program.program is not spec.program or program.mode is not spec.mode:
+        raise ValueError(
+            f"the gang runs {getattr(spec.program, '__qualname__', spec.program)} ({spec.mode}), not the "
+            f"remote program {program.name!r} ({program.program.__qualname__}, {program.mode}): give GangNetwork(program=...)"
+        )
     plan = spec.plan
     source = spec.source
     body = {
-        "program": prog.name,
-        "extra": prog.to_json(spec.extra),
+        "program": program.name,
+        "extra": program.to_json(spec.extra),
         # a registry name resolves on any host; a directory must exist at that path there too
         "model": source.name if source.name in MODEL_NAMES else str(source.checkpoint),
         "device": plan.devices[0].split(":")[0],
@@ -180,11 +166,17 @@ def _layout(dims: ParallelDims) -> str:
 
 
 def read_spec(
-    store: dist.Store, *, key: bytes, rank: int, device: str = "cpu", world_size: int | None = None
+    store: dist.Store,
+    *,
+    key: bytes,
+    rank: int,
+    device: str = "cpu",
+    world_size: int | None = None,
+    programs: Mapping[str, RemoteProgram] = SERVE_ONLY,
 ) -> tuple[GangSpec, str]:
     """The gang spec published in ``store`` (verified with ``key``) as this host sees it, and the
-    driver's channel endpoints. ``JoinError`` when it is not ours or does not match locally
-    (``world_size``: the worker's ``WORLD_SIZE``, when it was given)."""
+    driver's channel endpoints. ``JoinError`` when it is not ours, names a program not in
+    ``programs``, or does not match locally (``world_size``: the worker's ``WORLD_SIZE``, if given)."""
     raw = json.loads(store.get(SPEC_KEY))
     body = raw.get("spec")
     payload = json.dumps(body, sort_keys=True).encode()
@@ -192,7 +184,10 @@ def read_spec(
         raise JoinError(
             "the gang spec in the rendezvous store is not signed with our key: wrong key, or not our gang"
         )
-    prog = remote_program(body.get("program", "serve"))
+    name = body.get("program", "serve")
+    if name not in programs:
+        raise JoinError(f"the gang spec names program {name!r}; this worker runs only {sorted(programs)}")
+    prog = programs[name]
     source = resolve_model(body["model"])
     dims = ParallelDims(pp=body["pp"], tp=body["tp"], dp=body.get("dp", 1))
     if not 0 <= rank < dims.world_size:
@@ -234,14 +229,15 @@ def join_gang(
     key: bytes,
     timeout_s: float = 300.0,
     world_size: int | None = None,
+    programs: Mapping[str, RemoteProgram] = SERVE_ONLY,
 ) -> None:
     """Join the gang whose store is at ``master_addr:master_port`` as ``rank`` and run it (this
     process becomes the rank and exits with its code). ``world_size``: torchrun's ``WORLD_SIZE``
-    when given, checked against the spec."""
+    when given, checked against the spec; ``programs``: the programs this worker may run, by name."""
     from partitioner.worker import worker_main
 
     store = _spec_store(master_addr, master_port, timeout_s=timeout_s)
-    spec, endpoints = read_spec(store, key=key, rank=rank, world_size=world_size)
+    spec, endpoints = read_spec(store, key=key, rank=rank, world_size=world_size, programs=programs)
     del store
     env = {
         "MASTER_ADDR": master_addr,

@@ -15,8 +15,10 @@ import typing
 
 from loadtest import cli as loadtest_cli
 from partitioner import cli as partitioner_cli
+from partitioner.remote import SERVE
 from serving import serve_cli
 from training import cli as training_cli
+from training.remote_program import REMOTE_PROGRAM as TRAIN
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(parser, default=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING").upper())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_cli.add_subcommands(sub)
-    partitioner_cli.add_subcommands(sub)
+    partitioner_cli.add_subcommands(sub, worker_programs=(SERVE, TRAIN))  # what `shardserve worker` may run
     training_cli.add_subcommands(sub)
     loadtest_cli.add_subcommands(sub)
     for subparser in sub.choices.values():  # `shardserve serve --log-level INFO` works too

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -276,7 +277,9 @@ def network_problem(args: argparse.Namespace) -> tuple[str | None, GangNetwork |
     problems = flags.gang_problems(world_size=args.dp * args.pp * args.tp, layout=layout)
     if problems:
         return "invalid gang settings: " + "; ".join(problems), None
-    return None, flags.network()
+    from training.remote_program import REMOTE_PROGRAM  # what the ranks on other hosts run
+
+    return None, dataclasses.replace(flags.network(), program=REMOTE_PROGRAM)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -493,12 +493,18 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
     """Run (or resume) a training run; returns the final checkpoint and the logged numbers.
 
     ``network``: where the gang's store and channel listen and which ranks run on other hosts
-    (``shardserve worker`` there; ``partitioner/gang_flags.py``); default: every rank on this one.
+    (``shardserve worker`` there, running ``training/remote_program.py``'s program; flags:
+    ``partitioner/gang_flags.py``); default: every rank on this one.
     Rank 0 writes the run directory, so it is never external."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     network = network or GangNetwork()
+    if network.external_ranks and network.program.program is not train_rank:
+        raise TrainConfigError(
+            f"ranks {list(network.external_ranks)} run elsewhere, so the network must say they run the "
+            f"training program, not {network.program.name!r}: GangNetwork(program=training.remote_program.REMOTE_PROGRAM)"
+        )
     source = with_dropout(resolve_model(cfg.model), cfg.dropout)
     dims = ParallelDims(pp=cfg.pp, tp=cfg.tp, dp=cfg.dp)
     external = sorted(network.external_ranks)

@@ -2,8 +2,9 @@
 
 - the published spec of a training gang reads back on the worker as the same program
   (``train_rank``, ``GangMode.RUN``), ``TrainConfig``, ``RunInfo`` and dropout-adjusted model;
-- a worker whose ``WORLD_SIZE`` disagrees, or a spec naming a program outside the allow-list, is
-  refused in one line;
+- a worker whose ``WORLD_SIZE`` disagrees, or a spec naming a program outside its allow-list (a
+  serve-only worker, or a name that is no program), is refused in one line; publishing a spec with
+  another program than the gang's is a ValueError;
 - ``train`` shares serve's gang flags and their validation: a bad external rank, a missing key or
   rank 0 as external is one ``error:`` line, exit 2.
 
@@ -21,13 +22,16 @@ from pathlib import Path
 import pytest
 
 from partitioner.gang import bound_store
-from partitioner.remote import SPEC_KEY, JoinError, publish_spec, read_spec
+from partitioner.remote import SERVE, SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
 from partitioner.wire import new_key
 from partitioner.worker import GangMode, GangSpec
 from tests.training.test_cli import _one_line_error
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
-from training.config import RunInfo
-from training.trainer import train_rank, with_dropout
+from training.config import RunInfo, TrainConfigError
+from training.remote_program import REMOTE_PROGRAM as TRAIN
+from training.trainer import train, train_rank, with_dropout
+
+PROGRAMS = {"serve": SERVE, "train": TRAIN}  # what `shardserve worker` runs
 
 
 def _training_spec(tmp_path: Path) -> GangSpec:
@@ -49,19 +53,23 @@ def test_training_spec_round_trips_as_json(tmp_path: Path) -> None:
     store = bound_store(2, timeout=timedelta(seconds=5))
     key = new_key()
     spec = _training_spec(tmp_path)
-    publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key)
-    got, _ = read_spec(store, key=key, rank=1, world_size=2)
+    with pytest.raises(ValueError, match="not the remote program 'serve'"):
+        publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key)  # SERVE
+    publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key, program=TRAIN)
+    with pytest.raises(JoinError, match=r"names program 'train'; this worker runs only \['serve'\]"):
+        read_spec(store, key=key, rank=1)  # a worker given only the serve program
+    got, _ = read_spec(store, key=key, rank=1, world_size=2, programs=PROGRAMS)
     assert got.program is train_rank and got.mode is GangMode.RUN
     assert got.extra == spec.extra  # TrainConfig and RunInfo, equal field by field
     assert got.source.config.hidden_dropout == 0.0 and got.collective_timeout_s == spec.collective_timeout_s
     with pytest.raises(JoinError, match=r"^WORLD_SIZE=4, but the gang the driver published has 2 ranks"):
-        read_spec(store, key=key, rank=1, world_size=4)
+        read_spec(store, key=key, rank=1, world_size=4, programs=PROGRAMS)
     # a spec signed with our key but naming another program: refused, nothing imported
     body = json.loads(store.get(SPEC_KEY))["spec"] | {"program": "os:system"}
     sig = hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
     store.set(SPEC_KEY, json.dumps({"spec": body, "sig": sig}))
     with pytest.raises(JoinError, match="names program 'os:system'"):
-        read_spec(store, key=key, rank=1)
+        read_spec(store, key=key, rank=1, programs=PROGRAMS)
 
 
 def test_train_gang_flags_are_validated_in_one_line(
@@ -76,3 +84,9 @@ def test_train_gang_flags_are_validated_in_one_line(
     )
     _one_line_error(capsys, [*base, "--external-ranks", "1"], "external_ranks need the gang key")
     _one_line_error(capsys, [*base, *key, "--external-ranks", "0"], "rank 0 runs here")
+
+
+def test_train_refuses_a_network_whose_remote_ranks_would_run_another_program(tmp_path: Path) -> None:
+    net = GangNetwork(store_port=29500, external_ranks=(1,), key=new_key())  # program: SERVE by default
+    with pytest.raises(TrainConfigError, match="must say they run the training program, not 'serve'"):
+        train(base_config(tmp_path, pp=2), show_progress=False, network=net)

@@ -1,6 +1,6 @@
 """The shipped default model answers through ``shardserve serve`` exactly what ``shardserve eval`` measured.
 
-A sample of development-set questions (every 150th of the 42-article pool: 59 questions over 37
+A sample of development-set questions (every 150th of the 42-article pool: 59 questions over 38
 articles, some with contexts longer than one window) goes to a server built with no flags but the
 model (what ``shardserve serve`` runs: default precision, windows, replicas and threads), 8 requests
 in flight so the scheduler batches them together; the answers must be the eval path's answers for

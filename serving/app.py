@@ -38,7 +38,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from models.qa_processing import WindowConfig
 from partitioner.precision import DtypeChoice, resolve_dtype
 from serving import kserve_v2
 from serving.access import AccessMiddleware, include_protected
@@ -88,11 +87,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scheduler=scheduler,
         manager=manager,
         metrics=metrics,
-        window=WindowConfig(
-            max_seq_len=settings.max_seq_len,
-            doc_stride=settings.doc_stride,
-            max_question_len=settings.max_question_len,
-        ),
+        window=settings.window(),
         null_threshold=settings.null_threshold,
         max_request_timeout_s=settings.max_request_timeout_s,
         stall_timeout_s=settings.stall_after_s,

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from models.qa_processing import WindowConfig
 from partitioner.gang_flags import GangFlags, secret_from_file
 from partitioner.precision import DTYPE_CHOICES
 from serving.autoscaler import AutoscalingConfig
@@ -315,6 +316,12 @@ class ServeSettings(GangFlags):
             max_inflight_per_replica=self.inflight_per_replica,
             default_deadline_s=self.request_timeout_s,
             max_windows_per_request=self.max_windows_per_request,
+        )
+
+    def window(self) -> WindowConfig:
+        """How contexts are cut into windows (what eval must use to see the server's answers)."""
+        return WindowConfig(
+            max_seq_len=self.max_seq_len, doc_stride=self.doc_stride, max_question_len=self.max_question_len
         )
 
     @property

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from models.qa_processing import WindowConfig
 from models.registry import DEFAULT_OVERLAY_DIR
 from serving.app import build_app
 from serving.settings import ServeSettings
@@ -61,13 +60,8 @@ def sample_file(pool: Path, dest: Path) -> Path:
 def test_serve_answers_what_eval_measured(squad_dir, tmp_path, dtype):
     settings = ServeSettings(model="default", dtype=dtype)  # `shardserve serve` with no other flag
     sample = sample_file(squad_dir / "squad-v1.1-train-pool.json", tmp_path / "sample.json")
-    window = WindowConfig(
-        max_seq_len=settings.max_seq_len,
-        doc_stride=settings.doc_stride,
-        max_question_len=settings.max_question_len,
-    )
     examples, want = predict_answers(
-        EvalConfig(model="default", data=str(sample), window=window, dtype=settings.dtype),
+        EvalConfig(model="default", data=str(sample), window=settings.window(), dtype=settings.dtype),
         show_progress=False,
     )
     assert len(examples) == 59

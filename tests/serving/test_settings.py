@@ -10,6 +10,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
+from models.qa_processing import WindowConfig
 from serving import settings as settings_mod
 from serving.settings import ServeSettings
 
@@ -55,6 +56,13 @@ def test_dtype_is_validated_with_the_choices():
     assert ServeSettings().dtype == "auto"
     with pytest.raises(ValidationError, match="dtype='int8' must be one of auto, float32, bfloat16, float16"):
         ServeSettings(dtype="int8")
+
+
+def test_window_is_the_flags_windowing():
+    """The one place the server's windows come from (the engine and the eval parity test use it)."""
+    got = ServeSettings(max_seq_len=256, doc_stride=64, max_question_len=32).window()
+    assert got == WindowConfig(max_seq_len=256, doc_stride=64, max_question_len=32)
+    assert ServeSettings().window() == WindowConfig(max_seq_len=384, doc_stride=128, max_question_len=64)
 
 
 def test_external_ranks_need_one_replica_a_fixed_port_an_address_and_the_key(tmp_path) -> None:

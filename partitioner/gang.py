@@ -38,12 +38,14 @@ and watched through their heartbeats alone.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -62,6 +64,17 @@ from partitioner.wire import new_key
 from partitioner.worker import GangMode, GangSpec, worker_main
 
 logger = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet[Gang] = weakref.WeakSet()  # started, not yet stopped
+
+
+@atexit.register
+def kill_live_gangs() -> None:
+    """Kill the ranks of every gang still running. A gang never outlives its driver: this runs at
+    interpreter exit, before multiprocessing's own exit hook (registered earlier), which terminates
+    and then joins daemonic children and would wait for ever on ranks, as they ignore SIGTERM."""
+    for gang in list(_LIVE):
+        gang._kill_all()
 
 
 def bound_store(
@@ -219,6 +232,7 @@ class Gang:
             proc.start()
             self._procs[rank] = proc
         self._started = True
+        _LIVE.add(self)
         try:
             self._wait_ready()
         except BaseException:
@@ -290,6 +304,7 @@ class Gang:
         self._release()
         self._procs = {}
         self._started = False
+        _LIVE.discard(self)
         self._store = None
 
     def __enter__(self) -> Gang:

@@ -127,7 +127,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.stop(timeout_s=settings.drain_timeout_s)
         await supervisor.stop()
         await app.state.status.stop()
-        await manager.close(timeout_s=settings.drain_timeout_s)
+        # stopping now (a second signal): the gangs are not waited for, their ranks are killed
+        await manager.close(timeout_s=0.0 if engine.aborting else settings.drain_timeout_s)
         logger.info("shut down")
 
 

@@ -84,6 +84,7 @@ class Engine:
             clock=clock,
         )
         self.accepting = True
+        self.aborting = False  # a second signal: answer every admitted request 503 now
         self._closing = False
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
@@ -101,18 +102,20 @@ class Engine:
             logger.info("draining: %d requests admitted", self.ongoing)
         self.accepting = False
 
+    def abort(self) -> None:
+        """Stop now (a second signal): refuse new requests and answer every admitted one 503 at the
+        loop's next pass, within MAX_IDLE_S. Only sets flags: safe from a signal handler."""
+        self.begin_drain()
+        self.aborting = True
+
     async def stop(self, *, timeout_s: float) -> None:
-        """Drain admitted requests (bounded by timeout_s), fail the rest with 503, stop the loop."""
+        """Drain admitted requests (bounded by timeout_s, cut short by ``abort``), fail the rest
+        with 503, stop the loop."""
         self.begin_drain()
         deadline = self.clock() + timeout_s
-        while (self.ongoing or self.outputs.decoding) and self.clock() < deadline:
+        while (self.ongoing or self.outputs.decoding) and self.clock() < deadline and not self.aborting:
             await asyncio.sleep(0.02)
-        for rid in self.outputs.request_ids():
-            self.scheduler.cancel(rid)
-            self._fail(
-                rid,
-                EngineError(503, "shutting_down", "the server shut down before this request was answered"),
-            )
+        self._fail_outstanding("the server shut down before this request was answered")
         if self._task is not None:
             # a flag, not task.cancel(): asyncio.wait_for (3.11) can swallow a cancellation
             self._closing = True
@@ -274,10 +277,20 @@ class Engine:
         self.outputs.fail(rid, err)
         self._update_gauges()
 
+    def _fail_outstanding(self, detail: str) -> None:
+        """Answer every admitted request 503 (queued windows dropped, late results ignored)."""
+        for rid in self.outputs.request_ids():
+            self.scheduler.cancel(rid)
+            self._fail(rid, EngineError(503, "shutting_down", detail))
+
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
         while not self._closing:
             self._wake.clear()
+            if self.aborting and self.outputs.request_ids():
+                self._fail_outstanding(
+                    "the server was stopped (a second signal) before this request was answered"
+                )
             try:
                 wake = self._step()
             except Exception:  # a bug must not kill the loop (and hang every request)

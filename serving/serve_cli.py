@@ -8,14 +8,14 @@
 The flags are generated from ``serving.settings.ServeSettings`` (one source of truth): a flag given
 on the command line wins over the environment, which wins over the default. SIGTERM/SIGINT flip
 readiness to 503 at once, let admitted requests finish (bounded by --drain-timeout-s), stop the
-gangs and exit 0.
+gangs and exit 0; a second signal stops now (admitted requests answered 503, exit 130).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
+import os
 import socket
 import sys
 import time
@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not server.started:
         logger.error("the server did not start (see the errors above)")
         return 1
-    return 0
+    return 130 if server.signals > 1 else 0  # 130: stopped by a second signal without draining
 
 
 def startup_line(settings: Any, model: Any, url: str, precision: Any) -> str:
@@ -156,6 +156,7 @@ class DrainingServer(uvicorn.Server):
         self.url: str | None = None
         self.fatal_error: str | None = None
         self._announced_ready = False
+        self.signals = 0  # SIGTERM/SIGINT received (handle_exit)
         self._t0 = time.monotonic()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -193,15 +194,27 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        """First SIGTERM/SIGINT: drain. Second: stop now (admitted requests answered 503, the gangs
+        stopped without waiting, exit 130). Third: kill the ranks and exit 130 at once."""
         state = self._app.state
-        if not state.shutting_down:
-            logger.warning("signal %d: readiness -> 503, draining", sig)
-        state.shutting_down = True
         engine = getattr(state, "engine", None)
-        if engine is not None:
-            engine.begin_drain()
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
+        self.signals += 1
+        if self.signals == 1:
+            if not state.shutting_down:
+                logger.warning("signal %d: readiness -> 503, draining (send it again to stop now)", sig)
+            state.shutting_down = True
+            if engine is not None:
+                engine.begin_drain()
+        elif self.signals == 2:
+            logger.warning("signal %d again: stopping now, admitted requests are answered 503", sig)
+            if engine is not None:
+                engine.abort()
+        else:
+            from partitioner.gang import kill_live_gangs
+
+            logger.warning("signal %d a third time: killing the gangs' ranks and exiting now", sig)
+            kill_live_gangs()
+            os._exit(130)
         self.should_exit = True
 
 

@@ -13,6 +13,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -174,6 +176,36 @@ def test_clean_stop_frees_processes_and_port():
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))  # nothing listens on the rendezvous port any more
+
+
+DRIVER_THAT_FORGETS_TO_STOP = """
+from models.registry import resolve_model
+from partitioner.gang import Gang
+from partitioner.plan import ParallelDims, make_plan
+from partitioner.worker import GangSpec
+
+source = resolve_model("tiny-bert")
+gang = Gang(GangSpec(source, make_plan(source.config, ParallelDims(pp=2, tp=1)))).start()
+print(*gang.pids(), flush=True)
+"""  # ...and the interpreter exits with the gang running
+
+
+def test_a_gang_never_outlives_its_driver():
+    """Ranks ignore SIGTERM; multiprocessing's exit hook would terminate and join them for ever.
+    The gang's own exit hook kills them: the driver exits and no rank is left."""
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER_THAT_FORGETS_TO_STOP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):  # reaped by the driver: no zombie either
+            os.kill(pid, 0)
 
 
 def _listen_addresses(port: int) -> set[str]:

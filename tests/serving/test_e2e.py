@@ -1,6 +1,7 @@
 """End to end over REAL worker processes (tiny-bert, pp=2 gangs of gloo ranks on loopback):
 answers equal a single-process reference, kill -9 of a rank under concurrent load, hot reload
-under load, and ``shardserve serve`` as a subprocess draining on SIGTERM with exit code 0.
+under load, and ``shardserve serve`` as a subprocess draining on SIGTERM with exit code 0 (a second
+SIGTERM: admitted requests answered 503 at once, exit 130).
 
 Run: python -m pytest tests/serving/test_e2e.py -q       (~1-2 min on 2 cores: each gang start ~6 s)
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -236,6 +238,51 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
         log.seek(0)
         out = log.read()
         assert "readiness -> 503, draining" in out and "shut down" in out
+
+
+def test_a_second_signal_stops_now_answering_503_and_exits_130(tmp_path: Any) -> None:
+    """SIGTERM drains; a second one stops now: admitted requests are answered 503 (never dropped
+    silently), the gangs are stopped without waiting, no traceback, exit 130, no rank left."""
+    log = open(tmp_path / "server.log", "w+")
+    serve_args = ["--model", "tiny-bert", "--replicas", "1", "--drain-timeout-s", "120"]
+    with (
+        log,
+        local_server(serve_args, global_args=["--log-level", "INFO"], log=log, ready_timeout_s=120) as srv,
+    ):
+        base, proc = srv.url, srv.proc
+        items = [{"question": q, "context": c} for q, c in PAIRS] * 16  # 64 pairs, ~130 windows
+        with ThreadPoolExecutor(16) as pool:
+            futures = [
+                pool.submit(
+                    httpx.post, f"{base}/v1/qa/batch", json={"items": items, "timeout_s": 240}, timeout=240
+                )
+                for _ in range(16)  # ~2.5 s of work on 2 cores
+            ]
+
+            def admitted() -> bool:
+                text = httpx.get(f"{base}/metrics", timeout=5).text
+                line = next(x for x in text.splitlines() if x.startswith("shardserve_ongoing_requests "))
+                return float(line.split()[1]) >= 8
+
+            wait_until(admitted, timeout=60, what="requests admitted")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "draining" in open(log.name).read(), timeout=10, what="the drain")
+            proc.send_signal(signal.SIGTERM)
+            responses = [f.result(timeout=60) for f in futures]
+        assert proc.wait(timeout=60) == 130
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503} and 503 in codes, codes
+        refused = [r.json() for r in responses if r.status_code == 503]
+        assert {body["error"] for body in refused} == {"shutting_down"}  # some were still tokenizing
+        assert any("second signal" in body["detail"] for body in refused), refused
+        log.seek(0)
+        out = log.read()
+        assert "stopping now" in out and "shut down" in out and "Traceback" not in out, out[-3000:]
+        pids = [int(p) for m in re.findall(r"pids \[([\d, ]+)\]", out) for p in m.split(",")]
+        assert pids, out[-3000:]
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
 
 
 def test_stalled_rank_is_failed_and_its_requests_retried() -> None:

@@ -172,6 +172,28 @@ def test_stop_timeout_answers_leftovers_503(model: ModelGeneration) -> None:
     run_engine(model, body)
 
 
+def test_abort_answers_admitted_requests_503_at_once(model: ModelGeneration) -> None:
+    """A second signal: every admitted request (queued or in a blocked gang) is answered 503 by the
+    loop's next pass, without waiting for the gang, and a later stop() does not wait either."""
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        factory.gate.clear()  # the gang holds its micro-batches: nothing would finish on its own
+        jobs = [engine.submit([SHORT]) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        engine.abort()
+        for job in jobs:  # the gate stays shut: only the abort can answer them
+            with pytest.raises(EngineError) as info:
+                await engine.wait(job)
+            assert (info.value.status, info.value.code) == (503, "shutting_down")
+            assert "second signal" in info.value.detail
+        with pytest.raises(EngineError) as info:
+            engine.submit([SHORT])
+        assert info.value.status == 503
+        await asyncio.wait_for(engine.stop(timeout_s=60), 10)  # nothing left to drain: no 60 s wait
+
+    run_engine(model, body)
+
+
 def test_tokenization_runs_off_the_event_loop(model: ModelGeneration, monkeypatch) -> None:
     """``submit_async`` (the HTTP path) tokenizes on the engine's tokenizer thread: while one
     request is being tokenized the event loop keeps running — here it is the loop that lets the

@@ -22,9 +22,11 @@ bf16 / AMX / int8 units printed above the figures:
 
 (b), (b2) and (c) are driven by --clients concurrent keep-alive HTTP clients (a minimal asyncio
 client, so the load generator costs little CPU) posting /v1/qa for --duration-s after --warmup-s;
-it prints throughput (questions/s), p50/p99 latency and the ratios of shardserve to (a), (b), (b2)
-and ONNX Runtime's best raw forward, with the issue-9 targets (default flags >= 4x (b),
->= 2x ONNX Runtime best, >= 0.9x (a)); targets are figures for the docs, not assertions.
+it prints throughput (questions/s), p50/p99 latency, the CPU each server's process (HTTP, tokenizing,
+scheduling, decoding) and its workers spent per answer, and the ratios of shardserve to (a), (b),
+(b2) and ONNX Runtime's best raw forward, with the issue-9 targets (default flags >= 4x (b),
+>= 2x ONNX Runtime best, >= 0.9x (a)) and the ceiling that the server process's own CPU puts on
+the ratio to (a) on these cores; targets are figures for the docs, not assertions.
 
     python benchmarks/bench_serving.py                                  # default model, 32 clients
     python benchmarks/bench_serving.py --model tiny-bert --duration-s 10 --replicas 2
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -99,6 +102,7 @@ class Result:
     completed: int
     errors: int
     note: str = ""
+    server_cpu_ms: float | None = None  # server-process CPU per answer (HTTP, tokenizing, decoding)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -357,13 +361,56 @@ def bench_server(
     try:
         # shardserve turns ready with its first gang: wait for every replica (none starting)
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
+        marks: list[tuple[float, float]] = []  # (server process, its worker processes) CPU seconds
+        timer = threading.Timer(args.warmup_s, lambda: marks.append(cpu_seconds(proc.pid)))
+        timer.start()
         result = drive(port, pairs, args, name, note)
+        timer.cancel()
+        marks.append(cpu_seconds(proc.pid))
+        if len(marks) == 2 and result.completed:
+            (own0, kids0), (own1, kids1) = marks
+            per_q = 1000 / result.completed
+            result.server_cpu_ms = (own1 - own0) * per_q
+            result.note += f"; CPU per answer: server process {result.server_cpu_ms:.1f} ms"
+            if kids1 > kids0:
+                result.note += f", workers {(kids1 - kids0) * per_q:.1f} ms"
         stats = _batch_stats(port)
         if stats:
             result.note += f"; {stats}"
         return result
     finally:
         stop(proc)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of process ``pid`` and of its live descendants (Linux /proc;
+    (0, 0) elsewhere): what the HTTP front end and the workers spend per answer."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def own(p: int) -> float:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    def children(p: int) -> list[int]:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            return []
+        out: list[int] = []
+        for t in tasks:
+            with contextlib.suppress(OSError):
+                out += [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        return out
+
+    total, todo = 0.0, children(pid)
+    while todo:
+        p = todo.pop()
+        total += own(p)
+        todo += children(p)
+    return own(pid), total
 
 
 def _batch_stats(port: int) -> str:
@@ -533,8 +580,9 @@ def explicit_configs(args: argparse.Namespace) -> list[list[str]]:
     return configs
 
 
-def ratio_lines(results: list[Result]) -> list[str]:
-    """The ratios of the shardserve rows to the other parts, with the issue-9 targets."""
+def ratio_lines(results: list[Result], *, cores: int | None = None) -> list[str]:
+    """The ratios of the shardserve rows to the other parts, with the issue-9 targets; with
+    ``cores``, also the ceiling its server process's own CPU per answer puts on the default row."""
 
     def best(prefix: tuple[str, ...]) -> Result | None:
         rows = [r for r in results if r.name.startswith(prefix) and r.questions_per_s > 0]
@@ -566,6 +614,15 @@ def ratio_lines(results: list[Result]) -> list[str]:
                 else (f"  (target >= {target:g}x: {'met' if ratio >= target else 'NOT met'})")
             )
             lines.append(f"  / {what} [{other.name}]: {ratio:.2f}x{goal}")
+    if default is not None and default.server_cpu_ms and limit is not None and cores:
+        # the server process shares the cores: at q answers/s it leaves cores - q * f to the model,
+        # which at best computes limit/cores answers per core-second: q = L / (1 + f * L / cores)
+        ceiling = limit.questions_per_s / (1 + default.server_cpu_ms / 1000 * limit.questions_per_s / cores)
+        lines.append(
+            f"  ceiling from the server process's {default.server_cpu_ms:.1f} ms CPU per answer on {cores} "
+            f"cores, batching as good as (a): {ceiling:.1f} q/s = "
+            f"{ceiling / limit.questions_per_s:.2f}x the limit"
+        )
     return lines
 
 
@@ -669,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, args, info)
     if args.json is not None:
         payload = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                   "results": [asdict(r) for r in results], "ratios": ratio_lines(results)}  # fmt: skip
+                   "results": [asdict(r) for r in results], "ratios": ratio_lines(results, cores=args.cores)}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
 
@@ -707,7 +764,7 @@ def print_table(results: list[Result], args: argparse.Namespace, info: dict[str,
             f"{r.name:36} {r.questions_per_s:8.1f} {fmt(r.p50_ms):>8} {fmt(r.p99_ms):>8} {r.completed:6d} "
             f"{r.errors:5d}  {r.note}"
         )
-    for line in ratio_lines(results):
+    for line in ratio_lines(results, cores=args.cores):
         print(line)
 
 

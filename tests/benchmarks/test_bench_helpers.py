@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +75,35 @@ def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
         "ONNX Runtime best raw (d) [(d) ONNX Runtime int8, batch 1]: 1.80x  (target >= 2x: NOT met)" in text
     )
     assert "best flags [(c) shardserve flags #2]: 48.0 q/s" in text
+
+
+def test_ceiling_line_charges_the_server_process_cpu_to_the_cores():
+    c = _result("(c) shardserve default flags", 45.0)
+    rows = [_result("(a') raw batched bfloat16, 2 procs", 100.0), c]
+    assert not any("ceiling" in line for line in bench_serving.ratio_lines(rows, cores=2))  # not measured
+    c.server_cpu_ms = 5.0  # at q answers/s the model keeps 2 - 0.005 q cores at 50 answers/core-s
+    text = "\n".join(bench_serving.ratio_lines(rows, cores=2))
+    assert "5.0 ms CPU per answer on 2 cores, batching as good as (a): 80.0 q/s = 0.80x the limit" in text
+
+
+def test_cpu_seconds_counts_a_process_and_its_children():
+    import subprocess
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while bench_serving.cpu_seconds(parent.pid)[1] < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        own, children = bench_serving.cpu_seconds(parent.pid)
+        assert children >= 0.3 and own < children  # the child burned 0.3 s, the parent waited
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent and its child
+        parent.wait()
+    assert bench_serving.cpu_seconds(parent.pid) == (0.0, 0.0)  # gone: nothing to count
 
 
 def test_explicit_configs_expand_cores_and_drop_duplicates():

@@ -75,6 +75,7 @@ def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
         "ONNX Runtime best raw (d) [(d) ONNX Runtime int8, batch 1]: 1.80x  (target >= 2x: NOT met)" in text
     )
     assert "best flags [(c) shardserve flags #2]: 48.0 q/s" in text
+    assert "ONNX Runtime best accurate raw (d, fp32) [(d) ONNX Runtime fp32, batch 32]: 2.25x" in text
 
 
 def test_ceiling_line_charges_the_server_process_cpu_to_the_cores():

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import itertools
 import json
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.local_server import free_port, stop, wait_ready
+from loadtest.overload import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -387,30 +387,15 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     (0, 0) elsewhere): what the HTTP front end and the workers spend per answer."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-    def own(p: int) -> float:
+    def used(p: int) -> float:
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             return 0.0
         return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
 
-    def children(p: int) -> list[int]:
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            return []
-        out: list[int] = []
-        for t in tasks:
-            with contextlib.suppress(OSError):
-                out += [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
-        return out
-
-    total, todo = 0.0, children(pid)
-    while todo:
-        p = todo.pop()
-        total += own(p)
-        todo += children(p)
-    return own(pid), total
+    own, *descendants = process_tree(pid)
+    return used(own), sum(used(p) for p in descendants)
 
 
 def _batch_stats(port: int) -> str:

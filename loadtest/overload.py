@@ -156,8 +156,8 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 1)
 
 
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants (MiB), read from /proc."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` followed by all its descendants, read from /proc (parent ids)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -165,10 +165,18 @@ def tree_rss_mb(pid: int) -> float:
         except OSError:
             continue  # the process went away
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total_kb, todo = 0, [pid]
+    tree, todo = [], [pid]
     while todo:
         p = todo.pop()
+        tree.append(p)
         todo.extend(children.get(p, []))
+    return tree
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and all its descendants (MiB), read from /proc."""
+    total_kb = 0
+    for p in process_tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):

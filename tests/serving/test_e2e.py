@@ -14,7 +14,7 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -196,6 +196,22 @@ def test_hot_reload_under_load_fails_no_request(live: TestClient) -> None:
 # ------------------------------------------------------------------------------------- SIGTERM
 
 
+def _post_batches(pool: ThreadPoolExecutor, base: str, items: list[dict], n: int) -> list[Future]:
+    """``n`` concurrent POST /v1/qa/batch of ``items``. A generous deadline: on a busy machine the
+    measured rate is low, and a request that cannot finish before its deadline is refused up front
+    (413) instead of admitted."""
+    body = {"items": items, "timeout_s": 240}
+    return [pool.submit(httpx.post, f"{base}/v1/qa/batch", json=body, timeout=240) for _ in range(n)]
+
+
+def _ongoing_requests(base: str) -> float:
+    """The server's admitted, not yet answered requests (its /metrics gauge)."""
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    return float(
+        next(x for x in text.splitlines() if x.startswith("shardserve_ongoing_requests ")).split()[1]
+    )
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
     log = open(tmp_path / "server.log", "w+")
     serve_args = ["--model", "tiny-bert", "--pp", "2", "--drain-timeout-s", "60"]
@@ -206,22 +222,13 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
         base, proc = srv.url, srv.proc
         items = [{"question": q, "context": c} for q, c in PAIRS] * 16  # 64 pairs, ~130 windows
         with ThreadPoolExecutor(6) as pool:
-            futures = [
-                # a generous deadline: on a busy machine the measured rate is low, and a request that
-                # cannot finish before its deadline is refused up front (413) instead of admitted
-                pool.submit(
-                    httpx.post, f"{base}/v1/qa/batch", json={"items": items, "timeout_s": 240}, timeout=240
-                )
-                for _ in range(6)
-            ]
+            futures = _post_batches(pool, base, items, 6)
 
             def all_admitted_some_in_flight() -> bool:
                 # fair scheduling may finish one request while the last are still being tokenized:
                 # every request must be admitted (in flight or answered) and some still in flight
                 done = sum(f.done() for f in futures)
-                text = httpx.get(f"{base}/metrics", timeout=5).text
-                line = next(x for x in text.splitlines() if x.startswith("shardserve_ongoing_requests "))
-                in_flight = float(line.split()[1])
+                in_flight = _ongoing_requests(base)
                 return in_flight >= 1 and in_flight + done >= 6
 
             wait_until(all_admitted_some_in_flight, timeout=60, what="requests admitted and in flight")
@@ -252,19 +259,8 @@ def test_a_second_signal_stops_now_answering_503_and_exits_130(tmp_path: Any) ->
         base, proc = srv.url, srv.proc
         items = [{"question": q, "context": c} for q, c in PAIRS] * 16  # 64 pairs, ~130 windows
         with ThreadPoolExecutor(16) as pool:
-            futures = [
-                pool.submit(
-                    httpx.post, f"{base}/v1/qa/batch", json={"items": items, "timeout_s": 240}, timeout=240
-                )
-                for _ in range(16)  # ~2.5 s of work on 2 cores
-            ]
-
-            def admitted() -> bool:
-                text = httpx.get(f"{base}/metrics", timeout=5).text
-                line = next(x for x in text.splitlines() if x.startswith("shardserve_ongoing_requests "))
-                return float(line.split()[1]) >= 8
-
-            wait_until(admitted, timeout=60, what="requests admitted")
+            futures = _post_batches(pool, base, items, 16)  # ~2.5 s of work on 2 cores
+            wait_until(lambda: _ongoing_requests(base) >= 8, timeout=60, what="requests admitted")
             proc.send_signal(signal.SIGTERM)
             wait_until(lambda: "draining" in open(log.name).read(), timeout=10, what="the drain")
             proc.send_signal(signal.SIGTERM)

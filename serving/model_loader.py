@@ -46,7 +46,12 @@ def load_generation(settings: ServeSettings, name: str, *, generation: int) -> M
 
 def device_pool(settings: ServeSettings) -> DevicePool:
     """The device pool of these settings; ValueError when not even one gang fits."""
-    pool = DevicePool.for_device(settings.device, cpu_slots=settings.pool_slots)
+    pool = DevicePool.for_device(
+        settings.device, cpu_slots=settings.pool_slots, ranks_per_gpu=settings.ranks_per_gpu
+    )
     if pool.gangs_that_fit(settings.world_size) < 1:
-        raise ValueError(f"the device pool has {pool.capacity} slots, a gang needs {settings.world_size}")
+        hint = " (raise --ranks-per-gpu to let ranks share a GPU)" if settings.device == "cuda" else ""
+        raise ValueError(
+            f"the device pool has {pool.capacity} slots, a gang needs {settings.world_size}{hint}"
+        )
     return pool

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel
 from starlette.routing import Match
 
-from serving.replicas import DevicePool
+from serving.model_loader import device_pool
 from serving.schemas import ErrorResponse, ValidationErrorResponse
 from serving.settings import ServeSettings
 
@@ -106,8 +106,7 @@ def drop_default_422(document: dict[str, Any]) -> None:
 
 def replica_cap(settings: ServeSettings) -> int:
     """Replica gangs the device pool of ``settings`` holds (the autoscaler's hard upper bound)."""
-    pool = DevicePool.for_device(settings.device, cpu_slots=settings.pool_slots)
-    return pool.gangs_that_fit(settings.world_size)
+    return device_pool(settings).gangs_that_fit(settings.world_size)
 
 
 def _set_limit(prop: dict[str, Any], key: str, value: float) -> None:

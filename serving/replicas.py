@@ -134,7 +134,11 @@ def busy_seconds(backend: Backend) -> list[float] | None:
 
 
 class DevicePool:
-    """Slots a gang's ranks occupy: ``cpu`` slots (a count) or one CUDA device per rank."""
+    """Slots a gang's ranks occupy: ``cpu`` slots (a count) or CUDA devices, ``ranks_per_gpu`` slots each.
+
+    CUDA slots are dealt round-robin (slot s is ``cuda:{s % gpus}``) and taken lowest first, so a
+    gang's ranks land on different GPUs while there are enough (NCCL), and share them beyond.
+    """
 
     def __init__(self, labels: list[str]) -> None:
         if not labels:
@@ -143,12 +147,12 @@ class DevicePool:
         self._free = set(range(len(labels)))
 
     @classmethod
-    def for_device(cls, device: str, *, cpu_slots: int) -> DevicePool:
+    def for_device(cls, device: str, *, cpu_slots: int, ranks_per_gpu: int = 1) -> DevicePool:
         if device == "cuda":
             n = torch.cuda.device_count()
             if n == 0:
                 raise ValueError("device=cuda but torch.cuda.device_count() is 0")
-            return cls([f"cuda:{i}" for i in range(n)])
+            return cls([f"cuda:{s % n}" for s in range(n * ranks_per_gpu)])
         return cls(["cpu"] * cpu_slots)
 
     @property

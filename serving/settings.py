@@ -33,12 +33,12 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def auto_replicas(*, device: str, world_size: int) -> int:
-    """Replica gangs that use the machine with one core (or one GPU) per rank, at least one."""
+def auto_replicas(*, device: str, world_size: int, ranks_per_gpu: int = 1) -> int:
+    """Replica gangs that use the machine with one core (or ``1/ranks_per_gpu`` GPU) per rank, at least one."""
     if device == "cuda":
         import torch
 
-        return max(1, torch.cuda.device_count() // world_size)
+        return max(1, torch.cuda.device_count() * ranks_per_gpu // world_size)
     return max(1, available_cores() // world_size)
 
 
@@ -77,7 +77,8 @@ class ServeSettings(GangFlags):
         None,
         ge=1,
         description="fixed number of replica gangs (sets min and max replicas; default: one gang per "
-        "pp*tp cores on cpu, per pp*tp GPUs on cuda, when no replica or thread flag is given)",
+        "pp*tp cores on cpu, per pp*tp GPU slots on cuda (see ranks_per_gpu), when no replica or thread "
+        "flag is given)",
     )
     min_replicas: int | None = Field(None, ge=1, description="autoscaling lower bound (default 1)")
     max_replicas: int | None = Field(None, ge=1, description="autoscaling upper bound (default min)")
@@ -88,7 +89,15 @@ class ServeSettings(GangFlags):
         "slots. Default: pp*tp*(max_replicas+1), room for one spare gang used by restarts and reloads",
     )
     device: str = Field(
-        "cpu", description="cpu, or cuda: one CUDA device per rank; the pool is then the visible GPUs"
+        "cpu",
+        description="cpu, or cuda: the pool is then the visible GPUs, ranks_per_gpu slots each (a gang's ranks "
+        "go to different GPUs first)",
+    )
+    ranks_per_gpu: int = Field(
+        1,
+        ge=1,
+        description="cuda only: worker ranks that may share one GPU, e.g. 4 replicas on one GPU, or a pp=2 gang "
+        "on one GPU (each rank its own CUDA context; ranks of a gang that share a GPU talk through gloo)",
     )
     target_ongoing_requests: float = Field(
         2.0, gt=0, description="autoscaler: queued + in-flight requests wanted per replica"
@@ -232,6 +241,10 @@ class ServeSettings(GangFlags):
             )
         if self.device not in ("cpu", "cuda"):
             problems.append(f"device={self.device!r} must be cpu or cuda")
+        elif self.device == "cpu" and self.ranks_per_gpu != 1:
+            problems.append(
+                f"ranks_per_gpu={self.ranks_per_gpu} applies to device=cuda only (on cpu: cpu_slots)"
+            )
         if self.dtype not in DTYPE_CHOICES:
             problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
         problems += self._gang_problems()
@@ -273,7 +286,9 @@ class ServeSettings(GangFlags):
         if self.replicas is not None:
             return self.replicas, self.replicas
         if self.auto_sized:
-            n = auto_replicas(device=self.device, world_size=self.world_size)
+            n = auto_replicas(
+                device=self.device, world_size=self.world_size, ranks_per_gpu=self.ranks_per_gpu
+            )
             return n, n
         lo = self.min_replicas if self.min_replicas is not None else 1
         hi = self.max_replicas if self.max_replicas is not None else max(lo, 1)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from models.qa_processing import WindowConfig
 from serving import settings as settings_mod
+from serving.model_loader import device_pool
 from serving.settings import ServeSettings
 
 
@@ -82,3 +84,42 @@ def test_external_ranks_need_one_replica_a_fixed_port_an_address_and_the_key(tmp
     ]:
         with pytest.raises(ValueError, match=re.escape(problem)):
             ServeSettings(**{**ok, **change})
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has ``n`` CUDA devices (the pool only counts them)."""
+
+    def use(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("n_gpus", "per_gpu", "pp", "replicas", "slots"),
+    [
+        (1, 1, 1, 1, ["cuda:0"]),
+        (1, 4, 1, 4, ["cuda:0"] * 4),  # four replicas share the GPU
+        (1, 2, 2, 1, ["cuda:0", "cuda:0"]),  # one pp=2 gang on one GPU
+        (2, 2, 2, 2, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]),  # each gang spans both GPUs
+    ],
+)
+def test_gpus_are_shared_by_ranks_per_gpu_ranks(gpus, n_gpus, per_gpu, pp, replicas, slots):
+    gpus(n_gpus)
+    s = ServeSettings(device="cuda", ranks_per_gpu=per_gpu, pp=pp)
+    assert s.replica_bounds == (replicas, replicas)
+    assert s.rank_threads == 1
+    pool = device_pool(s)
+    assert pool.labels == slots
+    assert [pool.devices(pool.acquire(pp)) for _ in range(replicas)] == [
+        tuple(slots[i * pp : (i + 1) * pp]) for i in range(replicas)
+    ]
+
+
+def test_a_gang_larger_than_the_gpus_names_ranks_per_gpu(gpus):
+    gpus(1)
+    with pytest.raises(ValueError, match=r"has 1 slots, a gang needs 2 \(raise --ranks-per-gpu"):
+        device_pool(ServeSettings(device="cuda", pp=2))
+    with pytest.raises(ValidationError, match="ranks_per_gpu=2 applies to device=cuda only"):
+        ServeSettings(ranks_per_gpu=2)

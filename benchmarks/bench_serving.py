@@ -31,6 +31,7 @@ the ratio to (a) on these cores; targets are figures for the docs, not assertion
     python benchmarks/bench_serving.py                                  # default model, 32 clients
     python benchmarks/bench_serving.py --model tiny-bert --duration-s 10 --replicas 2
     python benchmarks/bench_serving.py --duration-s 3 --warmup-s 2 --skip best   # smoke
+    python benchmarks/bench_serving.py --device cuda --dtype bfloat16   # on a GPU (see --device)
     python benchmarks/bench_serving.py --help                           # every flag
 
 Questions come from ../shared/data/squad/squad-v1.1-train-pool.json when present (--squad), else
@@ -65,6 +66,11 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_EXTRA_CONFIGS = (
     "--replicas 1 --threads-per-rank {cores}",
     "--pp 2 --replicas 1 --threads-per-rank {half}",
+)
+DEFAULT_EXTRA_CONFIGS_CUDA = (  # several ranks sharing each GPU
+    "--replicas 2 --ranks-per-gpu 2",
+    "--replicas 4 --ranks-per-gpu 4",
+    "--pp 2 --replicas 2 --ranks-per-gpu 4",
 )
 SKIPPABLE = ("raw", "naive", "naive-bf16", "ort", "shardserve", "default", "best")
 DEFAULT_SQUAD = REPO.parent / "shared" / "data" / "squad" / "squad-v1.1-train-pool.json"
@@ -132,8 +138,10 @@ def bench_raw(
     dtype: str = "float32",
     engine: str = "torch",
     onnx_dir: str | None = None,
+    device: str = "cpu",
 ) -> Result:
-    """Raw forward over the questions' windows; ``engine``: torch (at ``dtype``), ort-fp32 or ort-int8."""
+    """Raw forward over the questions' windows; ``engine``: torch (at ``dtype``, on ``device``), ort-fp32
+    or ort-int8 (cpu)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -152,16 +160,24 @@ def bench_raw(
     )
     # batch 1 keeps arrival order (what a one-at-a-time server computes); batches are length-sorted
     windows = enc.windows if batch_size == 1 else sorted(enc.windows, key=lambda w: w.num_tokens)
-    batches = [
-        pad_windows(windows[i : i + batch_size], pad_token_id=enc.pad_token_id)
-        for i in range(0, len(windows), batch_size)
-    ]
     types = source.config.type_vocab_size >= 2
+    batches = []  # (input ids, attention mask, token types or None), each (B, S), on the device
+    for i in range(0, len(windows), batch_size):
+        b = pad_windows(windows[i : i + batch_size], pad_token_id=enc.pad_token_id)
+        tt = b.token_type_ids.to(device) if types else None
+        batches.append((b.input_ids.to(device), b.attention_mask.to(device), tt))
     if engine == "torch":
         from partitioner.precision import DTYPES
 
-        model = build_model(source, dtype=DTYPES[dtype])
-        label = dtype
+        net = build_model(source, dtype=DTYPES[dtype], device=device)
+        label = f"{dtype} on {device}"
+
+        def model(ids, mask, tt):
+            out = net(ids, mask, tt)
+            if device != "cpu":
+                torch.cuda.synchronize()  # kernels are asynchronous: time their completion
+            return out
+
     else:
         sys.path.insert(0, str(HERE))
         from bench_kernels import ort_forward, ort_session
@@ -176,14 +192,14 @@ def bench_raw(
     lat: list[float] = []
     done = 0
     with torch.inference_mode():
-        model(batches[0].input_ids, batches[0].attention_mask, batches[0].token_type_ids if types else None)
+        model(*batches[0])
         start = time.perf_counter()
         stop_at = start + duration_s
         for b in itertools.cycle(batches):
             t0 = time.perf_counter()
-            model(b.input_ids, b.attention_mask, b.token_type_ids if types else None)
+            model(*b)
             lat.append(time.perf_counter() - t0)
-            done += int(b.input_ids.shape[0])
+            done += int(b[0].shape[0])
             if time.perf_counter() >= stop_at:
                 break
         elapsed = time.perf_counter() - start
@@ -214,6 +230,7 @@ def raw_in_subprocess(
     dtype: str = "float32",
     engine: str = "torch",
     onnx_dir: str | None = None,
+    device: str = "cpu",
 ) -> Result:
     """bench_raw in ``procs`` fresh interpreters running at the same time (data parallel when > 1);
     throughputs add up. Fresh processes also keep torch thread pools from distorting each other."""
@@ -226,6 +243,7 @@ def raw_in_subprocess(
             "dtype": dtype,
             "engine": engine,
             "onnx_dir": onnx_dir,
+            "device": device,
         }
     )
     cmd = [sys.executable, __file__, "--raw-run", spec, "--model", args.model, "--questions", str(args.questions),
@@ -270,7 +288,7 @@ def run_naive_server(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.cores)
     source = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
-    model = build_model(source, dtype=DTYPES[args.naive_dtype])
+    model = build_model(source, dtype=DTYPES[args.naive_dtype], device=args.device)
     types = source.config.type_vocab_size >= 2
     lock = threading.Lock()
     app = FastAPI()
@@ -289,7 +307,8 @@ def run_naive_server(args: argparse.Namespace) -> None:
                 window=WindowConfig(max_seq_len=args.max_seq_len, doc_stride=128, max_question_len=64),
             )
             b = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
-            out = model(b.input_ids, b.attention_mask, b.token_type_ids if types else None)  # (W, S, 2)
+            tt = b.token_type_ids.to(args.device) if types else None
+            out = model(b.input_ids.to(args.device), b.attention_mask.to(args.device), tt).cpu()  # (W, S, 2)
             pred = decode_spans(enc.windows, out[..., 0], out[..., 1], body["context"], top_k=1)
         return {
             "answers": [
@@ -438,6 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="precision of (a) and of shardserve's explicit-flag rows; auto resolves as `shardserve serve` "
         "does (bf16 on CPUs with AMX / AVX512-BF16, else fp32) (default: %(default)s)",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where (a), (b), (b2) and shardserve compute: cpu, or cuda (the raw rows run as one process on "
+        "the first GPU; (d), ONNX Runtime on the CPU, is skipped; every shardserve row gets --device cuda and "
+        "the default --extra-config rows share the GPUs, e.g. --ranks-per-gpu 4) (default: %(default)s)",
+    )
     p.add_argument("--clients", type=int, default=32, help="concurrent HTTP clients (default: %(default)s)")
     p.add_argument(
         "--duration-s", type=float, default=30.0, help="measured seconds per server (default: %(default)s)"
@@ -495,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAGS",
         help="another explicit shardserve configuration, as `shardserve serve` flags replacing --pp/--tp/"
         "--replicas/--threads-per-rank (repeatable; {cores} and {half} expand to --cores and --cores/2). "
-        f"Default: {' | '.join(DEFAULT_EXTRA_CONFIGS)}; --extra-config '' measures none",
+        f"Default: {' | '.join(DEFAULT_EXTRA_CONFIGS)} (on cuda: {' | '.join(DEFAULT_EXTRA_CONFIGS_CUDA)}); "
+        "--extra-config '' measures none",
     )
     p.add_argument(
         "--serve-arg",
@@ -522,14 +550,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def machine_info(dtype: str) -> dict[str, Any]:
-    """CPU, its reduced-precision units and the dtype ``dtype`` resolves to here (printed with the table)."""
+def machine_info(dtype: str, device: str = "cpu") -> dict[str, Any]:
+    """CPU, its reduced-precision units, the GPU on cuda, and the dtype ``dtype`` resolves to on ``device``
+    (printed with the table)."""
     import torch
 
     from partitioner.precision import cpu_capabilities, resolve_dtype
 
     caps = cpu_capabilities()
-    choice = resolve_dtype(dtype, "cpu")
+    choice = resolve_dtype(dtype, device)
     try:
         import onnxruntime
 
@@ -547,6 +576,8 @@ def machine_info(dtype: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "onnxruntime": ort_version,
         "cores": os.cpu_count(),
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
     }
 
 
@@ -556,7 +587,9 @@ def explicit_configs(args: argparse.Namespace) -> list[list[str]]:
     half = max(1, args.cores // 2)
     first = ["--pp", str(args.pp), "--tp", str(args.tp), "--replicas", str(args.replicas)]
     first += ["--threads-per-rank", str(args.threads_per_rank)]
-    extra = DEFAULT_EXTRA_CONFIGS if args.extra_config is None else args.extra_config
+    extra = args.extra_config
+    if extra is None:
+        extra = DEFAULT_EXTRA_CONFIGS_CUDA if args.device == "cuda" else DEFAULT_EXTRA_CONFIGS
     configs = [first]
     for text in extra:
         flags = shlex.split(text.format(cores=args.cores, half=half))
@@ -626,10 +659,14 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.raw_run)
         print(json.dumps(asdict(bench_raw(args, pairs, **spec))))
         return 0
-    info = machine_info(args.dtype)
+    info = machine_info(args.dtype, args.device)
     dtype = info["dtype"]
     logger.info("cpu %s; --dtype %s -> %s (%s)", info["cpu"], args.dtype, dtype, info["dtype_reason"])
     skip = set(args.skip)
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        skip.add("ort")
+        print("skipping (d) ONNX Runtime: it runs on the CPU here, the other rows on the GPU")
     if "shardserve" in skip:
         skip |= {"default", "best"}
     results: list[Result] = []
@@ -637,9 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     if "raw" not in skip:
         logger.info("(a) raw batched forward, %.0f s, %s", args.duration_s, dtype)
         runs = [(1, cores, bs, d, f"(a) raw batched {dtype}, 1 proc")]
-        if cores > 1:  # the same cores used data-parallel, as shardserve's single-thread replicas do
-            runs.append((cores, 1, bs, d, f"(a') raw batched {dtype}, {cores} procs"))
-        runs.append((cores, 1, 1, d / 3, f"(a2) raw batch 1 {dtype}, {cores} procs"))  # what batching buys
+        if on_gpu:
+            runs.append((1, cores, 1, d / 3, f"(a2) raw batch 1 {dtype}, 1 proc"))  # what batching buys
+        else:
+            if cores > 1:  # the same cores used data-parallel, as shardserve's single-thread replicas do
+                runs.append((cores, 1, bs, d, f"(a') raw batched {dtype}, {cores} procs"))
+            runs.append((cores, 1, 1, d / 3, f"(a2) raw batch 1 {dtype}, {cores} procs"))
         for procs, threads, batch, duration, name in runs:
             logger.info("%s: %d x %d threads, batch %d, %.0f s", name, procs, threads, batch, duration)
             results.append(
@@ -651,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
                     duration_s=duration,
                     name=name,
                     dtype=dtype,
+                    device=args.device,
                 )
             )
     if "ort" not in skip:
@@ -682,12 +723,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port = free_port()
         cmd = [sys.executable, __file__, "--naive-server", str(port), "--model", args.model,
-               "--cores", str(cores), "--max-seq-len", str(args.max_seq_len), "--naive-dtype", naive_dtype]  # fmt: skip
+               "--cores", str(cores), "--max-seq-len", str(args.max_seq_len), "--naive-dtype", naive_dtype,
+               "--device", args.device]  # fmt: skip
         logger.info("%s, 1 request at a time, %d clients", name, args.clients)
-        results.append(bench_server(cmd, port, pairs, args, name, f"{cores} threads, {naive_dtype}"))
+        results.append(
+            bench_server(cmd, port, pairs, args, name, f"{cores} threads, {naive_dtype} on {args.device}")
+        )
     base = [sys.executable, "-m", "shardserve.cli", "--log-level", "WARNING", "serve", "--model", args.model,
             "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
-            "--max-queue-size", str(max(256, 4 * args.clients))]  # fmt: skip
+            "--max-queue-size", str(max(256, 4 * args.clients)), "--device", args.device]  # fmt: skip
     if "default" not in skip:
         port = free_port()
         logger.info("(c) shardserve, default flags")
@@ -698,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                 pairs,
                 args,
                 "(c) shardserve default flags",
-                "no placement/precision flags: " + _default_placement(),
+                "no placement/precision flags: " + _default_placement(args.device),
             )
         )
     if "best" not in skip:
@@ -713,23 +757,28 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, args, info)
     if args.json is not None:
         payload = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                   "results": [asdict(r) for r in results], "ratios": ratio_lines(results, cores=args.cores)}  # fmt: skip
+                   "results": [asdict(r) for r in results], "ratios": ratio_lines(results, cores=_shared_cores(args))}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
 
 
-def _default_placement() -> str:
-    """What `shardserve serve` with no flags picks on this machine (from its own settings)."""
+def _default_placement(device: str) -> str:
+    """What `shardserve serve --device DEVICE` with no other flags picks on this machine (its own settings)."""
     try:
         from partitioner.precision import resolve_dtype
         from serving.settings import ServeSettings
 
-        s = ServeSettings()
+        s = ServeSettings(device=device)
         lo, _ = s.replica_bounds
         dtype = resolve_dtype(s.dtype, s.device).name
         return f"{lo} replica(s) x pp={s.pp} tp={s.tp} x {s.rank_threads} thread(s)/rank, {dtype}"
     except Exception as err:  # the settings API moved: the row is still measured
         return f"(placement unknown: {err})"
+
+
+def _shared_cores(args: argparse.Namespace) -> int | None:
+    """The cores the front end shares with the model (None on cuda: the model computes on the GPU)."""
+    return None if args.device == "cuda" else args.cores
 
 
 def print_table(results: list[Result], args: argparse.Namespace, info: dict[str, Any]) -> None:
@@ -744,6 +793,8 @@ def print_table(results: list[Result], args: argparse.Namespace, info: dict[str,
         f"cpu: {info['cpu']}; bf16 units: {info['bf16_units']}, AMX: {info['amx']}, "
         f"int8 units: {info['int8_units']}"
     )
+    if info["gpu"]:
+        print(f"gpu: {info['gpu']} (the raw rows, the naive servers and shardserve compute on it)")
     print(f"--dtype {info['dtype_requested']} -> {info['dtype']} ({info['dtype_reason']})")
     print(f"{'':36} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ok':>6} {'err':>5}  note")
     for r in results:
@@ -751,7 +802,7 @@ def print_table(results: list[Result], args: argparse.Namespace, info: dict[str,
             f"{r.name:36} {r.questions_per_s:8.1f} {fmt(r.p50_ms):>8} {fmt(r.p99_ms):>8} {r.completed:6d} "
             f"{r.errors:5d}  {r.note}"
         )
-    for line in ratio_lines(results, cores=args.cores):
+    for line in ratio_lines(results, cores=_shared_cores(args)):
         print(line)
 
 

@@ -116,6 +116,14 @@ def test_explicit_configs_expand_cores_and_drop_duplicates():
     assert configs[1:] == [["--replicas", "1", "--threads-per-rank", "4"]]
 
 
+def test_on_cuda_the_default_rows_share_the_gpus_and_no_ceiling_is_charged_to_the_cores():
+    args = bench_serving.build_parser().parse_args(["--device", "cuda"])
+    extra = bench_serving.explicit_configs(args)[1:]
+    assert extra and all("--ranks-per-gpu" in flags for flags in extra)
+    assert bench_serving._shared_cores(args) is None
+    assert bench_serving._shared_cores(bench_serving.build_parser().parse_args(["--cores", "2"])) == 2
+
+
 def test_machine_info_says_when_onnxruntime_is_absent(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
     info = bench_serving.machine_info("float32")

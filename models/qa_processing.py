@@ -183,6 +183,15 @@ class WindowConfig:
         """Context tokens per window in the worst case (longest allowed question)."""
         return self.max_seq_len - self.max_question_len - num_special_tokens
 
+    def min_windows(self, context_tokens: int, *, num_special_tokens: int) -> int:
+        """Fewest windows a context of at least ``context_tokens`` tokens can take: with the shortest
+        question (one token) a window holds ``max_seq_len - 1 - specials`` of them, and each further
+        window ``doc_stride`` fewer new ones (the overlap). A lower bound known before tokenizing."""
+        room = self.max_seq_len - 1 - num_special_tokens
+        if context_tokens <= room:
+            return 1
+        return 1 + -(-(context_tokens - room) // max(1, room - self.doc_stride))
+
     def check_tokenizer(self, tokenizer: Any) -> None:
         """Raise ``ValueError``/``TypeError`` if ``tokenizer`` cannot window with these settings."""
         if not getattr(tokenizer, "is_fast", False):
@@ -373,6 +382,8 @@ def encode_qa(
     enc_questions = list(questions)
     truncated = [False] * len(questions)
     for i, n in enumerate(q_lens):
+        if n == 0:  # e.g. only zero-width or combining characters: the tokenizer keeps none of them
+            raise QAInputError("question", f"pair {i}: question yields no tokens", questions[i][:80])
         if n <= window.max_question_len:
             continue
         if window.question_overflow == "reject":

@@ -26,6 +26,7 @@ The status page (``/``), its JSON (``GET /ui/status``) and the offline ``/docs``
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -147,11 +148,14 @@ def freeze_startup_heap() -> None:
 
 
 class RequestGuard:
-    """Reject oversized (413) and non-UTF-8 (400) bodies before any parsing; replay the rest."""
+    """Reject oversized (413) and non-UTF-8 (400) bodies before any parsing, and bodies that do not
+    arrive within ``body_timeout_s`` (408, connection closed: a stalled client cannot hold it);
+    replay the rest."""
 
-    def __init__(self, app: Any, *, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -173,8 +177,15 @@ class RequestGuard:
                 )
                 return
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.body_timeout_s
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), timeout=max(0.0, give_up_at - loop.time()))
+            except TimeoutError:
+                detail = f"request body not received within {self.body_timeout_s:g} s ({size} bytes came)"
+                await _send_error(send, 408, "request_timeout", detail, close=True)
+                return
             if msg["type"] == "http.disconnect":
                 return
             chunk = msg.get("body", b"")
@@ -205,18 +216,13 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
 
-async def _send_error(send: Any, status: int, code: str, detail: str) -> None:
+async def _send_error(send: Any, status: int, code: str, detail: str, *, close: bool = False) -> None:
+    """A JSON error answer; ``close``: and the connection closes after it (the body was not read)."""
     payload = json.dumps({"error": code, "detail": detail}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -270,7 +276,9 @@ def build_app(
     app.state.backend_factory = backend_factory
     app.state.preloaded_model = model
     app.state.shutting_down = False
-    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.client_timeout_s
+    )
     app.add_middleware(AccessMiddleware)  # outermost: request id + access log of every answer, 413s too
     app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]

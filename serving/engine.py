@@ -161,7 +161,11 @@ class Engine:
         """
         self._check_admissible(timeout_s)
         arrived_at = self.clock()
-        hint = self.inputs.estimate_windows(pairs)
+        # a request that cannot fit max_windows_per_request however it tokenizes: 413 before the work
+        floor = self.inputs.min_windows(pairs, above=self.scheduler.config.max_windows_per_request)
+        if too_many := self.scheduler.too_many_windows(floor, at_least=True):
+            raise EngineError(413, too_many.reason, too_many.detail)
+        hint = max(floor, self.inputs.estimate_windows(pairs))
         # the time it will wait for the tokenizer is spent from its deadline before it can be queued
         budget_end = arrived_at + self._timeout(timeout_s) - self.inputs.expected_wait_s(pairs)
         adm = self.scheduler.reserve(now=arrived_at, deadline=budget_end, windows_hint=hint)

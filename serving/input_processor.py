@@ -8,6 +8,7 @@ belongs to the scheduler, and the engine asks for a place before it asks for tok
     inputs = InputProcessor(tokenizer=lambda: manager.model.tokenizer, window=WindowConfig())
     encoded = await inputs.encode_async([QAPair("Who?", "Ann met Bob.")])  # QAInputError / ValueError
     inputs.estimate_windows(pairs)   # before tokenizing: windows expected from the text length
+    inputs.min_windows(pairs, above=128)  # and the fewest it can take (413 at once when over a limit)
     inputs.expected_wait_s(pairs)    # and seconds until they would be tokenized (queue + own)
     inputs.shutdown()
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,9 @@ from serving.qa_types import QAPair
 logger = logging.getLogger(__name__)
 
 EWMA_ALPHA = 0.2  # weight of the newest request in the characters-per-window/-second estimates
+# the start of each whitespace-separated chunk holding a word character: BERT-family tokenizers split
+# on whitespace first and keep every word character, so each such chunk is at least one token
+_WORDY_CHUNK = re.compile(r"(?<!\S)(?=\S*\w)")
 
 
 class InputProcessor:
@@ -66,6 +71,20 @@ class InputProcessor:
         if per is None:
             return len(pairs)
         return sum(max(1, int(len(p.context) / per)) for p in pairs)
+
+    def min_windows(self, pairs: list[QAPair], *, above: int) -> int:
+        """The fewest windows ``pairs`` can take (a lower bound, before tokenizing): each context has
+        at least as many tokens as whitespace-separated chunks holding a word character. Contexts are
+        scanned only when the bound could exceed ``above`` (a C-character context has at most
+        (C+1)/2 chunks), so ordinary requests cost nothing; otherwise one window per pair."""
+        specials = self.tokenizer().num_special_tokens_to_add(pair=True)
+
+        def bound(tokens: int) -> int:
+            return self.window.min_windows(tokens, num_special_tokens=specials)
+
+        if sum(bound((len(p.context) + 1) // 2) for p in pairs) <= above:
+            return len(pairs)
+        return sum(bound(len(_WORDY_CHUNK.findall(p.context))) for p in pairs)
 
     def expected_wait_s(self, pairs: list[QAPair]) -> float:
         """Seconds until ``pairs`` would be tokenized by ``encode_async``: the text already waiting

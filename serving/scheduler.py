@@ -295,7 +295,7 @@ class Scheduler:
         if now is not None and deadline is not None:
             # before tokenizing the work must fit a margin inside the deadline: the estimates (windows,
             # tokenizer wait, rate) move, and a request refused only after tokenizing waited for nothing
-            late = self._overloaded(windows_hint, now, now + RESERVE_MARGIN * (deadline - now))
+            late = self._overloaded(windows_hint, now, deadline, margin=RESERVE_MARGIN)
             if late:
                 return late
         self._reserved += 1
@@ -308,6 +308,17 @@ class Scheduler:
             raise ValueError("unreserve() without a reserve()")
         self._reserved -= 1
         self._reserved_windows = max(0, self._reserved_windows - windows_hint) if self._reserved else 0
+
+    def too_many_windows(self, n_windows: int, *, at_least: bool = False) -> Admission | None:
+        """413 when a request of ``n_windows`` windows (``at_least``: a lower bound known before
+        tokenizing) is over ``max_windows_per_request``; None when it is not."""
+        limit = self.config.max_windows_per_request
+        if n_windows <= limit:
+            return None
+        return self._too_large(
+            f"the request needs {'at least ' if at_least else ''}{n_windows} windows, "
+            f"max_windows_per_request={limit}: send shorter contexts or fewer items per call"
+        )
 
     def _too_large(self, detail: str) -> Admission:
         """A request that can never be served as sent (HTTP 413): counted, with the numbers."""
@@ -332,12 +343,12 @@ class Scheduler:
         return ahead + (min(self._reserved_windows, self._reserved * n_windows) if with_reserved else 0)
 
     def _overloaded(
-        self, n_windows: int, now: float, deadline: float, *, with_reserved: bool = True
+        self, n_windows: int, now: float, deadline: float, *, with_reserved: bool = True, margin: float = 1.0
     ) -> Admission | None:
         """429 when the windows fair order puts before a request of ``n_windows``, plus its own,
-        cannot be done by ``deadline`` at the measured rate. None: they can, or no rate was measured
-        yet, or less than one batch is ahead (it rides the next batch). ``with_reserved``: count the
-        requests still being tokenized (``windows_ahead``)."""
+        cannot be done within ``margin`` of the time left before ``deadline`` at the measured rate.
+        None: they can, or no rate was measured yet, or less than one batch is ahead (it rides the
+        next batch). ``with_reserved``: count the requests still being tokenized (``windows_ahead``)."""
         rate = self.service_rate()
         if not rate:
             return None
@@ -345,7 +356,8 @@ class Scheduler:
         if ahead <= self.config.max_batch_size:
             return None
         needed_s = (ahead + n_windows) / rate
-        if needed_s <= deadline - now:
+        left = max(0.0, deadline - now)
+        if needed_s <= margin * left:
             return None
         self._rejected["overloaded"] += 1
         retry_after = self._retry_after_s()
@@ -354,9 +366,16 @@ class Scheduler:
             reason="overloaded",
             retry_after_s=retry_after,
             detail=(
-                f"{ahead} queued windows go before this request's {n_windows}: about {needed_s:.1f} s at the "
-                f"measured {rate:.1f} windows/s, more than its deadline of {max(0.0, deadline - now):.1f} s; "
-                f"retry in {retry_after} s"
+                f"{ahead} queued windows go before this request's {n_windows}"
+                f"{' (estimated before tokenizing)' if margin < 1 else ''}: about {needed_s:.1f} s at the "
+                f"measured {rate:.1f} windows/s, more than "
+                + (
+                    f"the {margin * left:.1f} s admission allows before tokenizing ({margin:.0%} of the "
+                    f"{left:.1f} s left before its deadline, as the estimates may move)"
+                    if margin < 1
+                    else f"the {left:.1f} s left before its deadline"
+                )
+                + f"; retry in {retry_after} s"
             ),
         )
 
@@ -407,12 +426,8 @@ class Scheduler:
                 f"window of {longest} tokens exceeds the largest length bucket "
                 f"{cfg.length_buckets[-1]} (max_batch_tokens={cfg.max_batch_tokens})"
             )
-        if len(windows_token_counts) > cfg.max_windows_per_request:
-            return self._too_large(
-                f"the request needs {len(windows_token_counts)} windows, "
-                f"max_windows_per_request={cfg.max_windows_per_request}: send shorter contexts or "
-                "fewer items per call"
-            )
+        if too_many := self.too_many_windows(len(windows_token_counts)):
+            return too_many
         if self._queued_requests + self._reserved >= cfg.max_queue_size:
             return self._queue_full()
         deadline = now + cfg.default_deadline_s if deadline is None else deadline
@@ -423,7 +438,8 @@ class Scheduler:
             return self._too_large(
                 f"the request needs {len(windows_token_counts)} windows: about "
                 f"{len(windows_token_counts) / rate:.1f} s at the measured {rate:.1f} windows/s, more "
-                f"than its deadline of {max(0.0, deadline - now):.1f} s; send less text or a longer timeout_s"
+                f"than the {max(0.0, deadline - now):.1f} s left before its deadline; send less text or a "
+                "longer timeout_s"
             )
         # a request that reserved its place is checked against what is really queued, not against the
         # reservations taken after its own: those were admitted knowing of it, inside RESERVE_MARGIN,

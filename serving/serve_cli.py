@@ -99,6 +99,7 @@ def settings_error_line(err: ValidationError) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from models.hf_weights import CheckpointError
     from serving.app import build_app
+    from serving.http_protocol import header_deadline_protocol
     from serving.model_loader import device_pool, load_generation
 
     try:
@@ -120,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
         timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
         lifespan="on",
+        http=header_deadline_protocol(settings.client_timeout_s),  # h11, with a deadline for the headers
         access_log=False,  # serving/access.py writes one line per request (logger shardserve.access)
     )
     server = DrainingServer(config, app)

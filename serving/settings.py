@@ -140,6 +140,13 @@ class ServeSettings(GangFlags):
 
     # ---- limits on input
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body (bytes); beyond: 413")
+    client_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a client must send a request's headers within this many seconds of connecting (or of "
+        "the previous answer on a kept-alive connection), and its body within as many again; beyond: 408 "
+        "and the connection is closed (stalled or slow clients cannot hold connections)",
+    )
     max_context_chars: int = Field(100_000, ge=1, description="longest context (characters); beyond: 422")
     max_question_chars: int = Field(2_000, ge=1, description="longest question (characters); beyond: 422")
     max_batch_items: int = Field(64, ge=1, description="pairs per /v1/qa/batch call; beyond: 422")

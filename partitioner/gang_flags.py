@@ -22,6 +22,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from partitioner.flags import add_settings_arguments, error_line, given_flags, split_list
 from partitioner.remote import GangNetwork
 
 HEX = frozenset("0123456789abcdefABCDEF")
@@ -53,7 +54,7 @@ class GangFlags(BaseSettings):
     external_ranks: Annotated[list[int], NoDecode] = Field(
         default_factory=list,
         description="comma-separated ranks of the gang that run on other hosts, each started there "
-        "with `shardserve worker` (MASTER_ADDR=gang_host MASTER_PORT=gang_port RANK=r and the gang key); "
+        "with `shardserve worker` (MASTER_ADDR and MASTER_PORT: gang_host and gang_port, RANK=r, and the gang key); "
         "the driver spawns the others and waits for these",
     )
     gang_host: str = Field(
@@ -85,10 +86,7 @@ class GangFlags(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _split_external_ranks(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("external_ranks"), str):
-            raw = data["external_ranks"].strip().strip("[]")
-            data = {**data, "external_ranks": [int(x) for x in raw.split(",") if x.strip()]}
-        return data
+        return split_list(data, "external_ranks")
 
     def gang_problems(self, *, world_size: int, layout: str) -> list[str]:
         """What makes these flags unusable for a gang of ``world_size`` ranks (``layout``, e.g.
@@ -129,29 +127,14 @@ GANG_FIELDS: tuple[str, ...] = tuple(GangFlags.model_fields)
 def add_gang_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--external-ranks``, ``--gang-host``, ``--gang-port``, ``--gang-key``, ``--gang-key-file``
     (default None: not given, so the environment and then the field's default apply)."""
-    for name, field in GangFlags.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        shown = ",".join(map(str, default)) if isinstance(default, list) else default
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            type=int if name == "gang_port" else str,
-            default=None,
-            metavar="N,N,..." if name == "external_ranks" else name.upper(),
-            help=f"{field.description} (default: {shown}; env SHARDSERVE_{name.upper()})".replace("%", "%%"),
-        )
+    add_settings_arguments(parser, GangFlags)
 
 
 def gang_flags_from_args(args: argparse.Namespace) -> GangFlags:
     """``GangFlags`` from the flags that were given (the rest: environment, then defaults);
-    ``ValueError`` with one line naming the flags when they are not valid."""
-    given = {k: getattr(args, k) for k in GANG_FIELDS if getattr(args, k, None) is not None}
+    ``ValueError`` with one line naming the flags (or variables) when they are not valid."""
+    given = given_flags(args, GangFlags)
     try:
         return GangFlags(**given)
     except ValidationError as err:
-        parts = []
-        for e in err.errors():
-            loc = ".".join(str(x) for x in e.get("loc", ()))
-            msg = str(e.get("msg", "")).removeprefix("Value error, ")
-            parts.append(f"--{loc.replace('_', '-')}: {msg}" if loc else msg)
-        raise ValueError("; ".join(parts)) from None
+        raise ValueError(error_line(err, model=GangFlags, given=given)) from None

@@ -19,8 +19,6 @@ import os
 import socket
 import sys
 import time
-import types
-import typing
 from typing import Any
 
 import uvicorn
@@ -31,81 +29,44 @@ from serving.redact import one_line
 logger = logging.getLogger(__name__)
 
 
-def _flag_type(annotation: Any) -> tuple[type, str | None]:
-    """argparse type and metavar of a settings field."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = (
-        args[0] if args and (typing.get_origin(annotation) in (typing.Union, types.UnionType)) else annotation
-    )
-    if typing.get_origin(base) is typing.Annotated:
-        base = typing.get_args(base)[0]
-    if typing.get_origin(base) is list:
-        return str, "N,N,..."
-    if base in (int, float):
-        return base, None
-    return str, None
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeSettings field, with its description, default and environment variable;
-    the gang-across-hosts flags (``partitioner/gang_flags.py``, shared with ``train``) in a group."""
+    """One flag per ServeSettings field (``partitioner/flags.py``); the gang-across-hosts flags
+    (``partitioner/gang_flags.py``, shared with ``train``) in a group."""
+    from partitioner.flags import add_settings_arguments
     from partitioner.gang_flags import GANG_FIELDS, add_gang_arguments
     from serving.settings import ServeSettings
 
-    for name, field in ServeSettings.model_fields.items():
-        if name in GANG_FIELDS:
-            continue
-        kind, metavar = _flag_type(field.annotation)
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, list):
-            default = ",".join(map(str, default))
-        help_text = f"{field.description} (default: {default}; env SHARDSERVE_{name.upper()})"
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            type=kind,
-            default=None,
-            metavar=metavar or name.upper(),
-            help=help_text.replace("%", "%%"),
-        )
+    add_settings_arguments(parser, ServeSettings, skip=GANG_FIELDS)
     add_gang_arguments(parser.add_argument_group('a gang across hosts (README "Gangs across hosts")'))
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
     """ServeSettings from the flags that were given (the rest: environment, then defaults)."""
+    from partitioner.flags import given_flags
     from serving.settings import ServeSettings
 
-    given = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields and v is not None}
-    return ServeSettings(**given)
-
-
-def settings_error_line(err: ValidationError) -> str:
-    """A pydantic ValidationError of ServeSettings as one line naming the flags: ``--pp: ...``."""
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()))
-        msg = str(e.get("msg", "")).removeprefix("Value error, ")
-        if loc:
-            value = e.get("input")
-            shown = (
-                f" (got {value!r})" if isinstance(value, int | float | str) and len(repr(value)) < 60 else ""
-            )
-            parts.append(f"--{loc.replace('_', '-')}: {msg}{shown}")
-        else:
-            parts.append(msg)
-    return "invalid serve settings: " + "; ".join(parts)
+    return ServeSettings(**given_flags(args, ServeSettings))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from models.hf_weights import CheckpointError
+    from partitioner.flags import error_line, given_flags
     from serving.app import build_app
     from serving.http_protocol import header_deadline_protocol
     from serving.model_loader import device_pool, load_generation
+    from serving.settings import ServeSettings
 
     try:
         settings = settings_from_args(args)
     except ValidationError as err:
-        print(f"error: {settings_error_line(err)}", file=sys.stderr)
+        given = given_flags(args, ServeSettings)
+        print(
+            f"error: invalid serve settings: {error_line(err, model=ServeSettings, given=given)}",
+            file=sys.stderr,
+        )
+        return 2
+    if problem := bind_problem(settings.host, settings.port):  # before the model loads (seconds)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:  # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits
         model = load_generation(settings, settings.model, generation=0)
@@ -133,6 +94,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.error("the server did not start (see the errors above)")
         return 1
     return 130 if server.signals > 1 else 0  # 130: stopped by a second signal without draining
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (a name that does not resolve, an address in
+    use or not on this machine), as one line naming the flags; None when it can."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as err:
+        return f"--host {host}: {err.strerror}"
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as err:
+            return f"--host {host} --port {port}: cannot listen there: {err.strerror}"
+    return None
 
 
 def startup_line(settings: Any, model: Any, url: str, precision: Any) -> str:

@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from models.qa_processing import WindowConfig
+from partitioner.flags import split_list
 from partitioner.gang_flags import GangFlags, secret_from_file
 from partitioner.precision import DTYPE_CHOICES
 from serving.autoscaler import AutoscalingConfig
@@ -46,7 +47,9 @@ class ServeSettings(GangFlags):
     """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars); the
     flags of a gang across hosts (``external_ranks``, ``gang_*``) are ``GangFlags``', shared with training."""
 
-    model_config = SettingsConfigDict(env_prefix="SHARDSERVE_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="SHARDSERVE_", extra="ignore", frozen=True, allow_inf_nan=False
+    )
 
     # ---- network
     host: str = Field("0.0.0.0", description="interface to listen on")
@@ -210,11 +213,7 @@ class ServeSettings(GangFlags):
     @model_validator(mode="before")
     @classmethod
     def _split_lists(cls, data: Any) -> Any:
-        for name in ("length_buckets",):
-            if isinstance(data, dict) and isinstance(data.get(name), str):
-                raw = data[name].strip().strip("[]")
-                data = {**data, name: [int(x) for x in raw.split(",") if x.strip()]}
-        return data
+        return split_list(data, "length_buckets")
 
     @model_validator(mode="after")
     def _check(self) -> ServeSettings:

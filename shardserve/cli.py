@@ -53,7 +53,7 @@ def _add_log_level(parser: argparse.ArgumentParser, *, default: str) -> None:
         type=str.upper,
         choices=LOG_LEVELS,
         default=default,
-        help="logging level: DEBUG, INFO, WARNING, ERROR (default: WARNING, or SHARDSERVE_LOG_LEVEL); "
+        help=f"logging level: {', '.join(LOG_LEVELS)} (default: WARNING, or SHARDSERVE_LOG_LEVEL); "
         "accepted before or after the command",
     )
 

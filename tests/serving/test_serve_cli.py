@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,13 +45,42 @@ def _model_without_weights(tmp_path: Path) -> Path:
     return d
 
 
+def test_values_from_the_environment_are_named_by_their_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHARDSERVE_PORT", "abc")
+    monkeypatch.setenv("SHARDSERVE_EXTERNAL_RANKS", "1,a")
+    err = _one_line_error(capsys, ["serve"], "SHARDSERVE_PORT: ", "SHARDSERVE_EXTERNAL_RANKS (item 2): ")
+    assert "--port" not in err and "invalid settings: invalid" not in err
+
+
+def test_help_names_flags_and_no_default_of_none(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: None" not in text and "not together with --admin-token" in text
+    assert "CRITICAL" in text  # every --log-level choice is listed
+
+
 def test_serve_mistakes_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _one_line_error(capsys, ["serve", "--model", "tiny-bert", "--tp", "5"], "tp=5", "num_attention_heads=4")
     _one_line_error(capsys, ["serve", "--pp", "0"], "--pp:", "greater than or equal to 1", "(got 0)")
-    _one_line_error(capsys, ["serve", "--min-replicas", "3", "--max-replicas", "2"], "min_replicas=3 > max")
+    _one_line_error(
+        capsys, ["serve", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas=3 > --max-"
+    )
+    _one_line_error(capsys, ["serve", "--length-buckets", "64,x"], "--length-buckets (item 2): ", "(got 'x')")
+    _one_line_error(capsys, ["serve", "--null-threshold", "nan"], "--null-threshold: ", "finite number")
+    _one_line_error(capsys, ["serve", "--host", "256.1.1.1"], "--host 256.1.1.1: ")
     _one_line_error(capsys, ["serve", "--model", str(tmp_path / "nope")], "neither a known name")
     _one_line_error(capsys, ["serve", "--model", str(_model_without_weights(tmp_path))], "no weights found")
     _one_line_error(capsys, ["serve", "--admin-token-file", str(tmp_path / "missing")], "cannot be read")
+    with socket.socket() as busy:  # a port in use: said before the model loads, naming the flags
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        _one_line_error(
+            capsys, ["serve", "--host", "127.0.0.1", "--port", port], f"--port {port}: cannot listen"
+        )
     with pytest.raises(SystemExit) as exit_info:  # argparse mistakes: one line too, pointing at --help
         main(["serve", "--pp", "two"])
     assert exit_info.value.code == 2

@@ -79,13 +79,15 @@ QuestionOverflow = Literal["truncate", "reject"]
 
 
 class QAInputError(ValueError):
-    """A request input is invalid; ``field`` names it, ``reason`` says why (the HTTP layer -> 4xx)."""
+    """A request input is invalid; ``field`` names it, ``reason`` says why, ``pair`` is the index of
+    the (question, context) pair it belongs to when there are several (the HTTP layer -> 4xx)."""
 
-    def __init__(self, field: str, reason: str, value: Any = None) -> None:
+    def __init__(self, field: str, reason: str, value: Any = None, *, pair: int | None = None) -> None:
         self.field = field
         self.reason = reason
         self.value = value
-        super().__init__(f"invalid {field}: {reason}")
+        self.pair = pair
+        super().__init__(f"invalid {field}{'' if pair is None else f' of pair {pair}'}: {reason}")
 
 
 def _check_int_range(name: str, value: Any, lo: int, hi: int) -> int:
@@ -375,7 +377,7 @@ def encode_qa(
     for i, (q, c) in enumerate(zip(questions, contexts, strict=True)):
         for name, text in (("question", q), ("context", c)):
             if not isinstance(text, str) or not text.strip():
-                raise QAInputError(name, f"pair {i}: {name} is empty or not a string", text)
+                raise QAInputError(name, "is empty or not a string", text, pair=i)
 
     # Questions: enforce max_question_len before windowing (the tokenizer cannot truncate them here).
     q_lens = [len(ids) for ids in tokenizer(list(questions), add_special_tokens=False)["input_ids"]]
@@ -383,14 +385,15 @@ def encode_qa(
     truncated = [False] * len(questions)
     for i, n in enumerate(q_lens):
         if n == 0:  # e.g. only zero-width or combining characters: the tokenizer keeps none of them
-            raise QAInputError("question", f"pair {i}: question yields no tokens", questions[i][:80])
+            raise QAInputError("question", "yields no tokens", questions[i][:80], pair=i)
         if n <= window.max_question_len:
             continue
         if window.question_overflow == "reject":
             raise QAInputError(
                 "question",
-                f"pair {i}: question has {n} tokens, max_question_len is {window.max_question_len}",
+                f"has {n} tokens, max_question_len is {window.max_question_len}",
                 n,
+                pair=i,
             )
         enc_questions[i] = _truncate_question(tokenizer, questions[i], window.max_question_len)
         truncated[i] = True
@@ -425,7 +428,7 @@ def encode_qa(
         seen_per_example[ex] += 1
     for ex, ok in enumerate(has_context):
         if not ok:
-            raise QAInputError("context", f"pair {ex}: context yields no tokens", contexts[ex][:80])
+            raise QAInputError("context", "yields no tokens", contexts[ex][:80], pair=ex)
     return EncodedBatch(
         windows=windows,
         num_examples=len(questions),

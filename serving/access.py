@@ -13,10 +13,16 @@
   ``path`` has no query string and is quoted when it holds spaces, quotes or control characters;
   ``windows`` is ``-`` unless the request reached the engine (``note_windows``); ``latency_ms`` runs
   from the first byte the middleware sees to the end of the response body.
+  A HEAD request is answered as its GET without the body (same status and headers, Content-Length
+  included): HTTP requires HEAD wherever GET is served and load balancers probe with it; the routes
+  declare GET only, so the OpenAPI document has no HEAD operations (``allowed_methods`` names HEAD).
 - ``include_protected(app, router, settings=...)`` includes a router; with ``settings.api_key`` set,
   each of its routes needs ``Authorization: Bearer <api_key>`` (compared with ``hmac.compare_digest``)
   and answers 401 with ``WWW-Authenticate: Bearer`` otherwise; the OpenAPI document then declares the
   ``ApiKey`` bearer scheme and the 401 on exactly those routes (and on none while no key is set).
+  Such a router's routes are ``ApiKeyRoute``s: the key is checked BEFORE FastAPI reads, parses and
+  validates the body (a dependency runs after that), so a caller without the key learns nothing
+  from a 422; ``check_first`` does the same for the admin token (``serving/routes.py``).
 
     app.add_middleware(AccessMiddleware)                       # last added: outermost
     include_protected(app, api_router, settings=settings)
@@ -31,12 +37,15 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Security
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response, Security
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
+from serving.json_body import JsonBodyRoute
 from serving.openapi import unauthorized
 from serving.schemas import ErrorResponse
 from serving.settings import ServeSettings
@@ -90,6 +99,7 @@ class AccessMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         enrich = not scope["path"].startswith("/v2")  # the v2 error object is exactly {"error": ...}
+        head = scope["method"] == "HEAD"  # answered as GET, without the body
         status = 0
         held: dict | None = None  # an error response start, held until its body is rewritten
         chunks: list[bytes] = []
@@ -113,10 +123,13 @@ class AccessMiddleware:
                 headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
                 await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
                 message = {"type": "http.response.body", "body": body}
+            if head and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
             await send(message)
 
+        inner = {**scope, "method": "GET"} if head else scope
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(inner, receive, send_with_id)
         except BaseException:
             status = status or 500
             raise
@@ -145,6 +158,23 @@ def _with_request_id(body: bytes, rid: str) -> bytes:
     return json.dumps({**payload, "request_id": rid}).encode()
 
 
+# ------------------------------------------------------------------------------------------ tokens
+
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+BearerCheck = Callable[[Request, HTTPAuthorizationCredentials | None], None]
+
+
+def check_first(handler: Handler, check: BearerCheck, scheme: HTTPBearer) -> Handler:
+    """``handler`` (a route's) behind ``check`` (a bearer-token dependency raising the 401), run before
+    the handler reads the body: FastAPI parses and validates a body before any dependency runs."""
+
+    async def checked(request: Request) -> Response:
+        check(request, await scheme(request))
+        return await handler(request)
+
+    return checked
+
+
 # ------------------------------------------------------------------------------------------ API key
 
 _api_key_bearer = HTTPBearer(
@@ -171,6 +201,13 @@ def require_api_key(
         )
 
 
+class ApiKeyRoute(JsonBodyRoute):
+    """The route class of routers given to ``include_protected``: the API key first (no-op without one)."""
+
+    def get_route_handler(self) -> Handler:
+        return check_first(super().get_route_handler(), require_api_key, _api_key_bearer)
+
+
 def include_protected(
     app: FastAPI,
     router: APIRouter,
@@ -178,7 +215,13 @@ def include_protected(
     settings: ServeSettings,
     error_model: type[BaseModel] = ErrorResponse,
 ) -> None:
-    """Include ``router``; behind the API key (and documented so) when ``settings.api_key`` is set."""
+    """Include ``router``; behind the API key (and documented so) when ``settings.api_key`` is set.
+
+    Its routes must be ``ApiKeyRoute``s (checked): the key before the body. The dependency added here
+    documents the scheme in the OpenAPI document (and checks again, after the body: cheap)."""
+    late = [r.path for r in router.routes if isinstance(r, APIRoute) and not isinstance(r, ApiKeyRoute)]
+    if late:
+        raise TypeError(f"routes {late} would read the body before the API key: give them ApiKeyRoute")
     if not settings.api_key:
         app.include_router(router)
         return

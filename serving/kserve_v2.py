@@ -17,13 +17,14 @@ open when ``--api-key`` is set: it tells no more than the open ``/ui/status`` an
 is the served model name (``--served-model-name``, else the loaded model's); another name is a 404.
 
 Inference: inputs ``question`` and ``context``, datatype ``BYTES`` (JSON strings), shape ``[N]`` or
-``[N, 1]`` (data flat or nested, row-major), N pairs. Request ``parameters`` (all optional):
-``top_k`` (K, default 1), ``max_answer_length``, ``null_threshold``, ``timeout_s`` - the fields of
-the native ``/v1/qa/batch``, with its limits. Outputs (all, or those named in ``outputs``, in that
-order): ``answer`` BYTES [N, K], ``score`` FP32 [N, K], ``start`` / ``end`` INT64 [N, K] (character
-offsets: ``context[start:end] == answer``), ``no_answer`` BOOL [N]. Rows with fewer than K answers
-(or none: no_answer) are padded with ``""``, score 0.0, start = end = -1. The response ``id`` is the
-request's ``id``, else the request id (``X-Request-ID``).
+``[N, 1]`` (data flat, or nested as the shape, row-major), N pairs; a duplicate input or output is a
+400. Request ``parameters`` (all optional): ``top_k`` (K, default 1), ``max_answer_length``,
+``null_threshold``, ``timeout_s`` - the fields of the native ``/v1/qa/batch``, with its limits.
+Outputs (all, or those named in ``outputs``, in that order): ``answer`` BYTES [N, K], ``score`` FP32
+[N, K], ``start`` / ``end`` INT64 [N, K] (character offsets: ``context[start:end] == answer``),
+``no_answer`` BOOL [N]. Rows with fewer than K answers (or none: no_answer) are padded with ``""``,
+score 0.0, start = end = -1. The response ``id`` is the request's ``id``, else the request id
+(``X-Request-ID``).
 
 The pairs go through ``serving.routes.answer_pairs``, the path of /v1/qa/batch: same admission (429
 with Retry-After), limits, deadlines and metrics (endpoint label ``v2_infer``). Errors are the
@@ -49,7 +50,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.access import request_id_of
+from serving.access import ApiKeyRoute, request_id_of
 from serving.routes import RETRY_AFTER_503_S, answer_pairs, observe, pair_result
 from serving.schemas import JsonInt, QAItem
 
@@ -227,8 +228,12 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
+class V2ModelRoute(V2Route, ApiKeyRoute):
+    """A model route: the API key checked before the body (``ApiKeyRoute``), its 401 as ``{"error": ...}``."""
+
+
 open_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2Route)
-model_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2Route)
+model_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2ModelRoute)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -258,11 +263,14 @@ def _check_model(request: Request, model_name: str) -> JSONResponse | None:
     return None
 
 
-def _flatten(data: list[Any]) -> list[Any]:
-    flat: list[Any] = []
-    for x in data:
-        flat.extend(_flatten(x) if isinstance(x, list) else [x])
-    return flat
+def _elements(name: str, data: list[Any], shape: list[int]) -> list[Any]:
+    """The elements of a tensor's ``data``: flat, or nested exactly as ``shape`` ([N, 1]: N rows of 1)."""
+    if not any(isinstance(x, list) for x in data):
+        return data
+    rows, width = shape[0], shape[-1]
+    if len(shape) == 2 and len(data) == rows and all(isinstance(r, list) and len(r) == width for r in data):
+        return [x for r in data for x in r]
+    raise V2InputError(f"input {name!r}: data is nested otherwise than its shape {shape} (give it flat)")
 
 
 def decode_input(tensor: V2RequestInput) -> list[str]:
@@ -280,7 +288,7 @@ def decode_input(tensor: V2RequestInput) -> list[str]:
             raise V2InputError(f"input {name!r}: unknown parameter {key!r} (only content_type)")
         if value not in ("str", "bytes", "BYTES"):
             raise V2InputError(f"input {name!r}: content_type {value!r} is not str")
-    flat = _flatten(tensor.data)
+    flat = _elements(name, tensor.data, shape)
     if len(flat) != math.prod(shape):
         raise V2InputError(
             f"input {name!r} has {len(flat)} elements; its shape {shape} needs {math.prod(shape)}"
@@ -348,6 +356,8 @@ def _requested_outputs(body: V2InferenceRequest) -> list[str]:
     for out in body.outputs:
         if out.name not in OUTPUTS:
             raise V2InputError(f"unknown output {out.name!r}; this model has {', '.join(OUTPUTS)}")
+        if out.name in names:
+            raise V2InputError(f"output {out.name!r} is requested twice")
         for key, value in (out.parameters or {}).items():
             if key != "binary_data" or value is not False:
                 raise V2InputError(f"output {out.name!r}: parameter {key}={value!r} is not supported")

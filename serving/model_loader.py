@@ -8,6 +8,10 @@ CLI all import these from here (none of them from another).
 
     model = load_generation(settings, "tiny-bert", generation=0)   # ValueError / CheckpointError / OSError
     pool = device_pool(settings)                                    # ValueError when no gang fits
+
+An unreadable model (missing, no weights, a corrupt tokenizer) is a ``CheckpointError`` or an
+``OSError``: the reload route answers all of them alike (a reply must not map the file system);
+``ValueError`` is a model that loads but does not fit the settings.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 
 from transformers import AutoTokenizer
 
-from models.hf_weights import CheckpointReader
+from models.hf_weights import CheckpointError, CheckpointReader
 from models.registry import ModelSource, resolve_model
 from partitioner.plan import ParallelDims
 from serving.replicas import DevicePool, ModelGeneration
@@ -35,7 +39,10 @@ def load_generation(settings: ServeSettings, name: str, *, generation: int) -> M
         raise ValueError(
             f"max_seq_len={settings.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    except Exception as err:  # transformers / tokenizers raise anything here (KeyError, JSON errors, ...)
+        raise CheckpointError(f"{source.tokenizer_dir}: the tokenizer cannot be loaded: {err!r}") from err
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{source.tokenizer_dir} has no fast tokenizer (offsets are required)")
     model = ModelGeneration(generation, source, ParallelDims(pp=settings.pp, tp=settings.tp), tokenizer)

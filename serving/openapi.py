@@ -10,7 +10,8 @@ gap between the document and the server:
   settings filled in (``maxLength`` of question / context, ``maxItems`` of a batch, the largest
   ``timeout_s``, the replica cap of the device pool), so schema-valid input is accepted;
 - ``allowed_methods(request)``: the methods a path really serves, for the ``Allow`` header of a 405
-  (Starlette names only the first route of a path, e.g. ``GET`` for GET + POST /admin/replicas).
+  (Starlette names only the first route of a path, e.g. ``GET`` for GET + POST /admin/replicas),
+  HEAD included wherever GET is.
 
     app.openapi()["paths"]["/admin/replicas"]["post"]["responses"]["422"]
 """
@@ -137,7 +138,7 @@ def settings_limits(document: dict[str, Any], settings: ServeSettings, cap: int 
         for props in [replicas.get("properties", {})] + [
             b.get("properties", {}) for b in replicas.get("anyOf", [])
         ]:
-            for field in ("min_replicas", "max_replicas"):
+            for field in ("replicas", "min_replicas", "max_replicas"):
                 if field in props and props[field].get("type") != "null":
                     _set_limit(props[field], "maximum", cap)
 
@@ -167,13 +168,17 @@ _METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 
 
 def allowed_methods(request: Request) -> list[str]:
-    """Every method some route fully matches at the request's path (sorted), for a 405's ``Allow``.
+    """Every method some route fully matches at the request's path (sorted), for a 405's ``Allow``;
+    HEAD wherever GET is (``AccessMiddleware`` answers HEAD as GET; the routes declare GET only).
 
     Each method is probed through ``route.matches`` (routers included with ``include_router`` are
     routes of their own in recent FastAPI, so the routes' ``methods`` are not listed flat)."""
     routes = request.app.router.routes
-    return [
+    served = {
         method
         for method in _METHODS
         if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)
-    ]
+    }
+    if "GET" in served:
+        served.add("HEAD")
+    return sorted(served)

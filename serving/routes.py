@@ -6,14 +6,17 @@ and watch for the client disconnecting so its queued work is cancelled. Every er
 ``{"error": code, "detail": reason}``. Admin routes need ``Authorization: Bearer <admin_token>``
 (401 otherwise, and always 401 when no token is configured). With ``--api-key`` the QA routes need
 ``Authorization: Bearer <api_key>`` (``serving/access.py``, which also owns request ids and the access
-log); the Open Inference Protocol (v2) routes are ``serving/kserve_v2.py``, on ``answer_pairs``.
+log). Both tokens are checked before the body is read (``AdminRoute``, ``ApiKeyRoute``); a body the
+JSON parser gives up on is a JSON decode error like any other (``serving/json_body.py``). The Open
+Inference Protocol (v2) routes are ``serving/kserve_v2.py``, on ``answer_pairs``.
 
-Status codes: 200; 400 invalid UTF-8; 401 admin auth or API key; 409 reload conflict (another reload, another
-tokenizer); 413 body too large, more than max_windows_per_request windows, or more windows than the
-deadline allows at the measured rate; 422 invalid input (types, missing fields, empty text, limits,
-top_k range); 429 queue full (checked before tokenizing); 503 not ready / shutting down / replica
-failed; 504 deadline passed before compute. Every 429 and 503 carries ``Retry-After``. Nothing
-unauthenticated (and no error detail) shows file-system paths or worker tracebacks.
+Status codes: 200; 400 invalid UTF-8; 401 admin auth or API key; 409 reload conflict (another
+reload, another tokenizer); 413 body too large, more than max_windows_per_request windows, or more
+windows than the deadline allows at the measured rate; 422 invalid input (types, missing fields,
+empty text, limits, top_k range, a replica count over the device pool's cap); 429 queue full
+(checked before tokenizing); 503 not ready / shutting down / replica failed; 504 deadline passed
+before compute. Every 429 and 503 carries ``Retry-After``. Nothing unauthenticated (and no error
+detail) shows file-system paths or worker tracebacks.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
 from models.qa_processing import QAInputError, validate_qa_inputs
-from serving.access import note_windows, request_id_of
+from serving.access import ApiKeyRoute, Handler, check_first, note_windows, request_id_of
+from serving.json_body import JsonBodyRoute
 from serving.model_loader import load_generation
 from serving.openapi import responses
 from serving.qa_types import ClientGone, EngineError, PairResult, QAPair
@@ -56,9 +60,8 @@ logger = logging.getLogger(__name__)
 
 _ERRORS = responses(400, 413, 422, 429, 500, 503, 504)  # every status the QA routes answer
 
-api_router = APIRouter(tags=["question answering"])
+api_router = APIRouter(tags=["question answering"], route_class=ApiKeyRoute)
 health_router = APIRouter(tags=["health"])
-admin_router = APIRouter(prefix="/admin", tags=["admin"])
 
 
 RETRY_AFTER_503_S = 1  # a 503 (starting, restarting, draining) says when to come back
@@ -107,6 +110,13 @@ def _native_field(endpoint: str) -> Callable[[int, str], str]:
     return lambda i, field: f"items[{i}].{field}" if endpoint == "batch" else field
 
 
+def _input_error(err: QAInputError, locate: Callable[[int, str], str]) -> str:
+    """The 422 detail of a tokenizer-time ``QAInputError``, its field named by ``locate`` as the
+    ``validate_qa_inputs`` errors are: ``items[1].context: yields no tokens``."""
+    where = err.field if err.pair is None else locate(err.pair, err.field)
+    return f"{where}: {err.reason}"
+
+
 async def _answer(
     request: Request,
     endpoint: str,
@@ -146,7 +156,7 @@ async def _answer(
         try:
             job = await engine.submit_async(pairs, timeout_s=timeout_s)
         except QAInputError as err:
-            return _error(422, "invalid_input", f"{err.field}: {err.reason}")
+            return _error(422, "invalid_input", _input_error(err, locate))
         except (TypeError, ValueError) as err:  # the tokenizer refused the text
             logger.info("tokenizer rejected a request: %s", err)
             return _error(422, "invalid_input", f"the text cannot be tokenized: {err}")
@@ -303,6 +313,17 @@ def require_admin(
         )
 
 
+class AdminRoute(JsonBodyRoute):
+    """The admin token is checked before the body is read (``require_admin`` is also each route's
+    dependency: it declares the bearer scheme in the OpenAPI document)."""
+
+    def get_route_handler(self) -> Handler:
+        return check_first(super().get_route_handler(), require_admin, _bearer)
+
+
+admin_router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
+
+
 def _supervisor(request: Request) -> Any:
     sup = getattr(request.app.state, "supervisor", None)
     if sup is None:
@@ -325,7 +346,10 @@ async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
     if body.replicas is not None:
         if body.min_replicas is not None or body.max_replicas is not None:
             return _error(422, "invalid_request", "give either replicas or min_replicas/max_replicas")
-        sup.pin(body.replicas)
+        try:
+            sup.pin(body.replicas)
+        except ValueError as err:  # over the device pool's cap
+            return _error(422, "invalid_request", str(err))
     elif body.min_replicas is not None or body.max_replicas is not None:
         lo = body.min_replicas if body.min_replicas is not None else sup.config.min_replicas
         hi = body.max_replicas if body.max_replicas is not None else max(lo, sup.config.max_replicas)

@@ -214,12 +214,12 @@ class ReplicasRequest(BaseModel):
     """POST /admin/replicas: a fixed count (autoscaling off) or new autoscaling bounds.
 
     Bounds over the device pool's cap (``pool_limit`` of GET /admin/replicas, the ``maximum`` in the
-    OpenAPI document) are a 422 naming the cap; a fixed ``replicas`` count is clamped to it."""
+    OpenAPI document), a fixed ``replicas`` count included, are a 422 naming the cap."""
 
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_ONE_OF_REPLICAS)
 
     replicas: JsonInt | None = Field(
-        None, ge=0, description="run exactly this many gangs (0 stops all; clamped to the pool's cap)"
+        None, ge=0, description="run exactly this many gangs (0 stops all; <= the cap)"
     )
     min_replicas: JsonInt | None = Field(None, ge=1, description="new autoscaling lower bound (<= the cap)")
     max_replicas: JsonInt | None = Field(None, ge=1, description="new autoscaling upper bound (<= the cap)")

@@ -82,7 +82,9 @@ class Supervisor:
                 await self._task
 
     def pin(self, n: int) -> int:
-        """Run exactly ``n`` gangs (clamped to the pool); autoscaling pauses."""
+        """Run exactly ``n`` gangs; autoscaling pauses. Over the device pool's cap: ValueError naming the
+        cap, as for the bounds (it used to be pinned as asked and applied as the whole pool)."""
+        self._check_cap("replicas", n)
         self.pinned = n
         before = self.manager.target
         applied = self.manager.set_target(n)
@@ -96,20 +98,23 @@ class Supervisor:
 
         A bound over the device pool's cap is a ValueError naming the cap (it used to be accepted and
         then silently capped by the autoscaler, issue 11.10)."""
-        cap = self.manager.pool_limit()
-        for name, value in (("min_replicas", lo), ("max_replicas", hi)):
-            if value > cap:
-                raise ValueError(
-                    f"{name}={value} exceeds the cap of {cap} replica gang(s): the device pool has "
-                    f"{self.manager.pool.capacity} slot(s) and a gang takes "
-                    f"{self.manager.model.dims.world_size}"
-                )
+        self._check_cap("min_replicas", lo)
+        self._check_cap("max_replicas", hi)
         config = dataclasses.replace(self.config, min_replicas=lo, max_replicas=hi)
         counts = self.autoscaler.counts
         self.autoscaler = Autoscaler(config)
         self.autoscaler.counts = counts
         self.pinned = None
         logger.info("autoscaling bounds set to [%d, %d]", lo, hi)
+
+    def _check_cap(self, name: str, value: int) -> None:
+        """ValueError naming the cap when ``value`` gangs exceed what the device pool holds."""
+        cap = self.manager.pool_limit()
+        if value > cap:
+            raise ValueError(
+                f"{name}={value} exceeds the cap of {cap} replica gang(s): the device pool has "
+                f"{self.manager.pool.capacity} slot(s) and a gang takes {self.manager.model.dims.world_size}"
+            )
 
     def describe(self) -> dict[str, Any]:
         lo, hi = self.config.min_replicas, self.config.max_replicas

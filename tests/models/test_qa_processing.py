@@ -105,7 +105,7 @@ def test_encode_rejects_empty_inputs(tok):
     with pytest.raises(QAInputError, match="no tokens"):
         encode_qa(tok, ["a?"], ["\u200b\u200b"])
     for question in ("\u200b\u200b", "\ufeff", "\u0301\u0301"):  # nothing the tokenizer keeps
-        with pytest.raises(QAInputError, match="pair 0: question yields no tokens") as err:
+        with pytest.raises(QAInputError, match="invalid question of pair 0: yields no tokens") as err:
             encode_qa(tok, [question], ["Bob won the game."])
         assert err.value.field == "question"
 

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import APIRouter, FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from serving.access import valid_request_id
+from serving.access import ApiKeyRoute, include_protected, valid_request_id
 from serving.serve_cli import add_serve_arguments
 from serving.settings import ServeSettings
 from tests.serving.test_api import CONTEXT, QUESTION, TOKEN, serving
@@ -50,6 +51,37 @@ def test_api_key_401_without_200_with() -> None:
         r = ask(client, headers=AUTH)
         assert r.status_code == 200 and r.json()["answers"]
         assert client.get("/v1/models", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"garbage", b'{"question": 3}', b"[" * 2000 + b"]" * 2000],
+    ids=["not json", "schema-invalid", "too deep"],
+)
+def test_api_key_is_checked_before_the_body_is_parsed(body: bytes) -> None:
+    """Without the key, a bad body was a 422 (native) / 400 (v2) naming the body: a 401 comes first."""
+    json_type = {"content-type": "application/json"}
+    with serving(api_key=KEY, served_model_name="m") as (client, _):
+        for path in ("/v1/qa", "/v1/qa/batch", "/v2/models/m/infer", "/v2/models/other/infer"):
+            r = client.post(path, content=body, headers=json_type)
+            assert r.status_code == 401, (path, r.text)
+            assert r.headers["WWW-Authenticate"] == "Bearer"
+            reply = r.json()
+            assert "API key" in (reply["error"] if path.startswith("/v2") else reply["detail"]), reply
+            with_key = client.post(path, content=body, headers={**json_type, **AUTH})
+            assert with_key.status_code == (400 if path.startswith("/v2") else 422), (path, with_key.text)
+
+
+def test_include_protected_refuses_routes_that_read_the_body_first() -> None:
+    late = APIRouter()
+    late.post("/late")(lambda: None)
+    with pytest.raises(TypeError, match=r"\['/late'\] would read the body before the API key"):
+        include_protected(FastAPI(), late, settings=ServeSettings(api_key=KEY))
+    early = APIRouter(route_class=ApiKeyRoute)
+    early.post("/early")(lambda: None)
+    app = FastAPI()
+    include_protected(app, early, settings=ServeSettings(api_key=KEY))
+    assert "/early" in app.openapi()["paths"]
 
 
 def test_health_metrics_and_docs_stay_open_and_admin_keeps_its_own_token() -> None:
@@ -152,6 +184,34 @@ def test_generated_ids_are_unique_and_in_error_bodies() -> None:
             assert int(r.headers["content-length"]) == len(r.content), name
         r = client.post("/v2/models/tiny-bert/infer", json={"inputs": 3}, headers={"X-Request-ID": "v2-err"})
         assert r.json().keys() == {"error"} and r.headers["X-Request-ID"] == "v2-err"  # v2: the spec's object
+
+
+# ------------------------------------------------------------------------------------------ HEAD
+
+GET_PATHS = ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/v2", "/", "/docs", "/ui/status")
+
+
+def test_head_is_answered_like_get_without_a_body(caplog: pytest.LogCaptureFixture) -> None:
+    """HEAD was a 405 on every GET route (load balancers probe with HEAD)."""
+    with serving(api_key=KEY) as (client, _):
+        for path in (*GET_PATHS, "/v1/models", "/admin/replicas"):  # the last two: 401 without a token
+            get, head = client.get(path), client.head(path)
+            assert head.status_code == get.status_code and get.content, (path, head.status_code)
+            assert head.content == b"", path
+            assert head.headers["content-type"] == get.headers["content-type"], path
+        for path in ("/healthz", "/v2/health/live", "/v1/models"):  # same length, body and request id alike
+            assert client.head(path).headers["content-length"] == str(len(client.get(path).content)), path
+        head = client.head("/v1/qa")  # POST only: HEAD is refused like GET, naming what is served
+        assert head.status_code == 405 and head.headers["Allow"] == "POST" and head.content == b""
+        assert client.post("/healthz").headers["Allow"] == "GET, HEAD"
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="shardserve.access"):
+            client.head("/healthz")
+        assert [r.getMessage().split()[:3] for r in caplog.records if r.name == "shardserve.access"] == [
+            ["method=HEAD", "path=/healthz", "status=200"]
+        ]
+        document = client.get("/openapi.json").json()
+        assert not [p for p, ops in document["paths"].items() if "head" in ops]  # no junk operations
 
 
 # ------------------------------------------------------------------------------------------ access log

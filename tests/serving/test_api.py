@@ -384,7 +384,7 @@ def test_admin_sets_the_replica_count() -> None:
         assert r.status_code == 200 and r.json()["target"] == 3 and r.json()["autoscaling"] is False
         wait_until(lambda: client.get("/admin/replicas", headers=auth).json()["ready"] == 3, what="3 ready")
         r = client.post("/admin/replicas", json={"replicas": 5}, headers=auth)  # pool fits 3 gangs of 1 rank
-        assert r.json()["target"] == 3
+        assert r.status_code == 422 and "exceeds the cap of 3" in r.json()["detail"]
         client.post("/admin/replicas", json={"replicas": 1}, headers=auth)
         wait_until(lambda: len(client.app.state.manager.replicas) == 1, what="scale down to 1")
         assert sum(g.healthy for g in factory.gangs) == 1

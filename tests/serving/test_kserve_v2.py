@@ -219,6 +219,16 @@ def test_requested_outputs_only_in_their_order_and_id_defaults_to_the_request_id
         (infer_body(parameters={"top_k": "3"}), "parameters.top_k"),
         (infer_body(parameters={"timeout_s": -1}), "timeout_s"),
         (infer_body(outputs=[{"name": "logits"}]), "unknown output 'logits'"),
+        (infer_body(outputs=[{"name": "score"}, {"name": "score"}]), "output 'score' is requested twice"),
+        (
+            {"inputs": [tensor("question", [[QUESTION]], shape=[1]), tensor("context", [CONTEXT])]},
+            "input 'question': data is nested otherwise than its shape [1]",
+        ),
+        (
+            {"inputs": [tensor("question", [QUESTIONS], shape=[2, 1]), tensor("context", CONTEXTS)]},
+            "input 'question': data is nested otherwise than its shape [2, 1]",
+        ),
+        (infer_body(contexts=[CONTEXT, "\u0301\u0301"]), "invalid_input: context[1]: yields no tokens"),
         (infer_body(questions=[QUESTION, "   "]), "question[1]"),
         ({"inputs": [{"name": "question", "shape": [1], "datatype": "BYTES"}]}, "data"),
         ({"inputs": "question"}, "inputs"),
@@ -233,6 +243,16 @@ def test_bad_requests_are_400_with_the_error_object(
     message = assert_v2_error(infer(client, body), 400)
     assert needle in message, message
     assert len(factory.batches()) == before  # nothing reached a gang
+
+
+def test_data_nested_far_deeper_than_its_shape_is_400(shared: tuple[TestClient, FakeFactory]) -> None:
+    """Shape [1] with data nested 940 levels deep was flattened and answered (200)."""
+    deep: list[Any] = [QUESTION]
+    for _ in range(939):
+        deep = [deep]
+    body = {"inputs": [tensor("question", deep, shape=[1]), tensor("context", [CONTEXT])]}
+    message = assert_v2_error(infer(shared[0], body), 400)
+    assert message.startswith("input 'question': data is nested otherwise than its shape [1]"), message
 
 
 def test_malformed_json_and_limits_are_400() -> None:

@@ -4,7 +4,8 @@ One home for what ``shardserve serve`` (``serving.settings.ServeSettings``) and 
 ``serve``/``train`` (``partitioner.gang_flags.GangFlags``) share: a flag per field, with the field's
 description, its default (when it has one) and its ``SHARDSERVE_<NAME>`` variable; comma-separated
 lists; and a ``ValidationError`` turned into one line that names what the user typed: ``--pp`` for a
-flag, ``SHARDSERVE_PP`` for a value that came from the environment.
+flag, ``SHARDSERVE_PP`` for a value that came from the environment. ``DefaultsHelpFormatter`` is the
+help formatter of the hand-written parsers (train, eval): "(default: X)" only where there is one.
 
     add_settings_arguments(parser, ServeSettings, skip=GANG_FIELDS)
     settings = ServeSettings(**given_flags(args, ServeSettings))     # ValidationError ->
@@ -79,6 +80,16 @@ def add_settings_arguments(
 def _flags_in(text: str, names: str) -> str:
     """``names`` (a regex alternation of field names) in ``text`` as their flags."""
     return re.sub(rf"(?<![\w-])({names})(?!\w)", lambda m: flag(m.group(1)), text) if names else text
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after a flag's help, unless it has no default (None) or its help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def given_flags(args: argparse.Namespace, model: type) -> dict[str, Any]:

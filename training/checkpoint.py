@@ -139,10 +139,32 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def read_state(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json``; a `ResumeError` naming the file when it is missing,
+    unreadable or not a JSON object with an integer ``step``."""
     path = ckpt / STATE_FILE
     if not path.is_file():
         raise ResumeError(f"{ckpt}: no {STATE_FILE}; not a training checkpoint")
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResumeError(f"{path}: cannot be read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ResumeError(f"{path}: not valid JSON ({exc}); the checkpoint is damaged") from exc
+    if (
+        not isinstance(state, dict)
+        or isinstance(state.get("step"), bool)
+        or not isinstance(state.get("step"), int)
+    ):
+        raise ResumeError(f"{path}: not a trainer state (a JSON object with an integer 'step')")
+    return state
+
+
+def resumable_checkpoint(out_dir: Path) -> Path:
+    """The newest ``checkpoint-*`` of ``out_dir`` (what ``--resume`` continues), or a `ResumeError`."""
+    latest = latest_checkpoint(out_dir)
+    if latest is None:
+        raise ResumeError(f"--resume: no checkpoint-* with {STATE_FILE} under {out_dir}")
+    return latest
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -279,10 +301,7 @@ def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, comput
     checkpoint does not depend on it)."""
     if not cfg.resume:
         return ResumePoint()
-    out = Path(cfg.output)
-    latest = latest_checkpoint(out)
-    if latest is None:
-        raise ResumeError(f"--resume: no checkpoint-* with {STATE_FILE} under {out}")
+    latest = resumable_checkpoint(Path(cfg.output))
     state = read_state(latest)
     now = {
         "pp": cfg.pp,

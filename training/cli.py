@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from partitioner.flags import DefaultsHelpFormatter
 from partitioner.gang_flags import add_gang_arguments, gang_flags_from_args
 from partitioner.precision import DTYPE_CHOICES, PRECISION_CHOICES, PrecisionError
 from partitioner.schedules import SCHEDULES
@@ -40,7 +41,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             "gang of worker processes that serve it. Writes Hugging Face-format checkpoints "
             "(OUTPUT/checkpoint-STEP, OUTPUT/final) that transformers and `shardserve serve` load."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     g = p.add_argument_group("model and data")
     g.add_argument(
@@ -56,16 +57,26 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--split-seed", type=int, default=0, help="seed of the by-article train/eval split")
     g.add_argument(
-        "--max-train-examples", type=int, default=None, help="use only the first N training questions"
+        "--max-train-examples",
+        type=int,
+        default=None,
+        help="use only the first N (>= 1) training questions",
     )
-    g.add_argument("--max-eval-examples", type=int, default=None, help="evaluate only the first N questions")
-    g.add_argument("--max-seq-len", type=int, default=256, help="window length in tokens")
+    g.add_argument(
+        "--max-eval-examples", type=int, default=None, help="evaluate only the first N (>= 1) questions"
+    )
+    g.add_argument(
+        "--max-seq-len", type=int, default=256, help="window length in tokens (at most the model's positions)"
+    )
     g.add_argument("--doc-stride", type=int, default=128, help="overlap between consecutive windows (tokens)")
     g.add_argument(
         "--max-question-len", type=int, default=64, help="questions are truncated to this many tokens"
     )
     g.add_argument(
-        "--output", required=True, help="run directory for checkpoints, features cache and eval results"
+        "--output",
+        required=True,
+        help="run directory for checkpoints, features cache and eval results (created once the data "
+        "has been read and checked)",
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
@@ -153,7 +164,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--eval-batch-size", type=int, default=32, help="windows per evaluation micro-batch")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoint-* directories kept")
-    g.add_argument("--resume", action="store_true", help="continue from the newest OUTPUT/checkpoint-*")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest OUTPUT/checkpoint-* (same --max-steps/--epochs, --seed, data and, "
+        "without --elastic, --pp/--tp; not with --overwrite)",
+    )
     g.add_argument(
         "--elastic",
         action="store_true",
@@ -163,7 +179,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--overwrite",
         action="store_true",
-        help="train from scratch into an OUTPUT that already holds a final checkpoint (replacing it)",
+        help="train from scratch into an OUTPUT that already holds a final checkpoint (replacing it); "
+        "not with --resume",
     )
     g.add_argument("--log-every", type=int, default=10, help="log a line every N steps (0: never)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -181,7 +198,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="SQuAD exact match / F1 of a model (HasAns/NoAns for v2.0)",
         description="Score a QA model on a SQuAD-format file with the official answer normalisation.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--model", required=True, help="registry name (default, ...) or HF model dir (e.g. RUN/final)"
@@ -196,7 +213,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split-seed", type=int, default=0, help="seed of that by-article split")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages of the evaluation gang")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--max-seq-len", type=int, default=256, help="window length in tokens")
+    p.add_argument(
+        "--max-seq-len", type=int, default=256, help="window length in tokens (at most the model's positions)"
+    )
     p.add_argument("--doc-stride", type=int, default=128, help="overlap between consecutive windows")
     p.add_argument("--max-question-len", type=int, default=64, help="question truncation in tokens")
     p.add_argument("--batch-size", type=int, default=32, help="windows per forward micro-batch")
@@ -207,11 +226,16 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         help="compute dtype: auto picks bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
         "float32; logits and span decoding stay float32",
     )
-    p.add_argument("--max-answer-length", type=int, default=30, help="longest answer span in tokens")
+    p.add_argument("--max-answer-length", type=int, default=30, help="longest answer span in tokens (1..512)")
     p.add_argument(
         "--null-threshold", type=float, default=None, help="v2.0: answer '' when null - best > this"
     )
-    p.add_argument("--max-examples", type=int, default=None, help="score only the first N questions")
+    p.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        help="score only the first N (>= 1) questions",
+    )
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=cmd_eval)
 
@@ -233,6 +257,18 @@ def input_file_error(path: str | None, flag: str) -> str | None:
         return f"{flag} {path}: not a file"
     if not os.access(p, os.R_OK):
         return f"{flag} {path}: not readable"
+    return None
+
+
+def flag_conflict(args: argparse.Namespace) -> str | None:
+    """Flags that contradict each other (or mean nothing without another), or None."""
+    if args.resume and args.overwrite:
+        return (
+            "--resume and --overwrite contradict each other: --resume continues the run in --output, "
+            "--overwrite starts it again from scratch; pass one"
+        )
+    if args.elastic and not args.resume:
+        return "--elastic only applies with --resume (it re-shards a checkpoint to another --pp/--tp)"
     return None
 
 
@@ -284,12 +320,14 @@ def network_problem(args: argparse.Namespace) -> tuple[str | None, GangNetwork |
 
 def cmd_train(args: argparse.Namespace) -> int:
     from partitioner.gang import GangError
+    from training.checkpoint import ResumeError
     from training.squad_data import SquadFormatError
     from training.trainer import TrainConfig, TrainConfigError, train
 
     problem, network = network_problem(args)
     problem = (
         problem
+        or flag_conflict(args)
         or input_file_error(args.train_file, "--train-file")
         or input_file_error(args.eval_file, "--eval-file")
         or output_error(args)
@@ -349,7 +387,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             fail_at_step=args.fail_at_step,
         )
         result = train(cfg, show_progress=not args.no_progress, network=network)
-    except (TrainConfigError, PrecisionError, SquadFormatError) as exc:
+    except (TrainConfigError, PrecisionError, SquadFormatError, ResumeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except GangError as exc:  # a rank failed or was lost: one line; the whole story at INFO
@@ -357,8 +395,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"error: {gang_error_line(exc)}", file=sys.stderr)
         return 1
     last = max(result.losses) if result.losses else None
+    steps = f"{result.steps_run} step{'s' if result.steps_run != 1 else ''}"
+    if result.start_step:
+        steps += f" (resumed at step {result.start_step} of {result.steps})"
     print(
-        f"trained {result.steps} steps in {result.train_seconds:.0f}s "
+        f"trained {steps} in {result.train_seconds:.0f}s "
         f"({result.examples_per_s:.1f} examples/s), final loss "
         f"{result.losses[last] if last else float('nan'):.4f}; checkpoint: {result.final_checkpoint}"
     )
@@ -382,21 +423,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cfg = EvalConfig(
-        model=args.model,
-        data=args.data,
-        holdout_articles=args.holdout_articles,
-        split_seed=args.split_seed,
-        pp=args.pp,
-        tp=args.tp,
-        window=window,
-        batch_size=args.batch_size,
-        max_answer_length=args.max_answer_length,
-        null_threshold=args.null_threshold,
-        max_examples=args.max_examples,
-        dtype=args.dtype,
-    )
     try:
+        cfg = EvalConfig(
+            model=args.model,
+            data=args.data,
+            holdout_articles=args.holdout_articles,
+            split_seed=args.split_seed,
+            pp=args.pp,
+            tp=args.tp,
+            window=window,
+            batch_size=args.batch_size,
+            max_answer_length=args.max_answer_length,
+            null_threshold=args.null_threshold,
+            max_examples=args.max_examples,
+            dtype=args.dtype,
+        )
         metrics = evaluate_model(cfg)
     except (EvalConfigError, SquadFormatError, PrecisionError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -136,6 +136,10 @@ class TrainConfig:
             bad(f"lora_rank={self.lora_rank} and freeze_layers={self.freeze_layers} must be >= 0")
         if self.holdout_articles < 0:
             bad(f"holdout_articles={self.holdout_articles} must be >= 0")
+        for name in ("max_train_examples", "max_eval_examples"):
+            limit = getattr(self, name)
+            if limit is not None and limit < 1:
+                bad(f"{name}={limit} must be >= 1 (leave it unset to use every question)")
         if self.eval_every < 0 or self.save_every < 0 or self.keep_checkpoints < 1:
             bad(
                 f"eval_every={self.eval_every}, save_every={self.save_every} must be >= 0 and "

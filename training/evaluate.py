@@ -50,12 +50,28 @@ class EvalConfig:
     dtype: str = "auto"  # compute dtype (partitioner/precision.py); span logits and decoding stay fp32
 
     def __post_init__(self) -> None:
+        from models.qa_processing import QAInputError, validate_max_answer_length
+
         if self.pp < 1 or self.tp < 1 or self.batch_size < 1:
             raise EvalConfigError(f"pp={self.pp}, tp={self.tp} and batch_size={self.batch_size} must be >= 1")
         if self.holdout_articles < 0:
             raise EvalConfigError(f"holdout_articles={self.holdout_articles} must be >= 0")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise EvalConfigError(
+                f"max_examples={self.max_examples} must be >= 1 (leave it unset to score every question)"
+            )
         if not isinstance(self.window, WindowConfig):
             raise EvalConfigError(f"window={self.window!r} must be a models.qa_processing.WindowConfig")
+        w = self.window
+        if w.doc_stride >= w.max_seq_len or w.max_question_len >= w.max_seq_len:
+            raise EvalConfigError(
+                f"doc_stride={w.doc_stride} and max_question_len={w.max_question_len} must be "
+                f"< max_seq_len={w.max_seq_len}"
+            )
+        try:
+            validate_max_answer_length(self.max_answer_length)
+        except QAInputError as exc:
+            raise EvalConfigError(f"max_answer_length={self.max_answer_length}: {exc.reason}") from exc
 
 
 def _examples(cfg: EvalConfig) -> list[SquadExample]:
@@ -73,6 +89,8 @@ def _examples(cfg: EvalConfig) -> list[SquadExample]:
         )
     if cfg.max_examples is not None:
         examples = examples[: cfg.max_examples]
+    if not examples:
+        raise EvalConfigError(f"{cfg.data}: no questions to score")
     return examples
 
 
@@ -103,11 +121,23 @@ def predict_answers(
     from partitioner.worker import GangSpec
     from training.squad_data import build_eval_features, postprocess_eval_predictions, prediction_texts
 
-    choice = resolve_dtype(cfg.dtype, "cpu")  # refuse an unsupported dtype before any work
+    # Everything that can be refused is checked before any slow work and before the progress bar,
+    # so an error is one line of its own: dtype, model, window length, partition, data, tokenizer.
+    choice = resolve_dtype(cfg.dtype, "cpu")
     logger.info("eval in %s (%s)", choice.name, choice.reason)
     source = resolve_model(cfg.model)
+    if cfg.window.max_seq_len > source.config.max_seq_len:
+        raise EvalConfigError(
+            f"max_seq_len={cfg.window.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
+        )
+    dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
+    plan = make_plan(source.config, dims, seq_len=cfg.window.max_seq_len) if dims.world_size > 1 else None
     examples = _examples(cfg)
     tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    try:
+        cfg.window.check_tokenizer(tok)
+    except (ValueError, TypeError) as exc:
+        raise EvalConfigError(str(exc)) from exc
     feats = build_eval_features(tok, examples, window=cfg.window)
     b = feats.batch
     n = len(feats)
@@ -119,29 +149,29 @@ def predict_answers(
             (b.input_ids[sl, :length], b.attention_mask[sl, :length], b.token_type_ids[sl, :length])
         )
     full = torch.full((n, b.input_ids.shape[1], 2), -1e9)  # (N, S, 2)
-    bar = tqdm(total=n, desc="eval", unit="win", disable=not show_progress, dynamic_ncols=True)
+
+    def progress() -> tqdm:  # started once the model is loaded (or the gang is up)
+        return tqdm(total=n, desc="eval", unit="win", disable=not show_progress, dynamic_ncols=True)
+
     row = 0
-    if cfg.pp * cfg.tp == 1:
+    if plan is None:
         model = build_model(source, dtype=choice.dtype)
-        with torch.inference_mode():
+        with torch.inference_mode(), progress() as bar:
             for ids, mask, types in batches:
                 logits = model(ids, mask, types)  # (b, s, 2)
                 full[row : row + ids.shape[0], : ids.shape[1]] = logits
                 row += ids.shape[0]
                 bar.update(ids.shape[0])
     else:
-        dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
-        plan = make_plan(source.config, dims, seq_len=cfg.window.max_seq_len)
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
         spec = GangSpec(source, plan, threads_per_rank=threads, dtype=choice.name)
-        with Gang(spec, name="eval") as gang:
+        with Gang(spec, name="eval") as gang, progress() as bar:
             futures = [gang.submit(*batch) for batch in batches]
             for (ids, _, _), fut in zip(batches, futures, strict=True):
                 logits = fut.result()  # (b, s, 2)
                 full[row : row + ids.shape[0], : ids.shape[1]] = logits
                 row += ids.shape[0]
                 bar.update(ids.shape[0])
-    bar.close()
     preds = postprocess_eval_predictions(
         feats,
         full[..., 0],

@@ -95,7 +95,31 @@ def select_examples(cfg: TrainConfig) -> tuple[list[SquadExample], list[SquadExa
         examples = examples[: cfg.max_train_examples]
     if cfg.max_eval_examples is not None:
         eval_examples = eval_examples[: cfg.max_eval_examples]
+    if not examples:
+        raise TrainConfigError(f"{cfg.train_file}: no training questions left to train on")
     return examples, eval_examples
+
+
+def create_output_dir(output: str | Path) -> Path:
+    """``output`` as a directory (made with its parents if missing); a `TrainConfigError` saying why
+    when it cannot be (a file of that name, a parent that is a file, no permission, ...)."""
+    out = Path(output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = "a file of that name exists" if out.exists() and not out.is_dir() else exc.strerror or exc
+        raise TrainConfigError(f"--output {output}: cannot create directory: {reason}") from exc
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TrainConfigError(f"--output {output}: directory not writable")
+    return out
+
+
+def check_window(tokenizer: Any, cfg: TrainConfig) -> None:
+    """Refuse windows the tokenizer cannot cut (too little room for ``doc_stride``) as a `TrainConfigError`."""
+    try:
+        cfg.window.check_tokenizer(tokenizer)
+    except (ValueError, TypeError) as exc:
+        raise TrainConfigError(str(exc)) from exc
 
 
 def _eval_examples(cfg: TrainConfig) -> list[SquadExample]:
@@ -129,7 +153,8 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, *, show_progress: bool =
     """Tokenize train (and eval) examples once into ``OUT/.cache/features-{key}.safetensors``.
 
     On a cache hit nothing is read but the file's header; the evaluation windows are rebuilt only
-    when ``eval_features`` is first used.
+    when ``eval_features`` is first used. Otherwise the data is read and checked before
+    ``cfg.output`` is created (`create_output_dir`), so a bad data file leaves no empty run directory.
     """
     from transformers import AutoTokenizer
 
@@ -150,8 +175,10 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, *, show_progress: bool =
             return build_eval_features(tokenizer(), examples, window=cfg.window) if examples else None
 
         return PreparedData(out, n_train, n_eval, sha, _build_eval=build_eval)
-    examples, eval_examples = select_examples(cfg)
     tok = tokenizer()
+    check_window(tok, cfg)
+    examples, eval_examples = select_examples(cfg)  # the data is valid before OUTPUT is made
+    create_output_dir(cfg.output)
     eval_features = build_eval_features(tok, eval_examples, window=cfg.window) if eval_examples else None
     tensors = _train_feature_tensors(tok, examples, cfg, show_progress=show_progress)
     if eval_features is not None:

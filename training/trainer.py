@@ -49,6 +49,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,7 +68,14 @@ from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
 from partitioner.messages import CheckpointSaved, ControlMessage, EvalLogits, StepReport
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
-from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
+from partitioner.precision import (
+    DTYPES,
+    DtypeChoice,
+    DynamicLossScale,
+    PrecisionError,
+    autocast_for,
+    resolve_dtype,
+)
 from partitioner.remote import GangNetwork
 from partitioner.schedules import MicroBatch, run_gpipe, run_schedule
 from partitioner.shard_loading import shard_specs_of
@@ -82,6 +90,7 @@ from training.run_files import RunFiles
 logger = logging.getLogger(__name__)
 
 MASK_FILL = -1e9  # logit given to padding positions before the span cross-entropy
+PRECISION_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # dtype -> --precision
 
 
 @dataclass
@@ -95,8 +104,14 @@ class TrainResult:
     grad_norms: dict[int, float] = field(default_factory=dict)  # step -> global norm before clipping
     reduce_stats: dict[int, dict[str, int]] = field(default_factory=dict)  # dp > 1: step -> all-reduce
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> SQuAD metrics
-    examples_per_s: float = 0.0
+    examples_per_s: float = 0.0  # over the steps this run did (from its second step, when it did 2+)
     train_seconds: float = 0.0
+    start_step: int = 0  # a resumed run's checkpoint step: this run did steps start_step+1 .. steps
+
+    @property
+    def steps_run(self) -> int:
+        """Optimizer steps this run did (fewer than ``steps`` when it resumed)."""
+        return self.steps - self.start_step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -479,6 +494,20 @@ def _evaluate_in_gang(
 # ------------------------------------------------------------------------------------------------
 
 
+def resolve_precision(precision: str, device: str | torch.device) -> DtypeChoice:
+    """``resolve_dtype`` for ``--precision``: a refusal names train's own choices (``bf16`` / ``fp16`` /
+    ``fp32``), not the ``--dtype`` names (``bfloat16`` ...) that ``partitioner/precision.py`` suggests."""
+    try:
+        return resolve_dtype(precision, device)
+    except PrecisionError as exc:
+        msg = str(exc)
+        m = re.search(r"; use (\w+) or (\w+)$", msg)
+        if m is None:
+            raise
+        alt = " or ".join(PRECISION_NAMES.get(d, d) for d in m.groups())
+        raise PrecisionError(f"{msg[: m.start()]}; use --precision {alt}") from exc
+
+
 def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
     """SQuAD EM/F1 of (N, S, 2) logits over the evaluation windows."""
     from training.squad_data import postprocess_eval_predictions, prediction_texts
@@ -506,6 +535,10 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
             f"training program, not {network.program.name!r}: GangNetwork(program=training.remote_program.REMOTE_PROGRAM)"
         )
     source = with_dropout(resolve_model(cfg.model), cfg.dropout)
+    if cfg.window.max_seq_len > source.config.max_seq_len:
+        raise TrainConfigError(
+            f"max_seq_len={cfg.window.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
+        )
     dims = ParallelDims(pp=cfg.pp, tp=cfg.tp, dp=cfg.dp)
     external = sorted(network.external_ranks)
     if external and (external[0] <= 0 or external[-1] >= dims.world_size):
@@ -522,11 +555,12 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
     )
     if cfg.freeze_layers > source.config.num_layers:
         raise TrainConfigError(f"freeze_layers={cfg.freeze_layers} > num_layers={source.config.num_layers}")
-    precision = resolve_dtype(cfg.precision, plan.devices[0])  # PrecisionError names the device
+    precision = resolve_precision(cfg.precision, plan.devices[0])  # PrecisionError names the device
     logger.info("precision: %s autocast, fp32 master weights (%s)", precision.name, precision.reason)
     out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-    data = prepare_data(cfg, source, show_progress=show_progress)
+    if cfg.resume:  # nothing to resume from: say so before tokenizing the data
+        ckpt.read_state(ckpt.resumable_checkpoint(out))
+    data = prepare_data(cfg, source, show_progress=show_progress)  # creates OUTPUT once the data is valid
     per_epoch = data.n_train // cfg.batch_size
     if per_epoch < 1:
         raise TrainConfigError(f"batch_size={cfg.batch_size} exceeds the {data.n_train} training features")
@@ -562,7 +596,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
         mode=GangMode.RUN,
         extra={"train": cfg, "run": run},
     )
-    result = TrainResult(output=out, final_checkpoint=out / "final", steps=total)
+    result = TrainResult(output=out, final_checkpoint=out / "final", steps=total, start_step=start_step)
     logger.info(
         "training %s: dp=%d pp=%d tp=%d %s, %d features, %d steps (batch %d = %d x %d), warm-up %d, lr %g",
         source.name, cfg.dp, cfg.pp, cfg.tp, cfg.schedule, data.n_train, total, cfg.batch_size,
@@ -576,6 +610,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
         disable=not show_progress,
         dynamic_ncols=True,
     )
+    t_ready: list[float] = []  # when every rank was built and restored (gang.start returned)
     t_start: list[float] = []
     seen = [0]
 
@@ -583,10 +618,14 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
         if isinstance(msg, StepReport):
             now = time.perf_counter()
             if not t_start:
-                t_start.append(now)  # the first step includes warm-up costs: rate from then on
+                # the first step includes warm-up costs: the rate counts from its end on, and until a
+                # second step arrives (a run of one step: a resumed run's last) over the first alone
+                t_start.append(now)
+                begin = t_ready[0] if t_ready else t0
+                rate = msg.examples / (now - begin) if now > begin else 0.0
             else:
                 seen[0] += msg.examples
-            rate = seen[0] / (now - t_start[0]) if seen[0] else 0.0
+                rate = seen[0] / (now - t_start[0]) if now > t_start[0] else 0.0
             result.losses[msg.step] = msg.loss
             result.grad_norms[msg.step] = msg.grad_norm
             if msg.allreduce is not None:
@@ -621,6 +660,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
     with logging_redirect_tqdm():
         try:
             gang.start()
+            t_ready.append(time.perf_counter())
             gang.join(on_message=on_message)
         finally:
             gang.stop()

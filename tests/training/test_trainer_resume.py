@@ -181,3 +181,22 @@ def test_sigkilled_cli_run_resumes_to_the_same_weights(tmp_path):
     got = load_file(str(out / "final" / "model.safetensors"))
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert worst <= 1e-6, worst
+
+
+def test_cli_resume_summary_counts_only_this_runs_steps(tmp_path, capsys):
+    """A resumed run reports the steps IT did and their rate (it used to say "trained 3 steps ...
+    (0.0 examples/s)" after one 8-example step)."""
+    data = write_tiny_squad(tmp_path / "train.json")
+    argv = [
+        "train", "--model", "tiny-bert", "--train-file", str(data), "--output", str(tmp_path / "run"),
+        "--batch-size", "8", "--micro-batch-size", "4", "--max-steps", "3", "--save-every", "2",
+        "--max-seq-len", "64", "--doc-stride", "24", "--max-question-len", "16", "--no-progress",
+        "--precision", "fp32", "--log-every", "0",
+    ]  # fmt: skip
+    assert shardserve_main([*argv, "--fail-at-step", "2"]) == 1  # crashes after checkpoint-2
+    capsys.readouterr()
+    assert shardserve_main([*argv, "--resume"]) == 0
+    summary = capsys.readouterr().out.splitlines()[0]
+    assert summary.startswith("trained 1 step (resumed at step 2 of 3) in "), summary
+    rate = float(summary.split("(")[2].split(" examples/s")[0])
+    assert rate > 0, summary

@@ -49,6 +49,7 @@ _CHALLENGE = {
 _STATUS: dict[int, tuple[str, dict[str, Any]]] = {
     400: ("body is not valid UTF-8, or Content-Length is not a number", {}),
     401: ("admin: no admin token is configured, or the bearer token is missing or wrong", _CHALLENGE),
+    408: ("the request body did not arrive within client_timeout_s (the connection is closed)", {}),
     409: ("another reload is running, or the model has another tokenizer", {}),
     413: (
         "body larger than max_body_bytes, or more windows than max_windows_per_request / than the "

@@ -315,7 +315,7 @@ def test_openapi_documents_the_v2_routes_truthfully() -> None:
         doc = client.get("/openapi.json").json()
         paths = doc["paths"]
         op = paths["/v2/models/{model_name}/infer"]["post"]
-        assert set(op["responses"]) == {"200", "400", "404", "413", "429", "500", "503", "504"}
+        assert set(op["responses"]) == {"200", "400", "404", "408", "413", "429", "500", "503", "504"}
         assert "security" not in op  # no API key configured: nothing to authenticate
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
             "/V2InferenceRequest"

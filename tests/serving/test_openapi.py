@@ -269,8 +269,8 @@ def test_admin_statuses_and_auth_are_documented() -> None:
         }
         expected = {
             ("/admin/replicas", "get"): {"200", "401", "503"},
-            ("/admin/replicas", "post"): {"200", "400", "401", "413", "422", "503"},
-            ("/admin/reload", "post"): {"200", "400", "401", "409", "413", "422", "503"},
+            ("/admin/replicas", "post"): {"200", "400", "401", "408", "413", "422", "503"},
+            ("/admin/reload", "post"): {"200", "400", "401", "408", "409", "413", "422", "503"},
         }
         for (path, method), statuses in expected.items():
             op = doc["paths"][path][method]
@@ -279,7 +279,7 @@ def test_admin_statuses_and_auth_are_documented() -> None:
             assert op["responses"]["401"]["headers"]["WWW-Authenticate"]["required"] is True
         for path in ("/v1/qa", "/v1/qa/batch"):
             responses = doc["paths"][path]["post"]["responses"]
-            assert {"400", "413", "422", "429", "503", "504"} <= set(responses)
+            assert {"400", "408", "413", "422", "429", "503", "504"} <= set(responses)
             for status in ("429", "503"):
                 assert responses[status]["headers"]["Retry-After"]["required"] is True
         r = client.post("/admin/replicas", content=b'{"replicas": "\xff"}', headers=AUTH)

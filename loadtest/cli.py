@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
 
+from loadtest.report import ReportError
 from loadtest.runner import (
     DEFAULT_QUEUE_METRIC,
     DEFAULT_REPLICAS_METRIC,
@@ -166,6 +168,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="do not send load: rebuild the report of a finished run in DIR (uses --slo-ms, --bin)",
     )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="do not show progress on stderr (by default: the wait for /readyz, the run's elapsed time "
+        "with requests and failures so far, the cooldown; a bar on a terminal, else a line every 10 s)",
+    )
     p.set_defaults(func=cmd_loadtest)
 
 
@@ -188,13 +196,31 @@ def _reproduce_command() -> str:
     return "shardserve " + shlex.join(argv[start:])
 
 
-def cmd_loadtest(args: argparse.Namespace) -> int:
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _report_only(args: argparse.Namespace) -> int:
     from loadtest.report import build_report
 
-    if args.report_only:
+    for flag, value in (("--slo-ms", args.slo_ms), ("--bin", args.bin)):
+        if not (value > 0 and math.isfinite(value)):
+            return _error(f"{flag} {value:g} must be > 0")
+    try:
         summary = build_report(args.report_only, slo_ms=args.slo_ms, bin_s=args.bin)
-        _print_summary(args.report_only, summary)
-        return 0
+    except ReportError as exc:
+        return _error(f"--report-only {exc}")
+    except OSError as exc:
+        where = exc.filename or args.report_only
+        return _error(f"--report-only: cannot write the report into {where}: {exc.strerror or exc}")
+    _print_summary(args.report_only, summary)
+    return 0
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    if args.report_only:
+        return _report_only(args)
     try:
         config = LoadTestConfig(
             host=args.host,
@@ -224,15 +250,15 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             stop_timeout_s=args.stop_timeout,
             allow_remote=args.allow_remote,
             command=_reproduce_command(),
+            progress=not args.no_progress,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         summary = run_loadtest(config)
-    except LoadTestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (LoadTestError, ReportError) as exc:
+        return _error(str(exc))
     _print_summary(args.out, summary)
     if summary.get("first_errors"):
         print("first errors: " + json.dumps(summary["first_errors"]))

@@ -35,27 +35,50 @@ class QAItem:
 
 
 def read_squad(path: str | Path, *, limit: int | None = None) -> list[QAItem]:
-    """(question, context) pairs from a SQuAD v1.1/v2.0 JSON file, in file order, up to ``limit``."""
-    with open(path, encoding="utf-8") as fh:
-        doc = json.load(fh)
+    """(question, context) pairs from a SQuAD v1.1/v2.0 JSON file, in file order, up to ``limit``.
+
+    ``ValueError`` naming the file when it cannot be read, is not JSON, is not SQuAD-shaped, or
+    holds no question with a context (``data[].paragraphs[].context`` and ``.qas[].question``)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
     articles = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(articles, list):
         raise ValueError(f"{path}: not SQuAD format (top-level 'data' list missing)")
     items: list[QAItem] = []
     for article in articles:
-        for para in article.get("paragraphs", []):
-            context = para.get("context")
-            if not isinstance(context, str) or not context:
+        paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
+        for para in paragraphs if isinstance(paragraphs, list) else []:
+            context = para.get("context") if isinstance(para, dict) else None
+            qas = para.get("qas") if isinstance(para, dict) else None
+            if not isinstance(context, str) or not context or not isinstance(qas, list):
                 continue
-            for qa in para.get("qas", []):
-                question = qa.get("question")
+            for qa in qas:
+                question = qa.get("question") if isinstance(qa, dict) else None
                 if isinstance(question, str) and question.strip():
                     items.append(QAItem(question=question, context=context))
                     if limit is not None and len(items) >= limit:
                         return items
     if not items:
-        raise ValueError(f"{path}: no questions found")
+        raise ValueError(
+            f"{path}: no questions found (SQuAD format: data[].paragraphs[] with a 'context' and "
+            "'qas'[].'question')"
+        )
     return items
+
+
+def check_data_file(path: str | Path) -> None:
+    """Refuse (``ValueError`` naming the file) a question file the load generator could not use,
+    before any load is sent: the locust process reads it with :func:`read_squad`."""
+    read_squad(path, limit=1)
 
 
 _SUBJECTS = ["The river", "The old bridge", "The museum", "The observatory", "The library", "The harbour"]

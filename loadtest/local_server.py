@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -45,10 +45,13 @@ def wait_ready(
     timeout_s: float,
     proc: subprocess.Popen | None = None,
     all_replicas: bool = False,
+    on_poll: Callable[[float, str], None] | None = None,
 ) -> None:
     """Poll ``/readyz`` until it answers 200 (``all_replicas``: and no replica is still starting);
-    ``ServerNotReady`` with the last answer after ``timeout_s``, or at once if ``proc`` exits."""
-    deadline = time.monotonic() + timeout_s
+    ``ServerNotReady`` with the last answer after ``timeout_s``, or at once if ``proc`` exits.
+    ``on_poll(seconds_waited, last_answer)`` runs after every poll that was not ready (progress)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -63,6 +66,8 @@ def wait_ready(
             last = f"HTTP {exc.code}"
         except (urllib.error.URLError, OSError, ValueError) as exc:
             last = str(exc)
+        if on_poll is not None:
+            on_poll(time.monotonic() - t0, last)
         time.sleep(0.3)
     raise ServerNotReady(f"{base_url}/readyz not ready after {timeout_s:g} s (last: {last})")
 

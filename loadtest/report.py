@@ -31,6 +31,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 PLOTS = ("throughput", "latency", "shed_rate", "queue_depth", "replicas", "slo_attainment", "overview")
+MAX_BINS = 100_000  # time-series bins in one report (a tiny --bin would exhaust memory)
 SLO_SCALES = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0)
 
 
@@ -384,25 +385,78 @@ def _write_pages(out: Path, summary: dict[str, object], run: dict[str, object], 
     (out / "report.html").write_text(page, encoding="utf-8")
 
 
+class ReportError(ValueError):
+    """A run folder the report cannot be built from: missing, not a run, or corrupt inputs."""
+
+
+def _read_run_config(out: Path) -> dict:
+    if not out.is_dir():
+        raise ReportError(f"{out}: no such folder")
+    path = out / "run_config.json"
+    if not path.is_file():
+        raise ReportError(f"{out} is not a load-test run folder (no run_config.json)")
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise ReportError(
+            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    if not isinstance(run, dict):
+        raise ReportError(f"{path}: not a run config (a JSON object is expected)")
+    return run
+
+
 def build_report(run_dir: str | Path, *, slo_ms: float | None = None, bin_s: float | None = None) -> dict:
-    """Read a run folder, write every report file into it, return the summary."""
+    """Read a run folder, write every report file into it, return the summary. ``ReportError``
+    (one line naming the file) when the folder or its inputs are missing or corrupt, or when
+    ``slo_ms`` / ``bin_s`` (given, else the run's) are not > 0."""
     out = Path(run_dir)
-    run = json.loads((out / "run_config.json").read_text(encoding="utf-8"))
-    slo_ms = float(slo_ms if slo_ms is not None else run.get("slo_ms", 500.0))
-    bin_s = float(bin_s if bin_s is not None else run.get("bin_s", 2.0))
-    log = read_requests(out / "requests.csv")
-    metrics = read_metrics(out / "metrics.csv")
+    run = _read_run_config(out)
+    try:
+        slo_ms = float(slo_ms if slo_ms is not None else run.get("slo_ms", 500.0))
+        bin_s = float(bin_s if bin_s is not None else run.get("bin_s", 2.0))
+    except (TypeError, ValueError):
+        raise ReportError(f"{out / 'run_config.json'}: slo_ms / bin_s are not numbers") from None
+    for name, value in (("slo_ms", slo_ms), ("bin_s", bin_s)):
+        if not (value > 0 and math.isfinite(value)):
+            raise ReportError(f"{name}={value:g} must be > 0")
+    requests_csv = out / "requests.csv"
+    if not requests_csv.is_file():
+        raise ReportError(f"{out}: no requests.csv (the run did not get to send load)")
+    try:
+        log = read_requests(requests_csv)
+    except (KeyError, ValueError, TypeError, csv.Error, UnicodeDecodeError) as exc:
+        raise ReportError(f"{requests_csv}: not a request log written by the load test ({exc!r})") from None
+    try:
+        metrics = read_metrics(out / "metrics.csv")
+    except (KeyError, ValueError, TypeError, csv.Error, UnicodeDecodeError) as exc:
+        raise ReportError(
+            f"{out / 'metrics.csv'}: not a metrics log written by the load test ({exc!r})"
+        ) from None
     shape_start = out / "shape_start.txt"
-    if shape_start.is_file():  # written by the locustfile at its first tick: the scenario's t = 0
-        t0 = float(shape_start.read_text().strip())
-    elif len(log):
-        t0 = float(log.start.min())
-    else:
-        t0 = float(run.get("started_at") or 0.0)
-    ends = [float(run.get("finished_at") or t0)]
+    try:
+        if shape_start.is_file():  # written by the locustfile at its first tick: the scenario's t = 0
+            t0 = float(shape_start.read_text().strip())
+        elif len(log):
+            t0 = float(log.start.min())
+        else:
+            t0 = float(run.get("started_at") or 0.0)
+        ends = [float(run.get("finished_at") or t0)]
+    except (TypeError, ValueError, UnicodeDecodeError):
+        raise ReportError(f"{out}: shape_start.txt or run_config.json times are not numbers") from None
     ends += [float(log.end.max())] if len(log) else []
     ends += [float(metrics["time"].max())] if len(metrics["time"]) else []
     t_end = max(ends)
+    n_bins = math.ceil((t_end - t0) / bin_s)
+    if n_bins > MAX_BINS:
+        raise ReportError(
+            f"bin_s={bin_s:g} cuts the {t_end - t0:.0f} s run into {n_bins} bins (at most {MAX_BINS}): "
+            "use a wider --bin"
+        )
 
     rows = build_timeseries(log, metrics, t0=t0, t_end=t_end, bin_s=bin_s, slo_ms=slo_ms)
     with open(out / "timeseries.csv", "w", newline="", encoding="utf-8") as fh:

@@ -12,6 +12,7 @@ group) ``kill_grace_s`` later if it has not exited. Tests: ``tests/loadtest/test
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import logging
@@ -28,9 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.checks import is_loopback_host
+from loadtest.data import check_data_file
 from loadtest.local_server import ServerNotReady, wait_ready
+from loadtest.progress import StatusLine
 from loadtest.prom import MetricSelector, MetricsScraper
-from loadtest.report import build_report
+from loadtest.report import MAX_BINS, build_report
 from loadtest.scenarios import Scenario, ScenarioConfig
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class LoadTestConfig:
     kill_grace_s: float = 30.0
     allow_remote: bool = False
     command: str = ""  # the command line that reproduces the run, for the report
+    progress: bool = False  # show the readiness wait, the run and the cooldown on stderr
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +90,10 @@ class LoadTestConfig:
         ):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.bin_s > 0 and self.scenario.duration_s / self.bin_s > MAX_BINS:
+            problems.append(
+                f"bin_s={self.bin_s!r} cuts duration_s={self.scenario.duration_s!r} into more than {MAX_BINS} bins"
+            )
         if self.cooldown_s < 0:
             problems.append(f"cooldown_s={self.cooldown_s!r} must be >= 0")
         if self.top_k < 1 or self.max_answer_length < 1:
@@ -95,8 +103,11 @@ class LoadTestConfig:
                 MetricSelector.parse(getattr(self, name))
             except ValueError as exc:
                 problems.append(f"{name}: {exc}")
-        if self.data is not None and not Path(self.data).is_file():
-            problems.append(f"data={self.data!r} is not a file")
+        if self.data is not None:
+            if not Path(self.data).expanduser().is_file():
+                problems.append(f"data={self.data!r} is not a file")
+            else:  # locust runs in the report folder: hand it a path that does not depend on the cwd
+                object.__setattr__(self, "data", str(Path(self.data).expanduser().resolve()))
         if problems:
             raise ValueError("invalid LoadTestConfig: " + "; ".join(problems))
 
@@ -160,18 +171,85 @@ def _stop_process_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    """The report folder, created if needed (absolute); ``LoadTestError`` when it cannot be written."""
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise LoadTestError(f"report folder {str(out_dir)!r} (--out) is an existing file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LoadTestError(
+            f"cannot create the report folder {str(out_dir)!r} (--out): {exc.strerror or exc}"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise LoadTestError(f"the report folder {str(out_dir)!r} (--out) is not writable")
+    return out
+
+
+LOCUST_STATS_CSV = "locust_stats.csv"  # written by locust --csv every second: the live counts
+SHAPE_START_FILE = "shape_start.txt"  # the locustfile's (not imported here: gevent) t = 0 of the scenario
+
+
+def scenario_elapsed(out: Path) -> float | None:
+    """Seconds since the scenario's first tick (None before locust has started it)."""
+    try:
+        return max(0.0, time.time() - float((out / SHAPE_START_FILE).read_text().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def live_counts(out: Path) -> str:
+    """Requests and failures so far, from locust's own stats CSV ("" before its first write)."""
+    try:
+        with open(out / LOCUST_STATS_CSV, newline="", encoding="utf-8") as fh:
+            for row in csv.DictReader(fh):
+                if row.get("Name") == "Aggregated":
+                    return f"{int(row['Request Count'])} requests, {int(row['Failure Count'])} failed"
+    except (OSError, KeyError, ValueError, csv.Error):
+        pass
+    return ""
+
+
+def _locust_failure(returncode: int | None, log_path: Path) -> str:
+    """One line: locust's exit code and the last line of its log (the exception, usually)."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(encoding="utf-8", errors="replace").splitlines()]
+    except OSError:
+        lines = []
+    last = next((ln for ln in reversed(lines) if ln), "")
+    what = f"locust exited with {returncode}" if returncode else "locust wrote no request log"
+    return f"{what}: {last[:300] or 'no output'} (full log: {log_path})"
+
+
 def run_loadtest(config: LoadTestConfig) -> dict:
-    """Run the scenario against ``config.host``; write the report into ``out_dir``; return the summary."""
+    """Run the scenario against ``config.host``; write the report into ``out_dir``; return the summary.
+
+    Everything that can be checked without the server is checked first (locust installed, the
+    report folder writable, the question file usable), then ``/readyz`` is awaited."""
     missing = [m for m in ("locust", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:  # found without importing: locust would monkey-patch this process with gevent
         raise LoadTestError(f"{' and '.join(missing)} not installed: pip install -e '.[loadtest]'")
-    out = Path(config.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    if config.data is not None:
+        try:
+            check_data_file(config.data)
+        except ValueError as exc:
+            raise LoadTestError(f"--data {exc}") from None
+    out = prepare_out_dir(config.out_dir)
     scenario = Scenario(config.scenario)
+    waiting = StatusLine(
+        f"waiting for {config.base_url}/readyz", config.ready_timeout_s, enabled=config.progress, leave=False
+    )
     try:
-        wait_ready(config.base_url, timeout_s=config.ready_timeout_s)
+        wait_ready(
+            config.base_url,
+            timeout_s=config.ready_timeout_s,
+            on_poll=lambda waited, last: waiting.update(waited, f"last: {last}"[:80]),
+        )
     except ServerNotReady as exc:
+        waiting.close()
         raise LoadTestError(str(exc)) from None
+    waiting.close("ready")
 
     run_config = {
         "host": config.base_url,
@@ -209,6 +287,12 @@ def run_loadtest(config: LoadTestConfig) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
     logger.info("running: %s", shlex.join(cmd))
 
+    duration = config.scenario.duration_s
+    running = StatusLine(
+        f"{config.scenario.name} load on {config.base_url}", duration, enabled=config.progress
+    )
+    for stale in ("requests.csv", SHAPE_START_FILE, LOCUST_STATS_CSV):  # a previous run's, in a reused --out
+        (out / stale).unlink(missing_ok=True)
     scraper.start()
     started_at = time.time()
     log_path = out / "locust.log"
@@ -217,23 +301,39 @@ def run_loadtest(config: LoadTestConfig) -> dict:
             proc = subprocess.Popen(
                 cmd, env=env, cwd=str(out), stdout=log_fh, stderr=subprocess.STDOUT, start_new_session=True
             )
+            bound_s = duration + config.stop_timeout_s + config.kill_grace_s + 20
+            t0 = time.monotonic()
             try:
-                proc.wait(
-                    timeout=config.scenario.duration_s + config.stop_timeout_s + config.kill_grace_s + 20
-                )
-            except subprocess.TimeoutExpired:
-                logger.warning("locust still running past its bound: stopping it")
+                while True:
+                    try:
+                        proc.wait(timeout=0.5)
+                        break
+                    except subprocess.TimeoutExpired:
+                        if time.monotonic() - t0 >= bound_s:
+                            logger.warning("locust still running past its bound: stopping it")
+                            break
+                        elapsed = scenario_elapsed(out)
+                        if elapsed is None:
+                            running.update(0.0, "starting locust")
+                        else:
+                            stopping = " (stopping: in-flight requests finish)" if elapsed > duration else ""
+                            running.update(elapsed, (live_counts(out) or "no requests yet") + stopping)
             finally:
                 _stop_process_group(proc)
+                running.close(live_counts(out) or None)
         finished_at = time.time()
         if config.cooldown_s > 0:
-            time.sleep(config.cooldown_s)
+            cooling = StatusLine("cooldown: scraping /metrics", config.cooldown_s, enabled=config.progress)
+            t0 = time.monotonic()
+            while (waited := time.monotonic() - t0) < config.cooldown_s:
+                cooling.update(waited)
+                time.sleep(min(0.5, config.cooldown_s - waited))
+            cooling.close()
     finally:
         scraper.stop()
 
     if proc.returncode not in (0, None) or not (out / "requests.csv").is_file():
-        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
-        raise LoadTestError(f"locust exited with {proc.returncode}; log tail:\n{tail}")
+        raise LoadTestError(_locust_failure(proc.returncode, log_path))
     run_config["started_at"] = started_at
     run_config["finished_at"] = finished_at
     config_path.write_text(json.dumps(run_config, indent=2), encoding="utf-8")

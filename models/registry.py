@@ -10,7 +10,9 @@ overlays, config, tokenizer directory) that every rank of a gang can open on its
 - ``tiny-bert``, ``tiny-roberta``, ``tiny-distilbert``: small random-weight ``*ForQuestionAnswering``
   checkpoints for tests, written once by ``transformers`` itself (seeded) into the cache directory
   ``$SHARDSERVE_CACHE`` (default ``~/.cache/shardserve``).
-- any local Hugging Face model directory.
+- any local Hugging Face model directory, with its tokenizer files; a folder without them gets the
+  bundled BERT-uncased tokenizer only when its config is BERT / DistilBERT with the same vocab_size
+  (a warning says so), else ``ModelConfigError`` names the folder (``fallback_tokenizer_dir``).
 
     python -c "from models.registry import resolve_model; print(resolve_model('tiny-bert'))"
 """
@@ -135,8 +137,56 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> ModelSource:
             f"model {name!r} is neither a known name {MODEL_NAMES} nor a local model directory"
         )
     config = EncoderConfig.from_pretrained_dir(path)
-    tok_dir = path if (path / "tokenizer.json").is_file() or (path / "vocab.txt").is_file() else minilm_dir()
+    tok_dir = path if has_tokenizer_files(path) else fallback_tokenizer_dir(path, config)
     return ModelSource(path.name, path.resolve(), config, tok_dir)
+
+
+# BERT-family architectures that tokenize with a WordPiece vocabulary like the bundled MiniLM's
+# (BERT-base uncased, 30522 entries); RoBERTa uses byte-level BPE and never shares it.
+WORDPIECE_ARCHS = ("bert", "distilbert")
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    """A Hugging Face tokenizer lives in ``path``: tokenizer.json, vocab.txt (WordPiece) or
+    vocab.json + merges.txt (byte-level BPE)."""
+    return (
+        (path / "tokenizer.json").is_file()
+        or (path / "vocab.txt").is_file()
+        or ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())
+    )
+
+
+def _minilm_vocab_size() -> int | None:
+    vocab = minilm_dir() / "vocab.txt"
+    try:
+        with open(vocab, encoding="utf-8") as fh:
+            return sum(1 for _ in fh)
+    except OSError:
+        return None
+
+
+def fallback_tokenizer_dir(path: Path, config: EncoderConfig) -> Path:
+    """The bundled MiniLM tokenizer (BERT-base uncased WordPiece) for a model folder without
+    tokenizer files, when that is the model's own vocabulary as far as its config tells: a BERT or
+    DistilBERT config with the same ``vocab_size`` (checkpoints fine-tuned from BERT-base uncased,
+    saved without their tokenizer). Anything else would tokenize into the wrong ids without an error,
+    so it is refused (``ModelConfigError`` naming the folder)."""
+    files = "tokenizer.json / vocab.txt / vocab.json + merges.txt"
+    bundled = _minilm_vocab_size()
+    if config.arch not in WORDPIECE_ARCHS or bundled is None or config.vocab_size != bundled:
+        raise ModelConfigError(
+            f"no tokenizer files ({files}) in {path}; the bundled BERT-uncased tokenizer does not fit a "
+            f"{config.arch} model with vocab_size={config.vocab_size}: copy the model's own tokenizer files "
+            "into the folder"
+        )
+    logger.warning(
+        "no tokenizer files in %s: using the bundled BERT-uncased tokenizer (a %s model, vocab_size=%d "
+        "matches); copy the model's own tokenizer files there if it was trained with another one",
+        path,
+        config.arch,
+        config.vocab_size,
+    )
+    return minilm_dir()
 
 
 def materialise_preset(name: str, *, root: Path | None = None) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -35,6 +36,33 @@ def _parse_boundaries(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"--boundaries expects comma-separated layer indices, got {text!r}"
         ) from exc
+
+
+def _at_least(minimum: int):
+    """argparse type: an integer >= ``minimum`` (a mistake is argparse's one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {text})")
+    return value
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -95,13 +123,13 @@ def add_subcommands(
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=_at_least(1),
         default=8,
         help="micro-batch size for memory estimates (default: %(default)s)",
     )
     p.add_argument(
         "--seq-len",
-        type=int,
+        type=_at_least(1),
         default=384,
         help="sequence length for costs and memory estimates (default: %(default)s)",
     )
@@ -123,14 +151,17 @@ def add_subcommands(
     _add_common(v)
     v.add_argument(
         "--tolerance",
-        type=float,
+        type=_positive_float,
         default=None,
-        help="max allowed |logit difference| against the fp32 reference (default: per dtype, "
+        help="max allowed |logit difference| against the fp32 reference, > 0 (default: per dtype, "
         + ", ".join(f"{k} {v:g}" for k, v in TOLERANCES.items())
         + ")",
     )
     v.add_argument(
-        "--threads-per-rank", type=int, default=1, help="torch threads per worker rank (default: %(default)s)"
+        "--threads-per-rank",
+        type=_at_least(1),
+        default=1,
+        help="torch threads per worker rank, >= 1 (default: %(default)s)",
     )
     v.set_defaults(func=cmd_verify)
 
@@ -144,23 +175,21 @@ def add_subcommands(
         "The driver may be a server (`serve --external-ranks`) or a training run (`train --external-ranks`). "
         "GLOO_SOCKET_IFNAME names the interface the other ranks reach.",
     )
-    w.add_argument(
-        "--master-addr", default=os.environ.get("MASTER_ADDR"), help="the driver's host (env MASTER_ADDR)"
-    )
+    w.add_argument("--master-addr", default=None, help="the driver's host (default: env MASTER_ADDR)")
     w.add_argument(
         "--master-port",
         type=int,
-        default=_env_int("MASTER_PORT"),
-        help="its rendezvous port (env MASTER_PORT)",
+        default=None,
+        help="its rendezvous port, 1..65535 (default: env MASTER_PORT)",
     )
     w.add_argument(
-        "--rank", type=int, default=_env_int("RANK"), help="this worker's rank in the gang (env RANK)"
+        "--rank", type=int, default=None, help="this worker's rank in the gang, >= 0 (default: env RANK)"
     )
     w.add_argument(
         "--world-size",
         type=int,
-        default=_env_int("WORLD_SIZE"),
-        help="ranks in the gang (env WORLD_SIZE; optional: checked against the driver's spec)",
+        default=None,
+        help="ranks in the gang (default: env WORLD_SIZE; optional: checked against the driver's spec)",
     )
     w.add_argument(
         "--key-file",
@@ -168,31 +197,65 @@ def add_subcommands(
     )
     w.add_argument(
         "--join-timeout-s",
-        type=float,
+        type=_positive_float,
         default=300.0,
-        help="seconds to wait for the driver's spec (default: %(default)s)",
+        help="seconds to wait for the driver's spec, > 0 (default: %(default)s)",
     )
     w.set_defaults(func=cmd_worker, programs={prog.name: prog for prog in worker_programs})
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value and value.isdigit() else None
+def _flag_or_env_int(value: int | None, flag: str, env: str) -> int | None:
+    """The flag's value, else the environment variable's (``JoinError`` if that is not an integer)."""
+    if value is not None:
+        return value
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise JoinError(f"{env}={text!r} is not an integer (or give {flag})") from None
+
+
+def worker_settings(args: argparse.Namespace) -> tuple[str, int, int, int | None]:
+    """(master address, port, rank, world size or None) from the flags, else torchrun's variables;
+    ``JoinError`` naming the first problem (a value missing or out of range)."""
+    addr = args.master_addr or os.environ.get("MASTER_ADDR") or None
+    port = _flag_or_env_int(args.master_port, "--master-port", "MASTER_PORT")
+    rank = _flag_or_env_int(args.rank, "--rank", "RANK")
+    world_size = _flag_or_env_int(args.world_size, "--world-size", "WORLD_SIZE")
+    missing = [
+        flag for flag, v in (("--master-addr", addr), ("--master-port", port), ("--rank", rank)) if v is None
+    ]
+    if missing:
+        raise JoinError(f"{', '.join(missing)} not given (or MASTER_ADDR / MASTER_PORT / RANK not set)")
+    assert port is not None and rank is not None  # for the type checker: checked just above
+    if not 1 <= port <= 65535:
+        raise JoinError(f"master port {port} is outside 1..65535 (--master-port / MASTER_PORT)")
+    if rank < 0:
+        raise JoinError(f"rank {rank} must be >= 0 (--rank / RANK)")
+    if world_size is not None and not rank < world_size:
+        raise JoinError(
+            f"rank {rank} is outside a gang of world size {world_size} (--world-size / WORLD_SIZE)"
+        )
+    return addr, port, rank, world_size
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    missing = [flag for flag, v in (("--master-addr", args.master_addr), ("--master-port", args.master_port),
-                                    ("--rank", args.rank)) if v is None]  # fmt: skip
-    if missing:
-        raise JoinError(f"{', '.join(missing)} not given (or MASTER_ADDR / MASTER_PORT / RANK not set)")
+    addr, port, rank, world_size = worker_settings(args)
     key = read_gang_key(args.key_file)
+    print(
+        f"waiting for the driver at {addr}:{port} (join timeout {args.join_timeout_s:g} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     join_gang(
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        rank=args.rank,
+        master_addr=addr,
+        master_port=port,
+        rank=rank,
         key=key,
         timeout_s=args.join_timeout_s,
-        world_size=args.world_size,
+        world_size=world_size,
         programs=args.programs,
     )
     return 0  # not reached: the rank exits with its own code

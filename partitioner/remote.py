@@ -29,13 +29,16 @@ anything, and no pickle crosses hosts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -266,14 +269,15 @@ def _spec_store(master_addr: str, master_port: int, *, timeout_s: float) -> dist
     while True:
         left = deadline - time.monotonic()
         try:
-            store = dist.TCPStore(
-                master_addr,
-                master_port,
-                is_master=False,
-                timeout=timedelta(seconds=max(1.0, left)),
-                use_libuv=True,
-            )
-            store.wait([SPEC_KEY])
+            with _quiet_native_stderr():
+                store = dist.TCPStore(
+                    master_addr,
+                    master_port,
+                    is_master=False,
+                    timeout=timedelta(seconds=max(1.0, left)),
+                    use_libuv=True,
+                )
+                store.wait([SPEC_KEY])
             return store
         except Exception as exc:  # the store's timeout and connection errors
             if time.monotonic() + RETRY_JOIN_S >= deadline:
@@ -282,6 +286,33 @@ def _spec_store(master_addr: str, master_port: int, *, timeout_s: float) -> dist
                 ) from None
             logger.info("the gang store at %s:%d went away (%s); trying again", master_addr, master_port, exc)
             time.sleep(RETRY_JOIN_S)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Hold back what C++ writes to stderr (fd 2) meanwhile and pass it to the debug log.
+
+    While it waits for a store, c10d logs every failed connection attempt and timed-out poll as a
+    warning with ~30 C++ stack frames; ``TORCH_CPP_LOG_LEVEL`` would silence it, but torch reads it
+    only when it is first imported (long before a worker knows it will wait). The Python exception
+    that follows carries the one line worth showing (``JoinError``'s message)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (closed, or a test's replaced stream): leave it
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read().decode("utf-8", errors="replace").strip()
+            if text:
+                logger.debug("c10d while waiting for the store (held back from stderr):\n%s", text[-8000:])
 
 
 def _passthrough() -> dict[str, str]:

@@ -191,7 +191,12 @@ def verify_partitioned(
     dtype: str = "float32",
 ) -> VerifyResult:
     """Run the gang (ranks on ``device``, computing in ``dtype``) and the fp32 CPU reference on the
-    sample batches and compare (``tolerance`` defaults to the dtype's entry in ``TOLERANCES``)."""
+    sample batches and compare (``tolerance`` defaults to the dtype's entry in ``TOLERANCES``; given,
+    it must be > 0; ``threads_per_rank`` >= 1): ``ValueError`` before any rank starts otherwise."""
+    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+        raise ValueError(f"threads_per_rank={threads_per_rank!r} must be an integer >= 1")
+    if tolerance is not None and not tolerance > 0:
+        raise ValueError(f"tolerance={tolerance!r} must be > 0 (a max |logit difference|)")
     plan = make_plan(
         source.config, dims, boundaries=boundaries, devices=default_devices(dims.world_size, device=device)
     )

@@ -70,3 +70,19 @@ def test_check_answers_accepts_matching_offsets_and_names_mismatches() -> None:
     assert "outside context of length 33" in check_answers(out, ctx, top_k=1)
     assert "2 answers for top_k=1" in check_answers({"answers": [good["answers"][0]] * 2}, ctx, top_k=1)
     assert "no 'answers' list" in check_answers({"detail": "x"}, ctx, top_k=1)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"data": [{"title": "trunc', "not valid JSON .Unterminated string"),
+        ('{"data": [1, "x", {"paragraphs": [2, {"context": "c", "qas": 3}]}]}', "no questions found"),
+        ('{"data": [{"paragraphs": [{"text": "abc"}]}]}', "no questions found"),
+    ],
+)
+def test_read_squad_names_the_file_for_any_unusable_content(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "q.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=needle) as info:
+        read_squad(path)
+    assert str(path) in str(info.value)

@@ -19,7 +19,7 @@ import pytest
 from loadtest.checks import is_loopback_host
 from loadtest.local_server import ServerNotReady, wait_ready
 from loadtest.report import PLOTS
-from loadtest.runner import LOCUSTFILE, LoadTestConfig, run_loadtest
+from loadtest.runner import LOCUSTFILE, LoadTestConfig, LoadTestError, run_loadtest
 from loadtest.scenarios import GammaArrivals, ScenarioConfig
 from shardserve.cli import main as shardserve_main
 from tests.loadtest.stub_server import StubServer
@@ -151,3 +151,60 @@ def test_requests_unanswered_at_the_end_are_logged_as_failures(tmp_path: Path) -
     assert summary["requests"] == received
     assert (summary["ok"], summary["failed"]) == (5, 2)
     assert summary["first_errors"] == ["unfinished when the run stopped (no answer within the stop timeout)"]
+
+
+def _squad(path: Path, questions: list[str]) -> Path:
+    context = "The old bridge in Lisbon was completed in 1901."
+    doc = {
+        "data": [
+            {"title": "t", "paragraphs": [{"context": context, "qas": [{"question": q} for q in questions]}]}
+        ]
+    }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_a_relative_data_path_reaches_locust(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``--data small.json`` from the caller's folder: locust (running in the report folder) reads
+    that same file, and the progress lines on stderr count the requests while the run goes."""
+    _squad(tmp_path / "small.json", ["When was the bridge completed?", "Where is the bridge?"])
+    monkeypatch.chdir(tmp_path)
+    with StubServer() as srv:
+        code = shardserve_main(
+            ["loadtest", "--host", srv.url, "--duration", "2", "--users", "1", "--data", "small.json",
+             "--out", "out"]
+        )  # fmt: skip
+        received = srv.counts["received"]
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert received > 0 and f"requests={received} ok={received}" in captured.out
+    assert json.loads((tmp_path / "out" / "run_config.json").read_text())["data"] == str(
+        tmp_path.resolve() / "small.json"
+    )
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith(f"steady load on {srv.url}: ")]
+    assert lines and lines[-1].endswith(" failed") and " requests, 0 failed" in lines[-1], captured.err
+
+
+def test_the_wait_for_readyz_shows_progress(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with StubServer() as srv:
+        url = srv.url  # closed again: nothing answers there
+    config = LoadTestConfig(host=url, out_dir=str(tmp_path), ready_timeout_s=1.0, progress=True)
+    with pytest.raises(LoadTestError, match="not ready after 1 s"):
+        run_loadtest(config)
+    err = capsys.readouterr().err
+    assert f"waiting for {url}/readyz: 0/1 s, last: " in err, err
+
+
+def test_a_locust_failure_is_one_line_naming_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _squad(tmp_path / "q.json", ["Where?"])
+    with StubServer() as srv:
+        config = LoadTestConfig(host=srv.url, out_dir=str(tmp_path / "out"), data=str(data))
+        data.write_text("[]")  # spoilt after the check: the locust process fails to read it
+        monkeypatch.setattr("loadtest.runner.check_data_file", lambda path: None)
+        with pytest.raises(LoadTestError) as info:
+            run_loadtest(config)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("locust exited with 1: ValueError: "), message
+    assert "not SQuAD format" in message and str(tmp_path / "out" / "locust.log") in message

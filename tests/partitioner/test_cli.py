@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
+import pytest
+
+from loadtest.local_server import free_port
+from partitioner.verify import verify_partitioned
 from shardserve.cli import main
 
 
@@ -66,7 +71,7 @@ def test_unknown_model_exits_2(capsys):
 
 def test_verify_fails_above_tolerance(capsys):
     """A tolerance no float computation meets makes verify fail with exit code 1 and say so."""
-    assert main(["verify", "--model", "tiny-bert", "--pp", "2", "--tp", "1", "--tolerance", "0"]) == 1
+    assert main(["verify", "--model", "tiny-bert", "--pp", "2", "--tp", "1", "--tolerance", "1e-30"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("FAIL model=tiny-bert pp=2 tp=1")
 
@@ -90,3 +95,85 @@ def test_fp16_on_a_cpu_without_fp16_units_is_one_line(capsys, monkeypatch):
     assert main(["verify", "--model", "tiny-bert", "--dtype", "float16"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: float16 is not supported on cpu (Test CPU") and "\n" not in err
+
+
+def _argparse_error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    """``argv`` is refused by argparse: exit 2 and one line (no traceback), returned."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["plan", "--batch-size", "0"], "argument --batch-size: must be >= 1 (got 0)"),
+        (["plan", "--seq-len", "-5"], "argument --seq-len: must be >= 1 (got -5)"),
+        (["verify", "--threads-per-rank", "0"], "argument --threads-per-rank: must be >= 1 (got 0)"),
+        (["verify", "--tolerance", "-1"], "argument --tolerance: must be a number > 0 (got -1)"),
+        (["verify", "--tolerance", "0"], "argument --tolerance: must be a number > 0 (got 0)"),
+        (["verify", "--tolerance", "nan"], "argument --tolerance: must be a number > 0 (got nan)"),
+        (["worker", "--join-timeout-s", "0"], "argument --join-timeout-s: must be a number > 0"),
+    ],
+)
+def test_out_of_range_numbers_are_one_line_errors(capsys, argv: list[str], needle: str) -> None:
+    err = _argparse_error(
+        capsys, [argv[0], "--model", "tiny-bert", *argv[1:]] if argv[0] != "worker" else argv
+    )
+    assert needle in err, err
+
+
+def test_verify_partitioned_refuses_bad_threads_and_tolerance_before_starting_ranks() -> None:
+    with pytest.raises(ValueError, match="threads_per_rank=0 must be an integer >= 1"):
+        verify_partitioned(None, None, threads_per_rank=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tolerance=-1\.0 must be > 0"):
+        verify_partitioned(None, None, tolerance=-1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--master-port", "99999", "--rank", "1"], "error: master port 99999 is outside 1..65535"),
+        (["--master-port", "0", "--rank", "1"], "error: master port 0 is outside 1..65535"),
+        (["--master-port", "29500", "--rank", "-1"], "error: rank -1 must be >= 0"),
+        (["--master-port", "29500", "--rank", "2", "--world-size", "2"], "error: rank 2 is outside a gang"),
+    ],
+)
+def test_worker_refuses_bad_port_and_rank_at_once(capsys, tmp_path, flags: list[str], needle: str) -> None:
+    key = tmp_path / "key.hex"
+    key.write_text("00" * 32)
+    t0 = time.monotonic()
+    assert main(["worker", "--master-addr", "127.0.0.1", *flags, "--key-file", str(key)]) == 2
+    assert time.monotonic() - t0 < 5  # no wait for a driver
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(needle) and "\n" not in err, err
+
+
+def test_worker_env_values_are_checked_too(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "70000")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("SHARDSERVE_GANG_KEY", "00" * 32)
+    assert main(["worker"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: master port 70000 is outside 1..65535 (--master-port / MASTER_PORT)"
+    )
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    assert main(["worker"]) == 2
+    assert "MASTER_PORT='abc' is not an integer" in capsys.readouterr().err
+
+
+def test_worker_join_timeout_says_where_it_waits_and_ends_in_one_line(capfd, tmp_path) -> None:
+    """Nothing listens at the port: the worker says where it waits, then after the join timeout one
+    error line; c10d's retry warnings (C++ stack frames on fd 2) stay out of the terminal."""
+    key = tmp_path / "key.hex"
+    key.write_text("00" * 32)
+    port = free_port()  # nothing listens there: every connection attempt is refused
+    argv = ["worker", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rank", "1"]
+    assert main([*argv, "--key-file", str(key), "--join-timeout-s", "2"]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines[0] == f"waiting for the driver at 127.0.0.1:{port} (join timeout 2 s)", lines
+    assert len(lines) == 2 and lines[1].startswith(f"error: no gang spec at 127.0.0.1:{port} after 2s"), lines

@@ -127,5 +127,6 @@ def test_worker_with_the_wrong_key_says_so_in_one_line() -> None:
         [sys.executable, "-m", "shardserve", "worker"], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "error: the gang spec in the rendezvous store is not signed with our key: wrong key, or not our gang"
+        f"waiting for the driver at 127.0.0.1:{port} (join timeout 300 s)",
+        "error: the gang spec in the rendezvous store is not signed with our key: wrong key, or not our gang",
     ]

@@ -177,25 +177,27 @@ class RequestGuard:
                 )
                 return
         chunks, size = [], 0
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.body_timeout_s
-        while True:
-            try:
-                msg = await asyncio.wait_for(receive(), timeout=max(0.0, give_up_at - loop.time()))
-            except TimeoutError:
-                detail = f"request body not received within {self.body_timeout_s:g} s ({size} bytes came)"
-                await _send_error(send, 408, "request_timeout", detail, close=True)
-                return
-            if msg["type"] == "http.disconnect":
-                return
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _send_error(send, 413, "body_too_large", f"body over {limit} bytes (max_body_bytes)")
-                return
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
+        try:
+            # one timer for the whole body (asyncio.wait_for per message costs each message a task and
+            # two event-loop turns: under a burst that delayed every request, the 429s most)
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        detail = f"body over {limit} bytes (max_body_bytes)"
+                        await _send_error(send, 413, "body_too_large", detail)
+                        return
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            detail = f"request body not received within {self.body_timeout_s:g} s ({size} bytes came)"
+            await _send_error(send, 408, "request_timeout", detail, close=True)
+            return
         body = b"".join(chunks)
         try:
             body.decode("utf-8")

@@ -204,7 +204,7 @@ class ModelGeneration:
         return make_plan(self.source.config, self.dims, devices=devices)
 
 
-class ReplicaState(str, enum.Enum):
+class ReplicaState(str, enum.Enum):  # noqa: UP042 (str() and format() as before)
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"

@@ -37,6 +37,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _PRECISION_TO_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+_DTYPE_TO_PRECISION = {v: k for k, v in _PRECISION_TO_DTYPE.items()}
 
 
 class PrecisionError(ValueError):
@@ -129,9 +130,17 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeCh
     """``--dtype`` (or a ``--precision`` alias) on ``device`` -> the dtype to run, with the reason.
 
     Raises ``PrecisionError`` for a dtype the device cannot run (fp16 on a CPU without fp16 units,
-    bf16 on a GPU without bf16 support), naming the device.
+    bf16 on a GPU without bf16 support), naming the device and the alternatives in the words of the
+    request (``--precision bf16 or fp32`` for a ``--precision`` name, else ``bfloat16 or float32``).
     """
+    as_precision = requested in _PRECISION_TO_DTYPE and requested != "auto"
     requested = _PRECISION_TO_DTYPE.get(requested, requested)
+
+    def use(*dtypes: str) -> str:
+        if as_precision:
+            return "use --precision " + " or ".join(_DTYPE_TO_PRECISION[d] for d in dtypes)
+        return "use " + " or ".join(dtypes)
+
     if requested not in DTYPE_CHOICES:
         raise PrecisionError(f"dtype {requested!r} unknown; choose from {', '.join(DTYPE_CHOICES)}")
     dev = torch.device(device)
@@ -147,7 +156,7 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeCh
                 "float32", f"auto: {name} has no bf16 support (fp16 only with --dtype float16)"
             )
         if requested == "bfloat16" and not bf16_ok:
-            raise PrecisionError(f"bfloat16 is not supported on {dev} ({name}); use float16 or float32")
+            raise PrecisionError(f"bfloat16 is not supported on {dev} ({name}); {use('float16', 'float32')}")
         return DtypeChoice(requested, f"requested on {name}")
     if dev.type != "cpu":
         raise PrecisionError(f"device {dev} unsupported (cpu or cuda)")
@@ -162,7 +171,7 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeCh
     if requested == "float16" and not caps.fp16:
         raise PrecisionError(
             f"float16 is not supported on cpu ({caps.describe()}): no native fp16 units; "
-            "use bfloat16 or float32"
+            + use("bfloat16", "float32")
         )
     if requested == "bfloat16" and not caps.bf16:
         logger.warning("bfloat16 on cpu %s without bf16 units: emulated, slower than float32", caps.model)

@@ -49,7 +49,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,14 +67,7 @@ from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
 from partitioner.messages import CheckpointSaved, ControlMessage, EvalLogits, StepReport
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
-from partitioner.precision import (
-    DTYPES,
-    DtypeChoice,
-    DynamicLossScale,
-    PrecisionError,
-    autocast_for,
-    resolve_dtype,
-)
+from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
 from partitioner.remote import GangNetwork
 from partitioner.schedules import MicroBatch, run_gpipe, run_schedule
 from partitioner.shard_loading import shard_specs_of
@@ -90,7 +82,6 @@ from training.run_files import RunFiles
 logger = logging.getLogger(__name__)
 
 MASK_FILL = -1e9  # logit given to padding positions before the span cross-entropy
-PRECISION_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # dtype -> --precision
 
 
 @dataclass
@@ -494,20 +485,6 @@ def _evaluate_in_gang(
 # ------------------------------------------------------------------------------------------------
 
 
-def resolve_precision(precision: str, device: str | torch.device) -> DtypeChoice:
-    """``resolve_dtype`` for ``--precision``: a refusal names train's own choices (``bf16`` / ``fp16`` /
-    ``fp32``), not the ``--dtype`` names (``bfloat16`` ...) that ``partitioner/precision.py`` suggests."""
-    try:
-        return resolve_dtype(precision, device)
-    except PrecisionError as exc:
-        msg = str(exc)
-        m = re.search(r"; use (\w+) or (\w+)$", msg)
-        if m is None:
-            raise
-        alt = " or ".join(PRECISION_NAMES.get(d, d) for d in m.groups())
-        raise PrecisionError(f"{msg[: m.start()]}; use --precision {alt}") from exc
-
-
 def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
     """SQuAD EM/F1 of (N, S, 2) logits over the evaluation windows."""
     from training.squad_data import postprocess_eval_predictions, prediction_texts
@@ -555,7 +532,7 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
     )
     if cfg.freeze_layers > source.config.num_layers:
         raise TrainConfigError(f"freeze_layers={cfg.freeze_layers} > num_layers={source.config.num_layers}")
-    precision = resolve_precision(cfg.precision, plan.devices[0])  # PrecisionError names the device
+    precision = resolve_dtype(cfg.precision, plan.devices[0])  # PrecisionError names the device
     logger.info("precision: %s autocast, fp32 master weights (%s)", precision.name, precision.reason)
     out = Path(cfg.output)
     if cfg.resume:  # nothing to resume from: say so before tokenizing the data

@@ -70,6 +70,23 @@ def test_explicit_dtypes_and_refusals(caps):
     assert resolve_dtype("fp16").name == "float16"
 
 
+def test_refusals_name_the_alternatives_in_the_words_of_the_request(caps, monkeypatch):
+    """``--dtype float16`` is told ``use bfloat16 or float32``; train's ``--precision fp16`` is told its
+    own choices, ``use --precision bf16 or fp32`` (on a GPU without bf16: ``fp16 or fp32``)."""
+    caps(NO_BF16)
+    with pytest.raises(PrecisionError, match=r"no native fp16 units; use bfloat16 or float32$"):
+        resolve_dtype("float16", "cpu")
+    with pytest.raises(PrecisionError, match=r"no native fp16 units; use --precision bf16 or fp32$"):
+        resolve_dtype("fp16", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(PrecisionError, match=r"\(Test GPU\); use --precision fp16 or fp32$"):
+        resolve_dtype("bf16", "cuda:0")
+    with pytest.raises(PrecisionError, match=r"\(Test GPU\); use float16 or float32$"):
+        resolve_dtype("bfloat16", "cuda:0")
+
+
 def test_dynamic_loss_scale_skips_and_halves_on_overflow_then_grows():
     s = DynamicLossScale(scale=1024.0, growth_interval=3)
     assert not s.update(math.inf) and s.scale == 512.0

@@ -244,22 +244,6 @@ def test_train_resume_problems_are_one_line(tmp_path: Path, capsys: pytest.Captu
     _one_line_error(capsys, [*argv, "--max-steps", "3", "--pp", "2"], "'pp': (1, 2)", "--elastic")
 
 
-@pytest.mark.usefixtures("cpu_without_fp16")
-def test_train_precision_refusal_names_trains_own_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    from partitioner.precision import PrecisionError
-    from training import trainer
-
-    with pytest.raises(PrecisionError, match=r"no native fp16 units; use --precision bf16 or fp32$"):
-        trainer.resolve_precision("fp16", "cpu")
-
-    def no_bf16(requested: str, device: str) -> None:
-        raise PrecisionError("bfloat16 is not supported on cuda:0 (Test GPU); use float16 or float32")
-
-    monkeypatch.setattr(trainer, "resolve_dtype", no_bf16)
-    with pytest.raises(PrecisionError, match=r"\(Test GPU\); use --precision fp16 or fp32$"):
-        trainer.resolve_precision("bf16", "cuda:0")
-
-
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_help_shows_a_default_only_where_there_is_one(
     command: str, capsys: pytest.CaptureFixture[str]

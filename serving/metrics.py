@@ -15,6 +15,8 @@ GET /metrics renders ``ServingMetrics.render()``. Names are prefixed ``shardserv
   stage's rank spent inside micro-batches, as its heartbeats report them (``serving.replicas.busy_seconds``,
   at most 0.5 s behind); the bubble fraction
   of a replica is 1 - (sum of stage busy time) / (stages x time the replica had work in flight).
+  A gang's series go with the gang (``forget_replica``, when the replica manager retires it): replica
+  ids grow with every restart and scale-up, so keeping them would grow /metrics without bound.
 """
 
 from __future__ import annotations
@@ -115,6 +117,18 @@ class ServingMetrics:
         """Make ``model_info`` name the model now served (the previous series, if any, is dropped)."""
         self.model_info.clear()
         self.model_info.labels(model=model, precision=precision, pp=str(pp), tp=str(tp)).set(1)
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop the per-replica series (stage busy time, bubble fraction) of a gang that is gone."""
+        for metric, names in ((self.stage_busy, ("replica", "stage")), (self.bubble, ("replica",))):
+            labelled = {
+                tuple(sample.labels[name] for name in names)
+                for family in metric.collect()
+                for sample in family.samples
+                if sample.labels.get("replica") == replica_id
+            }
+            for values in labelled:
+                metric.remove(*values)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -520,6 +520,7 @@ class ReplicaManager:
         self.pool.release(replica.slots)
         replica.slots = []
         self.replicas.pop(replica.replica_id, None)
+        self.metrics.forget_replica(replica.replica_id)  # ids are never reused: its series would stay
         self._changed()
 
     def mark_failed(self, replica: Replica, reason: str) -> None:

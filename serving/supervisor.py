@@ -168,10 +168,14 @@ class Supervisor:
         )
         before = dict(self.autoscaler.counts)
         decision = self.autoscaler.decide(now)
-        for direction, n in self.autoscaler.counts.items():
-            if n > before.get(direction, 0):
-                self.metrics.autoscale.labels(direction=direction).inc(n - before.get(direction, 0))
-        if decision.target != m.target:
+        if decision.target == m.target:
+            # what the manager already does (e.g. "up" to the lower bound while a failed gang waits out
+            # its restart back-off, neither ready nor starting) is no scaling: not counted anywhere
+            self.autoscaler.counts = before
+        else:
+            for direction, n in self.autoscaler.counts.items():
+                if n > before.get(direction, 0):
+                    self.metrics.autoscale.labels(direction=direction).inc(n - before.get(direction, 0))
             self.last_decision = decision.reason
             old_target = m.target
             logger.info("autoscaler: target %d -> %d (%s)", m.target, decision.target, decision.reason)

@@ -1,0 +1,66 @@
+"""Prometheus metrics of one server (serving/metrics.py): per-replica series are bounded.
+
+Run: python -m pytest tests/serving/test_metrics.py -q
+"""
+
+from __future__ import annotations
+
+import re
+
+from serving.metrics import ServingMetrics
+from serving.status import read_registry
+from tests.serving.test_api import ask, serving, wait_until
+
+BUSY = "shardserve_stage_busy_seconds_total"
+BUBBLE = "shardserve_pipeline_bubble_fraction"
+
+
+def _replicas_in(text: str, name: str) -> set[str]:
+    return set(re.findall(rf'^{name}\{{replica="(r\d+)"', text, re.M))
+
+
+def test_forget_replica_drops_only_the_series_of_that_gang() -> None:
+    m = ServingMetrics()
+    for replica, busy in (("r0", 1.5), ("r1", 2.25)):
+        for stage in ("0", "1"):
+            m.stage_busy.labels(replica=replica, stage=stage).inc(busy)
+        m.bubble.labels(replica=replica).set(busy / 10)
+    m.forget_replica("r0")
+    m.forget_replica("r9")  # never had series: nothing happens
+    snap = read_registry(m.registry)
+    busy = {dict(lb)["replica"] + "/" + dict(lb)["stage"]: v for (n, lb), v in snap.items() if n == BUSY}
+    bubble = {dict(lb)["replica"]: v for (n, lb), v in snap.items() if n == BUBBLE}
+    assert busy == {"r1/0": 2.25, "r1/1": 2.25} and bubble == {"r1": 0.225}  # the live gang's values kept
+
+
+def test_metrics_forget_a_failed_gang_after_its_restart() -> None:
+    """Replica ids grow with each restart (r0, r1, ...): /metrics must not keep every gang ever run."""
+    # a restart back-off several autoscaler ticks long: the gang is neither ready nor starting meanwhile
+    with serving(min_replicas=1, max_replicas=2, restart_backoff_s=1.0, autoscale_interval_s=0.1) as (
+        client,
+        factory,
+    ):
+        gang = factory.gangs[0]
+        gang.busy_seconds = lambda: [0.75]  # type: ignore[attr-defined]  # the rank reports its busy time
+        wait_until(lambda: _replicas_in(client.get("/metrics").text, BUSY) == {"r0"}, what="r0 busy series")
+        assert ask(client).status_code == 200
+        text = client.get("/metrics").text
+        assert re.search(rf'^{BUSY}\{{replica="r0",stage="0"\}} 0\.75$', text, re.M), text
+        gang.kill()
+        wait_until(
+            lambda: (
+                [r["id"] for r in client.get("/ui/status").json()["replicas"] if r["state"] == "ready"]
+                == ["r1"]
+            ),
+            what="r1 replacing r0",
+        )
+        # r0 is gone: its series went with it
+        wait_until(lambda: not _replicas_in(client.get("/metrics").text, BUSY), what="r0 series dropped")
+        text = client.get("/metrics").text
+        assert _replicas_in(text, BUSY) == set() and _replicas_in(text, BUBBLE) == set(), text
+        assert "shardserve_replica_restarts_total 1.0" in text  # the server-wide counters stay
+        # the restart kept the target where it was: no autoscaling decision happened (the lower-bound
+        # "up" during the restart back-off used to be counted at every autoscaler tick)
+        assert not re.search(r'^shardserve_autoscale_decisions_total\{direction="up"\} [1-9]', text, re.M), (
+            text
+        )

@@ -380,7 +380,9 @@ async def reload(body: ReloadRequest, request: Request) -> Any:
     except (ModelConfigError, CheckpointError, OSError) as err:
         # one answer whatever the reason (missing, a directory without a model, unreadable weights):
         # the reply must not map the server's file system; the log has the reason
-        logger.warning("reload to %r refused: %s", body.model, err)
+        # the warning reaches the open status page: the model's base name only; the reason at INFO
+        logger.warning("reload to model %r refused (the reason is logged at INFO)", PurePath(body.model).name)
+        logger.info("reload to %r refused: %s", body.model, err)
         return _error(
             422,
             "invalid_model",

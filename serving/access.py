@@ -1,4 +1,4 @@
-"""Access and identity of HTTP requests: request ids, the access log line, the optional API key.
+"""Access and identity of HTTP requests: request ids, the access log line, request metrics, the API key.
 
 - ``AccessMiddleware`` (pure ASGI, the outermost middleware) gives every request an id: the client's
   ``X-Request-ID`` when it is 1..128 characters of ``[A-Za-z0-9._:+=/-]``, else a generated one
@@ -13,6 +13,9 @@
   ``path`` has no query string and is quoted when it holds spaces, quotes or control characters;
   ``windows`` is ``-`` unless the request reached the engine (``note_windows``); ``latency_ms`` runs
   from the first byte the middleware sees to the end of the response body.
+  The same place counts every question-answering request in ``shardserve_requests_total{endpoint,
+  status}`` and its latency histogram (``metrics_endpoint``: /v1/qa, /v1/qa/batch, /v2/.../infer),
+  whatever answered it: the routes, request validation (422), the body guard (413, 408) or the key (401).
   A HEAD request is answered as its GET without the body (same status and headers, Content-Length
   included): HTTP requires HEAD wherever GET is served and load balancers probe with it; the routes
   declare GET only, so the OpenAPI document has no HEAD operations (``allowed_methods`` names HEAD).
@@ -134,8 +137,14 @@ class AccessMiddleware:
             status = status or 500
             raise
         finally:
-            latency_ms = 1000 * (time.perf_counter() - t0)
+            latency_s = time.perf_counter() - t0
+            latency_ms = 1000 * latency_s
             windows = state.get("windows")
+            endpoint = metrics_endpoint(scope["method"], scope["path"])
+            if endpoint is not None and (app := scope.get("app")) is not None:
+                m = app.state.metrics  # every answer counts: 4xx of the guard and of validation too
+                m.requests.labels(endpoint=endpoint, status=str(status or 499)).inc()
+                m.latency.labels(endpoint=endpoint).observe(latency_s)
             access_logger.info(
                 "method=%s path=%s status=%d latency_ms=%.1f windows=%s request_id=%s",
                 scope["method"],
@@ -145,6 +154,15 @@ class AccessMiddleware:
                 "-" if windows is None else windows,
                 rid,
             )
+
+
+def metrics_endpoint(method: str, path: str) -> str | None:
+    """The ``endpoint`` label of a question-answering request in the metrics; None for other requests."""
+    if method != "POST":
+        return None
+    if path in ("/v1/qa", "/v1/qa/batch"):
+        return "qa" if path == "/v1/qa" else "batch"
+    return "v2_infer" if path.startswith("/v2/models/") and path.endswith("/infer") else None
 
 
 def _with_request_id(body: bytes, rid: str) -> bytes:

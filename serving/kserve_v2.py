@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Callable, Coroutine
 from importlib import metadata
 from typing import Any
@@ -51,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.access import ApiKeyRoute, request_id_of
-from serving.routes import RETRY_AFTER_503_S, answer_pairs, observe, pair_result
+from serving.routes import RETRY_AFTER_503_S, answer_pairs, pair_result
 from serving.schemas import JsonInt, QAItem
 
 logger = logging.getLogger(__name__)
@@ -455,10 +454,7 @@ async def model_ready(model_name: str, request: Request) -> Any:
 )
 async def infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
     """Answer N (question, context) pairs: BYTES inputs in, answer/score/start/end/no_answer out."""
-    t0 = time.perf_counter()
-    out = await _infer(model_name, body, request)
-    observe(request, "v2_infer", t0, out.status_code if isinstance(out, Response) else 200)
-    return out
+    return await _infer(model_name, body, request)
 
 
 async def _infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:

@@ -172,14 +172,9 @@ async def _answer(
         return _error(499, "client_closed_request", "the client disconnected")
 
 
-def _observe(request: Request, endpoint: str, t0: float, status: int) -> None:
-    m = request.app.state.metrics
-    m.requests.labels(endpoint=endpoint, status=str(status)).inc()
-    m.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
-
-
-# the shared QA path, public for the Open Inference Protocol routes (serving/kserve_v2.py)
-answer_pairs, observe, pair_result = _answer, _observe, _result
+# the shared QA path, public for the Open Inference Protocol routes (serving/kserve_v2.py); requests
+# are counted (shardserve_requests_total, latency) by serving.access.AccessMiddleware, every status
+answer_pairs, pair_result = _answer, _result
 
 
 @api_router.post("/v1/qa", response_model=QAResponse, responses=_ERRORS)
@@ -188,10 +183,8 @@ async def qa(body: QARequest, request: Request) -> Any:
     t0 = time.perf_counter()
     out = await _answer(request, "qa", [body], body.timeout_s)
     if isinstance(out, Response):
-        _observe(request, "qa", t0, out.status_code)
         return out
     results, model, rid = out
-    _observe(request, "qa", t0, 200)
     r = _result(results[0])
     return QAResponse(
         **r.model_dump(), model=model, request_id=rid, latency_ms=1000 * (time.perf_counter() - t0)
@@ -208,10 +201,8 @@ async def qa_batch(body: QABatchRequest, request: Request) -> Any:
     else:
         out = await _answer(request, "batch", body.items, body.timeout_s)
     if isinstance(out, Response):
-        _observe(request, "batch", t0, out.status_code)
         return out
     results, model, rid = out
-    _observe(request, "batch", t0, 200)
     return QABatchResponse(
         results=[_result(r) for r in results],
         model=model,

@@ -64,3 +64,34 @@ def test_metrics_forget_a_failed_gang_after_its_restart() -> None:
         assert not re.search(r'^shardserve_autoscale_decisions_total\{direction="up"\} [1-9]', text, re.M), (
             text
         )
+
+
+def test_every_answer_to_a_qa_request_is_counted_whoever_gave_it() -> None:
+    """Request validation (422), the API key (401) and the routes (200, 413) all count in
+    shardserve_requests_total; before, only the answers of the route handlers did."""
+    key = {"authorization": "Bearer k"}
+    with serving(api_key="k", max_body_bytes=2048) as (client, _):
+        assert (
+            client.post(
+                "/v1/qa", content=b"{", headers={**key, "content-type": "application/json"}
+            ).status_code
+            == 422
+        )
+        assert ask(client).status_code == 401
+        assert (
+            client.post(
+                "/v1/qa", json={"question": "Who?", "context": "Ann met Bob."}, headers=key
+            ).status_code
+            == 200
+        )
+        big = {"items": [{"question": "q", "context": "x" * 4096}]}
+        assert client.post("/v1/qa/batch", json=big, headers=key).status_code == 413
+        text = client.get("/metrics").text
+    counted = {
+        (endpoint, status): float(value)
+        for endpoint, status, value in re.findall(
+            r'^shardserve_requests_total\{endpoint="(\w+)",status="(\d+)"\} (\S+)$', text, re.M
+        )
+    }
+    assert counted == {("qa", "422"): 1.0, ("qa", "401"): 1.0, ("qa", "200"): 1.0, ("batch", "413"): 1.0}
+    assert re.search(r'^shardserve_request_latency_seconds_count\{endpoint="qa"\} 3\.0$', text, re.M), text

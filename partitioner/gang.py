@@ -164,6 +164,7 @@ class Gang:
         self._next_id = 0
         self._started = False  # ranks spawned / awaited, until stop()
         self._stopping = False
+        self._killed = threading.Event()  # kill(): a start() in progress gives up
         self._monitor: threading.Thread | None = None
         self._last_progress = time.monotonic()
         self._store: dist.TCPStore | None = None
@@ -262,6 +263,8 @@ class Gang:
                     stopped.add(msg.rank)
 
         while len(ready) < self.world_size:
+            if self._killed.is_set():
+                raise GangError(f"{self.name}: killed while starting")
             msg = self._channel_recv(self.poll_s)
             if msg is not None and not isinstance(msg, RankFailed):
                 on_ready(msg)
@@ -306,6 +309,12 @@ class Gang:
         self._started = False
         _LIVE.discard(self)
         self._store = None
+
+    def kill(self) -> None:
+        """Kill the ranks now, from any thread: a ``start()`` waiting for them fails within a poll (a
+        rank hung while loading would hold it until ``start_timeout_s``); ``stop()`` still cleans up."""
+        self._killed.set()
+        self._kill_all()
 
     def __enter__(self) -> Gang:
         return self.start()

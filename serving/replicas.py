@@ -62,6 +62,7 @@ class Backend(Protocol):
     def start(self) -> Any: ...
     def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future: ...
     def stop(self, *, timeout_s: float = 30.0) -> None: ...
+    def kill(self) -> None: ...  # any thread: the ranks die now, a start() waiting for them fails
     def pids(self) -> list[int]: ...
 
     @property
@@ -433,6 +434,9 @@ class ReplicaManager:
         return replica
 
     async def _start(self, replica: Replica) -> bool:
+        if self._closed:  # closing since it was launched: never start it (close() kills those started)
+            await self._retire(replica, ReplicaState.STOPPED)
+            return False
         model = replica.model
         t0 = time.monotonic()
         try:
@@ -640,8 +644,12 @@ class ReplicaManager:
             if task not in starts and not task.done():
                 task.cancel()  # restart back-offs, drains (redone below)
         pending = [t for t in starts if not t.done()]
-        if pending:  # a gang being started cannot be interrupted: let it finish, it then stops itself
-            await asyncio.wait(pending, timeout=timeout_s + 60)
+        if pending and timeout_s <= 0:  # stop now: a gang being started is killed, not waited for
+            for r in list(self.replicas.values()):
+                if r.start_task in pending and r.backend is not None:
+                    await asyncio.to_thread(r.backend.kill)
+        if pending:  # a gang being started finishes (or fails), then stops itself
+            await asyncio.wait(pending, timeout=timeout_s + (10 if timeout_s <= 0 else 60))
         await asyncio.gather(
             *(self.drain(r, timeout_s=timeout_s) for r in list(self.replicas.values())),
             return_exceptions=True,

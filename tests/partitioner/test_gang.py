@@ -270,3 +270,37 @@ def test_run_mode_gang_joins_and_hands_over_program_messages():
         gang.stop()
     assert got == [CheckpointSaved(1, step=1, final=True)]
     assert gang.stats.ready_info[1]["stage"] == 1
+
+
+def test_kill_ends_a_start_held_by_a_rank_hung_while_loading():
+    """``kill()`` from another thread (the server's stop-now) ends a ``start()`` that a rank hung
+    while loading would hold until ``start_timeout_s``, and leaves no rank behind."""
+    import threading
+
+    gang = Gang(_spec(pp=2, fault=FaultSpec(rank=1, mode="hang", at_batch=-1)), start_timeout_s=300)
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            gang.start()
+        except BaseException as err:  # the test inspects it
+            failure.append(err)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(gang.pids()) < 2 and time.monotonic() < deadline:  # both ranks spawned
+        time.sleep(0.05)
+    time.sleep(1.0)  # rank 1 is loading (and hangs there)
+    pids = gang.pids()
+    t0 = time.monotonic()
+    gang.kill()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - t0 < 15
+    assert failure and isinstance(failure[0], GangError) and "killed while starting" in str(failure[0]), (
+        failure
+    )
+    gang.stop(timeout_s=0)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone (and reaped)

@@ -68,10 +68,12 @@ class FakeGang:
         self._running = False
         self._stopped = False
         self._pids = [next(_pids)]
+        self._killed = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> FakeGang:
-        time.sleep(self.start_s)
+        if self._killed.wait(self.start_s):  # kill() while starting: the start fails at once
+            raise GangError(f"{self.name}: rank 0 was killed by signal 9 while starting", rank=0)
         if self.fail_start:
             raise GangError(self.start_error or f"{self.name}: injected start failure", rank=0)
         self._running = True
@@ -133,6 +135,7 @@ class FakeGang:
     def kill(self, rank: int = 0) -> None:
         """As if ``kill -9`` hit a rank: every pending future fails at once, the gang is down."""
         self.error = GangError(f"{self.name}: rank {rank} was killed by signal 9", rank=rank)
+        self._killed.set()
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -292,5 +293,30 @@ def test_engine_refuses_to_start_unwired(model: ModelGeneration) -> None:
         engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics)
         with pytest.raises(RuntimeError, match=r"manager\.attach"):
             await engine.start()
+
+    asyncio.run(main())
+
+
+def test_stop_now_kills_a_gang_that_is_still_starting(model: ModelGeneration) -> None:
+    """A second signal while a gang starts: ``close(timeout_s=0)`` kills it rather than waiting for
+    its start (a rank hung while loading held the server until the 300 s start timeout)."""
+
+    async def main() -> None:
+        metrics = ServingMetrics()
+        scheduler = Scheduler(SchedulerConfig())
+        factory = FakeFactory()
+        manager = ReplicaManager(
+            factory=factory, pool=DevicePool(["cpu"] * 2), model=model, metrics=metrics, ledger=scheduler
+        )
+        manager.set_target(1)
+        await _until(lambda: manager.ready == 1, "a ready replica")
+        factory.start_s = 600.0  # the next gang does not finish starting by itself
+        manager.set_target(2)
+        await _until(lambda: len(factory.gangs) == 2, "the second gang starting")
+        await asyncio.sleep(0.05)  # its start() is under way on a thread
+        t0 = time.monotonic()
+        await manager.close(timeout_s=0)
+        assert time.monotonic() - t0 < 5.0
+        assert not manager.replicas and factory.gangs[1].error is not None  # killed, not left running
 
     asyncio.run(main())

@@ -297,9 +297,9 @@ def test_kill_ends_a_start_held_by_a_rank_hung_while_loading():
     gang.kill()
     thread.join(timeout=30)
     assert not thread.is_alive() and time.monotonic() - t0 < 15
-    assert failure and isinstance(failure[0], GangError) and "killed while starting" in str(failure[0]), (
-        failure
-    )
+    # "killed while starting" (the flag) or "rank N ... was killed by signal 9 while starting" (the
+    # diagnosis of the dead ranks), whichever the start loop sees first
+    assert failure and isinstance(failure[0], GangError) and "killed" in str(failure[0]), failure
     gang.stop(timeout_s=0)
     for pid in pids:
         with pytest.raises(ProcessLookupError):

@@ -253,8 +253,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
     try:
         summary = run_loadtest(config)
     except (LoadTestError, ReportError) as exc:

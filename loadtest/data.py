@@ -19,6 +19,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,12 @@ class QAItem:
     context: str
 
 
-def read_squad(path: str | Path, *, limit: int | None = None) -> list[QAItem]:
-    """(question, context) pairs from a SQuAD v1.1/v2.0 JSON file, in file order, up to ``limit``.
-
-    ``ValueError`` naming the file when it cannot be read, is not JSON, is not SQuAD-shaped, or
-    holds no question with a context (``data[].paragraphs[].context`` and ``.qas[].question``)."""
+def read_json(path: str | Path) -> Any:
+    """A JSON file's content; ``ValueError`` naming the file when it cannot be read, is not UTF-8
+    or is not valid JSON (with where the parser stopped)."""
     try:
         with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
+            return json.load(fh)
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
@@ -50,6 +49,14 @@ def read_squad(path: str | Path, *, limit: int | None = None) -> list[QAItem]:
         raise ValueError(
             f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from None
+
+
+def read_squad(path: str | Path, *, limit: int | None = None) -> list[QAItem]:
+    """(question, context) pairs from a SQuAD v1.1/v2.0 JSON file, in file order, up to ``limit``.
+
+    ``ValueError`` naming the file when it cannot be read, is not JSON, is not SQuAD-shaped, or
+    holds no question with a context (``data[].paragraphs[].context`` and ``.qas[].question``)."""
+    doc = read_json(path)
     articles = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(articles, list):
         raise ValueError(f"{path}: not SQuAD format (top-level 'data' list missing)")

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.data import read_json
+
 logger = logging.getLogger(__name__)
 
 PLOTS = ("throughput", "latency", "shed_rate", "queue_depth", "replicas", "slo_attainment", "overview")
@@ -396,15 +398,9 @@ def _read_run_config(out: Path) -> dict:
     if not path.is_file():
         raise ReportError(f"{out} is not a load-test run folder (no run_config.json)")
     try:
-        run = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ReportError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise ReportError(f"{path}: not UTF-8 text ({exc.reason})") from None
-    except json.JSONDecodeError as exc:
-        raise ReportError(
-            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
+        run = read_json(path)
+    except ValueError as exc:
+        raise ReportError(str(exc)) from None
     if not isinstance(run, dict):
         raise ReportError(f"{path}: not a run config (a JSON object is expected)")
     return run

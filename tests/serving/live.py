@@ -10,6 +10,7 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -31,13 +32,14 @@ def live_server(
     ready_timeout_s: float,
     join_timeout_s: float = 30.0,
     before_exit: Callable[[], object] | None = None,
+    **config: Any,
 ) -> Iterator[str]:
     """uvicorn on 127.0.0.1 and a free port, in a thread; yields the base URL once /readyz is 200.
 
     ``before_exit`` runs before the server is told to stop (e.g. open a fake backend's gate so
-    that no request holds the shutdown)."""
+    that no request holds the shutdown); ``config``: more ``uvicorn.Config`` settings (``http=``)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

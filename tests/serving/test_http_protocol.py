@@ -8,49 +8,26 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-import uvicorn
 
 from serving.app import build_app
 from serving.http_protocol import header_deadline_protocol
 from serving.settings import ServeSettings
 from tests.serving.fakes import FakeFactory
-from tests.serving.test_api import wait_until
+from tests.serving.live import live_server
 
 TIMEOUT_S = 0.5
 
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
     settings = ServeSettings(model="tiny-bert", replicas=1, client_timeout_s=TIMEOUT_S)
     app = build_app(settings, backend_factory=FakeFactory())
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=free, log_level="warning", http=header_deadline_protocol(TIMEOUT_S)
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{free}/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(ready, what="uvicorn ready")
-        yield free
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with live_server(app, ready_timeout_s=30, http=header_deadline_protocol(TIMEOUT_S)) as base:
+        yield int(base.rsplit(":", 1)[1])
 
 
 def _answer_then_eof(port: int, sent: bytes) -> tuple[float, bytes]:

@@ -171,6 +171,7 @@ class Gang:
         self._channel: DriverChannel | None = None
         self._stage0: list[int] = []  # the ranks that take the Batch messages
         self._backlog: list[ControlMessage] = []  # met while starting, for join() (a fast RUN program)
+        self._lost_send: ChannelError | None = None  # submit() could not reach a rank: the monitor judges
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -369,8 +370,16 @@ class Gang:
             self._pending[mb_id] = fut
             self.stats.submitted += 1
             # under the lock: every stage-0 tp rank must see micro-batches in the same order
-            for rank in self._stage0:
-                self._send(rank, Batch(mb_id, ids, mask, types))
+            try:
+                for rank in self._stage0:
+                    self._send(rank, Batch(mb_id, ids, mask, types))
+            except ChannelError as err:
+                if self._stopping:  # stop() closed the channel meanwhile: nobody would fail the future
+                    del self._pending[mb_id]
+                    raise GangError(f"{self.name}: gang stopped") from None
+                # a stage-0 rank left, most often because a peer died and took it down: the future
+                # stays pending, and the monitor fails it with the diagnosis that names the culprit
+                self._lost_send = self._lost_send or err
         return fut
 
     def run(self, batches: list[tuple], *, timeout_s: float | None = None) -> list[torch.Tensor]:
@@ -426,6 +435,10 @@ class Gang:
     # ------------------------------------------------------------------ monitoring
     def _monitor_loop(self) -> None:
         while not self._stopping and self.error is None:
+            if self._lost_send is not None:  # blame the rank that failed, else the one unreachable
+                lost = GangError(f"{self.name}: {self._lost_send}")
+                self._fail(self._diagnose(phase="", on_other=self._on_late) or lost)
+                break
             msg = self._channel_recv(self.poll_s)
             if isinstance(msg, Result):
                 self._resolve(msg)

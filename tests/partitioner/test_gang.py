@@ -115,6 +115,28 @@ def test_killed_rank_fails_fast_and_is_named():
         assert all(p.exitcode is not None for p in gang._procs.values())  # the whole gang is down
 
 
+def test_a_killed_peer_is_blamed_not_the_stage0_rank_it_took_down():
+    """Rank 1 is killed; rank 0 fails on its next send to it and leaves. Submits that meet rank 0
+    gone fail with the diagnosis naming rank 1, not with the channel's "rank 0 is not connected"."""
+    with Gang(_spec(pp=2)) as gang:
+        gang.run([_batch()], timeout_s=60)
+        os.kill(gang.pids()[1], signal.SIGKILL)
+        futures = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            try:
+                futures.append(gang.submit(*_batch()))
+            except GangError as err:  # the gang failed already: its own error
+                assert err is gang.error
+                break
+            time.sleep(0.005)
+        assert futures and gang.error is not None
+        for fut in futures:
+            with pytest.raises(GangError) as info:
+                fut.result(timeout=10)
+            assert info.value.rank == 1 and "rank 1 (stage 1, tp 0) was killed by signal 9" in str(info.value)
+
+
 def test_frozen_rank_is_found_by_its_missing_heartbeat_even_when_idle():
     """SIGSTOP: the process lives, nothing is in flight (no stall to see), but it stops beating."""
     with Gang(_spec(pp=2), heartbeat_timeout_s=1.5) as gang:

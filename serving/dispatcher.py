@@ -65,8 +65,8 @@ class Dispatcher:
         self.metrics.batch_size.observe(len(windows))
         self.metrics.batch_tokens.observe(len(windows) * d.padded_len)
         self.metrics.batches.labels(reason=d.reason).inc()
-        if replica.inflight_batches == 1:  # this batch is its only one: an idle gang's clock starts
-            replica.last_progress = time.monotonic()
+        if replica.inflight_batches == 1:  # this batch is its only one: an idle gang's clocks start
+            replica.last_progress = replica.active_since = time.monotonic()
         assert replica.backend is not None
         try:
             fut = replica.backend.submit(batch.input_ids, batch.attention_mask, types)
@@ -101,6 +101,8 @@ class Dispatcher:
         replica.last_progress = time.monotonic()
         self.outputs.add_logits(d.items, fut.result())  # (B, S, 2)
         outcome = sched.batch_done(d.batch_id, now=self.clock(), ok=True)
+        if replica.inflight_batches == 0:  # idle again: the time it had work in flight grows
+            replica.active_s += replica.last_progress - replica.active_since
         for rid in outcome.completed:
             self.outputs.complete(rid)
         self.wake()

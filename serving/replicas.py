@@ -227,7 +227,10 @@ class Replica:
     created_at: float = field(default_factory=time.monotonic)
     stage_busy_s: list[float] = field(default_factory=list)
     busy_seen: list[float] = field(default_factory=list)  # each stage's busy seconds at the last sample
+    # seconds with work in flight (the bubble fraction's denominator): closed intervals, and the
+    # start of the open one; both kept by serving.dispatcher, which sees a batch leave and return
     active_s: float = 0.0
+    active_since: float = 0.0
     start_task: asyncio.Task | None = None
     # restarts of its line: a gang that replaces a failed one (or one whose start failed) carries
     # on its count, +1 per restart after a failure; ``replaces``: the gang it took over from
@@ -434,7 +437,7 @@ class ReplicaManager:
         return replica
 
     async def _start(self, replica: Replica) -> bool:
-        if self._closed:  # closing since it was launched: never start it (close() kills those started)
+        if self._closed or replica.state is not ReplicaState.STARTING:  # closing, or drained: never start it
             await self._retire(replica, ReplicaState.STOPPED)
             return False
         model = replica.model
@@ -447,6 +450,10 @@ class ReplicaManager:
             await asyncio.to_thread(replica.backend.start)
             await asyncio.to_thread(warm_up, replica.backend, model, timeout_s=self.warmup_timeout_s)
         except Exception as err:  # a start failure: retried after a back-off by reconcile()
+            if self._closed or replica.state is not ReplicaState.STARTING:  # killed on purpose: not a failure
+                logger.info("replica %s: start ended (%s)", replica.replica_id, one_line(err, scrub=False))
+                await self._retire(replica, ReplicaState.STOPPED)
+                return False
             self._consecutive_failures += 1
             self.start_failures += 1
             self.metrics.replica_failures.inc()
@@ -573,14 +580,14 @@ class ReplicaManager:
                         f"{r.inflight_batches} in flight (stall_timeout_s={self.stall_timeout_s:g})",
                     )
 
-    def sample_busy(self, dt: float) -> None:
-        """Per-stage busy time from the ranks' own counters, and the time with work in flight (see
-        serving.metrics); called every ``dt`` seconds."""
+    def sample_busy(self) -> None:
+        """Per-stage busy time from the ranks' own counters, against the time each replica had work
+        in flight: the bubble fraction (see serving.metrics); called every supervisor tick."""
+        now = time.monotonic()
         for r in self.replicas.values():
             if r.backend is None or r.state is not ReplicaState.READY:
                 continue
-            if r.inflight_batches > 0:
-                r.active_s += dt
+            active_s = r.active_s + (now - r.active_since if r.inflight_batches > 0 else 0.0)
             busy = busy_seconds(r.backend)
             if busy is None:
                 continue
@@ -591,8 +598,8 @@ class ReplicaManager:
                 if delta > 0:
                     r.stage_busy_s[stage] += delta
                     self.metrics.stage_busy.labels(replica=r.replica_id, stage=str(stage)).inc(delta)
-            if r.active_s > 0:
-                frac = 1.0 - sum(r.stage_busy_s) / (pp * r.active_s)
+            if active_s > 0:
+                frac = 1.0 - sum(r.stage_busy_s) / (pp * active_s)
                 self.metrics.bubble.labels(replica=r.replica_id).set(min(1.0, max(0.0, frac)))
 
     # ------------------------------------------------------------------ reload / shutdown
@@ -605,6 +612,7 @@ class ReplicaManager:
             raise ReloadInProgress("a reload is already in progress")
         self._reloading = True
         try:
+            await self._end_starts()  # gangs of the outgoing generation still starting would hold slots
             old = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
             want = max(1, self.target)
             started: list[Replica] = []
@@ -635,6 +643,17 @@ class ReplicaManager:
         finally:
             self._reloading = False
             self.reconcile()
+
+    async def _end_starts(self) -> None:
+        """Kill the gangs being started (``_start`` then retires them) and wait until their slots are free."""
+        starting = [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
+        for r in starting:
+            await self.drain(r)  # a starting gang is only marked: its start stops it
+            if r.backend is not None:
+                await asyncio.to_thread(r.backend.kill)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while any(r.replica_id in self.replicas for r in starting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def close(self, *, timeout_s: float) -> None:
         """Drain and stop every gang (server shutdown)."""

@@ -140,13 +140,11 @@ class Supervisor:
     async def _run(self) -> None:
         tick = 0
         next_scale = self.clock()
-        last = self.clock()
         while True:
             await asyncio.sleep(TICK_S)
             now = self.clock()
             try:
-                self.manager.sample_busy(now - last)
-                last = now
+                self.manager.sample_busy()
                 tick += 1
                 if tick % HEALTH_EVERY == 0:
                     self.manager.check_health()

@@ -2,7 +2,8 @@
 
 ``FakeGang`` has the interface of ``partitioner.gang.Gang`` the server uses (start, submit ->
 concurrent Future of (B, S, 2) logits, healthy, inflight, stop, pids, rank_processes: its one rank
-reports ``host`` and a made-up pid, as a real rank's heartbeats do). One worker thread answers
+reports ``host`` and a made-up pid, as a real rank's heartbeats do; busy_seconds, when asked to:
+the time spent in ``batch_s``). One worker thread answers
 micro-batches in order, like a pipeline; ``gate`` (a threading.Event shared by the factory) holds
 every batch but the warm-up (micro-batch 0) until set, so tests can fill queues deterministically. ``kill()`` fails every pending
 future with GangError at once, as a real gang does when a rank dies.
@@ -49,6 +50,7 @@ class FakeGang:
         start_error: str | None = None,
         batch_s: float = 0.0,
         host: str = "fake-host",
+        report_busy: bool = False,
     ) -> None:
         self.name = name
         self.host = host
@@ -57,6 +59,8 @@ class FakeGang:
         self.fail_start = fail_start
         self.start_error = start_error
         self.batch_s = batch_s  # compute time of every micro-batch after the warm-up
+        self.report_busy = report_busy  # busy_seconds() answers, as a real gang's heartbeats do
+        self.busy_s = 0.0
         self.hung = threading.Event()  # set: no micro-batch completes any more (a SIGSTOPped rank)
         self.error: GangError | None = None
         self.batches: list[tuple[int, int]] = []  # (batch size, padded length) of every batch after warm-up
@@ -95,6 +99,9 @@ class FakeGang:
     def rank_processes(self) -> list[tuple[str, int] | None]:
         return [(self.host, pid) for pid in self._pids] if self._running else []
 
+    def busy_seconds(self) -> list[float]:
+        return [self.busy_s] if self.report_busy and self._running else []
+
     def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future:
         if self.error is not None:
             raise self.error
@@ -119,6 +126,7 @@ class FakeGang:
                     break
             if mb > 0 and self.batch_s:
                 time.sleep(self.batch_s)
+                self.busy_s += self.batch_s
             if self.error is not None:
                 continue
             with self._lock:
@@ -165,6 +173,7 @@ class FakeFactory:
         self.fail_start_models: set[str] = set()
         self.start_error: str | None = None  # the failing gangs' GangError text (default: one line)
         self.batch_s = 0.0  # compute time of every micro-batch of the gangs made from now on
+        self.report_busy = False  # their rank reports its busy seconds
         self.host = "fake-host"  # the host the gangs' ranks report
         self.gangs: list[FakeGang] = []
         self.models: list[str] = []
@@ -178,6 +187,7 @@ class FakeFactory:
             start_error=self.start_error,
             batch_s=self.batch_s,
             host=self.host,
+            report_busy=self.report_busy,
         )
         self.gangs.append(gang)
         self.models.append(source.name)

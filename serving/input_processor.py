@@ -24,8 +24,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from models.qa_processing import EncodedBatch, WindowConfig, encode_qa
 from serving.qa_types import QAPair
 
@@ -120,11 +118,15 @@ class InputProcessor:
 
 
 def _context_tokens(encoded: EncodedBatch) -> int:
-    """Distinct context tokens over the pairs (a token shared by overlapping windows counts once)."""
-    starts: dict[int, list[torch.Tensor]] = {}
+    """Distinct context tokens over the pairs: a pair's windows come in order, and a token shared by
+    overlapping windows (the stride) is counted in the first only."""
+    last: dict[int, int] = {}  # pair -> char start of its last context token counted
+    n = 0
     for w in encoded.windows:
-        starts.setdefault(w.example_index, []).append(w.data[:, 2])  # (num_tokens,) -1 off the context
-    return sum(int((torch.cat(s).unique() >= 0).sum()) for s in starts.values())
+        starts = w.data[:, 2]  # (num_tokens,) char start of each token, -1 off the context
+        n += int((starts > last.get(w.example_index, -1)).sum())
+        last[w.example_index] = int(starts.max())
+    return n
 
 
 def _chars(pairs: list[QAPair]) -> int:

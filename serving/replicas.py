@@ -605,6 +605,7 @@ class ReplicaManager:
     # ------------------------------------------------------------------ reload / shutdown
     async def reload(self, model: ModelGeneration) -> None:
         """Roll every gang onto ``model``: start a new gang, route to it, drain an old one; repeat.
+        Gangs still starting (a scale-up, a restart) are ended first: they would hold slots.
 
         Raises ReloadError (old gangs keep serving) when a new gang fails to start.
         """

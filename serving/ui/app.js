@@ -232,7 +232,10 @@ async function poll() {
 // ------------------------------------------------------------------------------ playground
 
 // The context with each answer's span marked; where spans overlap, the better-ranked answer wins.
-function highlight(context, answers) {
+function highlight(text, answers) {
+  // the server's offsets count code points (Python str); a JS string counts UTF-16 units, so an
+  // emoji would shift every mark after it: work on the code points
+  const context = Array.from(text);
   const owner = new Array(context.length).fill(0);
   answers.forEach((a, i) => {
     for (let c = a.start; c < a.end; c++) if (!owner[c]) owner[c] = i + 1;
@@ -243,12 +246,12 @@ function highlight(context, answers) {
   while (i < context.length) {
     let j = i;
     while (j < context.length && owner[j] === owner[i]) j++;
-    const text = context.slice(i, j);
+    const part = context.slice(i, j).join("");
     if (owner[i]) {
       const a = answers[owner[i] - 1];
-      out.append(el("mark", { class: `rank-${owner[i]}`, title: `#${owner[i]} score ${a.score.toFixed(4)}` }, text));
+      out.append(el("mark", { class: `rank-${owner[i]}`, title: `#${owner[i]} score ${a.score.toFixed(4)}` }, part));
     } else {
-      out.append(text);
+      out.append(part);
     }
     i = j;
   }

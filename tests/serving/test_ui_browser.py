@@ -183,6 +183,19 @@ def test_playground_answers_the_readme_question_with_the_span_highlighted(
     assert 0 < float(_cell(page, "answers", 0, 2)) <= 1
     meta = page.locator("#qa-meta").inner_text()
     assert "1 window(s)" in meta and "ms on the server" in meta, meta
+    # offsets count code points: emoji (two UTF-16 units each in the page) must not shift the mark
+    page.fill("#context", "\U0001f600\U0001f3c8 " + CONTEXT)
+    page.click("#ask")
+    page.wait_for_function("() => document.querySelector('#qa-meta').textContent.includes('window')")
+    page.wait_for_function(
+        "() => document.querySelector('#highlighted').textContent.startsWith('\\u{1f600}')", timeout=15000
+    )
+    assert page.locator("#highlighted mark.rank-1").inner_text() == "Denver Broncos"
+    page.fill("#context", CONTEXT)
+    page.click("#ask")
+    page.wait_for_function(
+        "() => document.querySelector('#highlighted').textContent.startsWith('The')", timeout=15000
+    )
     page.wait_for_timeout(2500)  # one more poll: the status sections show this request too
     shot = tmp_path / "status-page.png"
     page.screenshot(path=str(shot), full_page=True)

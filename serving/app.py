@@ -124,12 +124,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         gc.unfreeze()  # what start-up kept alive may be collected again (tests build many apps)
         app.state.shutting_down = True
-        engine.begin_drain()
+        # the drain's time runs from the signal (serve_cli's handler began the drain) or from now
         await engine.stop(timeout_s=settings.drain_timeout_s)
         await supervisor.stop()
         await app.state.status.stop()
-        # stopping now (a second signal): the gangs are not waited for, their ranks are killed
-        await manager.close(timeout_s=0.0 if engine.aborting else settings.drain_timeout_s)
+        # the gangs get what is left of it; stopping now (a second signal): none, their ranks are killed
+        await manager.close(timeout_s=0.0 if engine.aborting else engine.drain_left_s() or 0.0)
         logger.info("shut down")
 
 

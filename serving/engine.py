@@ -85,6 +85,7 @@ class Engine:
         )
         self.accepting = True
         self.aborting = False  # a second signal: answer every admitted request 503 now
+        self._drain_deadline: float | None = None  # begin_drain(within_s=...): then 503 for the rest
         self._closing = False
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
@@ -96,11 +97,23 @@ class Engine:
             raise RuntimeError("wire the engine to its replica manager first: manager.attach(engine)")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="shardserve-engine")
 
-    def begin_drain(self) -> None:
-        """Refuse new requests (503) from now on; admitted ones still complete."""
+    def begin_drain(self, *, within_s: float | None = None) -> None:
+        """Refuse new requests (503) from now on; admitted ones (those being tokenized too) still
+        complete, within ``within_s`` if given: then the loop answers what is left 503 (the first
+        deadline set holds). Only sets flags: safe from a signal handler."""
         if self.accepting:
             logger.info("draining: %d requests admitted", self.ongoing)
         self.accepting = False
+        if within_s is not None and self._drain_deadline is None:
+            self._drain_deadline = self.clock() + within_s
+
+    def drain_left_s(self) -> float | None:
+        """Seconds left of the drain's time (>= 0); None when no drain time was set."""
+        return None if self._drain_deadline is None else max(0.0, self._drain_deadline - self.clock())
+
+    def _stopped(self) -> bool:
+        """Stopping: a second signal, stop() done, or the drain's time ran out."""
+        return self.aborting or self._closing or self.drain_left_s() == 0.0
 
     def abort(self) -> None:
         """Stop now (a second signal): refuse new requests and answer every admitted one 503 at the
@@ -111,14 +124,15 @@ class Engine:
     async def stop(self, *, timeout_s: float) -> None:
         """Drain admitted requests (bounded by timeout_s, cut short by ``abort``), fail the rest
         with 503, stop the loop."""
-        self.begin_drain()
-        deadline = self.clock() + timeout_s
-        while (self.ongoing or self.outputs.decoding) and self.clock() < deadline and not self.aborting:
+        self.begin_drain(within_s=timeout_s)
+        # admitted requests: queued or in flight, being tokenized (reserved), being decoded
+        while (self.ongoing or self.scheduler.reserved or self.outputs.decoding) and not self._stopped():
             await asyncio.sleep(0.02)
         self._fail_outstanding("the server shut down before this request was answered")
+        # a flag, not task.cancel() (asyncio.wait_for (3.11) can swallow a cancellation); from here a
+        # request still being tokenized is refused too
+        self._closing = True
         if self._task is not None:
-            # a flag, not task.cancel(): asyncio.wait_for (3.11) can swallow a cancellation
-            self._closing = True
             self.wake()
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), 5.0)
@@ -208,7 +222,10 @@ class Engine:
         given back here);
         the deadline runs from ``arrived_at`` (before tokenizing), else from now."""
         try:
-            self._check_admissible(timeout_s)  # again: a drain may have begun while tokenizing
+            if reserved_hint is None:
+                self._check_admissible(timeout_s)
+            elif self._stopped():  # admitted before tokenizing: only stopping refuses it
+                raise EngineError(503, "shutting_down", "the server shut down before this request was queued")
         except EngineError:
             if reserved_hint is not None:
                 self.scheduler.unreserve(reserved_hint)
@@ -295,6 +312,8 @@ class Engine:
                 self._fail_outstanding(
                     "the server was stopped (a second signal) before this request was answered"
                 )
+            elif self.drain_left_s() == 0.0 and self.outputs.request_ids():
+                self._fail_outstanding("the server's drain time ran out before this request was answered")
             try:
                 wake = self._step()
             except Exception:  # a bug must not kill the loop (and hang every request)

@@ -9,10 +9,14 @@ them as ``json_invalid`` too, with the reason:
 
     POST /v1/qa [[[...]]]           -> 422 invalid_request "body: JSON decode error: nesting too deep"
     POST /v2/models/m/infer [[...]] -> 400 {"error": "body: JSON decode error: nesting too deep"}
+
+A body without Content-Type is read as JSON; one of another media type (``text/plain``, a form) is
+a 415 that says so.
 """
 
 from __future__ import annotations
 
+import email.message
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -35,13 +39,35 @@ def unparsable_reason(exc: HTTPException) -> str | None:
     return "the body cannot be decoded"
 
 
+def media_type_problem(content_type: str | None) -> str | None:
+    """Why a body of this Content-Type is not read as JSON (None: it is; a missing one is JSON)."""
+    if not content_type:
+        return None
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    if message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return None
+    return f"the body must be JSON (Content-Type: application/json), got Content-Type: {content_type[:100]}"
+
+
 class JsonBodyRoute(APIRoute):
-    """A route whose unparsable JSON bodies are request validation errors (``json_invalid``)."""
+    """A route whose unparsable JSON bodies are request validation errors (``json_invalid``), whose
+    body is read as JSON when no Content-Type is given (Open Inference Protocol clients send none),
+    and which answers 415 for a body of another media type (FastAPI would report its text as "not a
+    valid dictionary")."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        kwargs["strict_content_type"] = False  # no Content-Type: JSON
+        super().__init__(path, endpoint, **kwargs)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        has_body = self.body_field is not None
 
         async def parsed(request: Request) -> Response:
+            if has_body and (problem := media_type_problem(request.headers.get("content-type"))):
+                raise HTTPException(415, {"error": "unsupported_media_type", "detail": problem})
             try:
                 return await handler(request)
             except HTTPException as exc:

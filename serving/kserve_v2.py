@@ -213,6 +213,7 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "no model of that name",
         408: "the request body did not arrive within client_timeout_s (the connection is closed)",
         413: "body larger than max_body_bytes, or more windows than max_windows_per_request / the deadline",
+        415: "the body has a Content-Type other than JSON (none is read as JSON)",
         429: "queue full (see Retry-After)",
         500: "span decoding failed (a server bug; the log has it)",
         503: "not ready, starting, shutting down or replica failed (see Retry-After)",
@@ -450,7 +451,7 @@ async def model_ready(model_name: str, request: Request) -> Any:
 @model_router.post(
     "/v2/models/{model_name}/infer",
     response_model=V2InferenceResponse,
-    responses=_responses(400, 404, 408, 413, 429, 500, 503, 504),
+    responses=_responses(400, 404, 408, 413, 415, 429, 500, 503, 504),
 )
 async def infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
     """Answer N (question, context) pairs: BYTES inputs in, answer/score/start/end/no_answer out."""

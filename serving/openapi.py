@@ -56,6 +56,7 @@ _STATUS: dict[int, tuple[str, dict[str, Any]]] = {
         "deadline allows",
         {},
     ),
+    415: ("the body has a Content-Type other than JSON (none is read as JSON)", {}),
     422: ("invalid input: a type, a missing or unknown field, a limit, a range", {}),
     429: ("queue full (see Retry-After)", _RETRY_AFTER),
     500: ("span decoding failed (a server bug; the log has it)", {}),

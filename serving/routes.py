@@ -58,7 +58,7 @@ from serving.schemas import (
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = responses(400, 408, 413, 422, 429, 500, 503, 504)  # every status the QA routes answer
+_ERRORS = responses(400, 408, 413, 415, 422, 429, 500, 503, 504)  # every status the QA routes answer
 
 api_router = APIRouter(tags=["question answering"], route_class=ApiKeyRoute)
 health_router = APIRouter(tags=["health"])
@@ -329,7 +329,7 @@ async def get_replicas(request: Request) -> dict[str, Any]:
 
 
 @admin_router.post(
-    "/replicas", dependencies=[Depends(require_admin)], responses=responses(400, 401, 408, 413, 422, 503)
+    "/replicas", dependencies=[Depends(require_admin)], responses=responses(400, 401, 408, 413, 415, 422, 503)
 )
 async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
     """``{"replicas": n}`` pins the count (autoscaling pauses); ``{"min_replicas", "max_replicas"}`` resumes it."""
@@ -354,7 +354,9 @@ async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
 
 
 @admin_router.post(
-    "/reload", dependencies=[Depends(require_admin)], responses=responses(400, 401, 408, 409, 413, 422, 503)
+    "/reload",
+    dependencies=[Depends(require_admin)],
+    responses=responses(400, 401, 408, 409, 413, 415, 422, 503),
 )
 async def reload(body: ReloadRequest, request: Request) -> Any:
     """Load another checkpoint into fresh gangs, switch traffic to them, drain the old ones."""

@@ -746,6 +746,11 @@ class Scheduler:
         """Requests admitted and not yet answered: queued, in flight, or both (not reservations)."""
         return len(self._requests)
 
+    @property
+    def reserved(self) -> int:
+        """Admissions reserved before tokenizing and not yet submitted (or given back)."""
+        return self._reserved
+
     def inflight(self, replica_id: str) -> int:
         """Micro-batches in flight on ``replica_id`` (dispatched, not yet done or failed over)."""
         return self._inflight_per_replica.get(replica_id, 0)

@@ -28,6 +28,8 @@ from serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_GRACE_S = 5.0  # after --drain-timeout-s: time to write the 503s before uvicorn cancels requests
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ServeSettings field (``partitioner/flags.py``); the gang-across-hosts flags
@@ -52,7 +54,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from models.hf_weights import CheckpointError
     from partitioner.flags import error_line, given_flags
     from serving.app import build_app
-    from serving.http_protocol import header_deadline_protocol
     from serving.model_loader import device_pool, load_generation
     from serving.settings import ServeSettings
 
@@ -75,17 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {one_line(err, scrub=False)}", file=sys.stderr)
         return 2
     app = build_app(settings, model=model)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
-        lifespan="on",
-        http=header_deadline_protocol(settings.client_timeout_s),  # h11, with a deadline for the headers
-        access_log=False,  # serving/access.py writes one line per request (logger shardserve.access)
-    )
-    server = DrainingServer(config, app)
+    server = DrainingServer(uvicorn_config(settings, app), app)
     server.run()
     if server.fatal_error is not None:
         print(f"error: {server.fatal_error}", file=sys.stderr)
@@ -94,6 +85,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.error("the server did not start (see the errors above)")
         return 1
     return 130 if server.signals > 1 else 0  # 130: stopped by a second signal without draining
+
+
+def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
+    """uvicorn's settings for the app: the address, the shutdown's time, h11 with header deadlines."""
+    from serving.http_protocol import header_deadline_protocol
+
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        # the engine answers what is left 503 once the drain's time is out; uvicorn cancels the
+        # requests' tasks (a bare 500) only after a grace for writing those answers
+        timeout_graceful_shutdown=settings.drain_timeout_s + SHUTDOWN_GRACE_S,
+        lifespan="on",
+        http=header_deadline_protocol(settings.client_timeout_s),  # h11, with a deadline for the headers
+        access_log=False,  # serving/access.py writes one line per request (logger shardserve.access)
+    )
 
 
 def bind_problem(host: str, port: int) -> str | None:
@@ -185,7 +194,7 @@ class DrainingServer(uvicorn.Server):
                 logger.warning("signal %d: readiness -> 503, draining (send it again to stop now)", sig)
             state.shutting_down = True
             if engine is not None:
-                engine.begin_drain()
+                engine.begin_drain(within_s=state.settings.drain_timeout_s)
         elif self.signals == 2:
             logger.warning("signal %d again: stopping now, admitted requests are answered 503", sig)
             if engine is not None:

@@ -22,6 +22,7 @@ DEPLOY = REPO / "deploy"
 # oldest version with everything used here (pod-index labels, Indexed Jobs) .. the newest bundled
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
+from serving.serve_cli import SHUTDOWN_GRACE_S  # noqa: E402
 from tests.deploy.crd_schemas import is_crd, validate_crd  # noqa: E402 (needs the skip above)
 
 
@@ -95,7 +96,11 @@ def test_deployment_probes_drain_and_grace_period() -> None:
     prestop_s, drain_s = float(env["PRESTOP_S"]), float(env["SHARDSERVE_DRAIN_TIMEOUT_S"])
     assert "PRESTOP_S" in " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
     grace = pod["terminationGracePeriodSeconds"]
-    assert grace > prestop_s + drain_s, f"grace {grace} s <= preStop {prestop_s} s + drain {drain_s} s"
+    # after the drain time the server answers what is left 503; SHUTDOWN_GRACE_S bounds writing those
+    most_s = prestop_s + drain_s + SHUTDOWN_GRACE_S
+    assert grace > most_s, (
+        f"grace {grace} s <= preStop {prestop_s} s + drain {drain_s} s + {SHUTDOWN_GRACE_S} s"
+    )
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == _dockerfile_uid()
     assert (

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
@@ -256,6 +257,22 @@ def test_bad_raw_body_is_a_4xx_with_a_reason(
     r = client.post("/v1/qa", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == status, (name, r.text)
     assert r.json()["error"] == code
+
+
+def test_a_body_without_content_type_is_json_and_a_form_is_415(limited_client: Any) -> None:
+    """``curl -d`` without ``-H content-type`` sends a form type: a 415 naming the header, not a 422
+    about a dictionary; no Content-Type at all is read as JSON."""
+    client, _ = limited_client
+    raw = json.dumps({"question": QUESTION, "context": CONTEXT[:90]}).encode()
+    assert client.post("/v1/qa", content=raw).status_code == 200
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    r = client.post("/v1/qa", content=raw, headers=form)
+    assert r.status_code == 415 and r.json()["error"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in r.json()["detail"]
+    admin = client.post(
+        "/admin/replicas", content=b'{"replicas": 1}', headers={**form, "authorization": "Bearer x"}
+    )
+    assert admin.status_code == 401  # the token first, as before the body
 
 
 def test_oversized_streamed_body_without_content_length_is_413(limited_client: Any) -> None:
@@ -574,11 +591,47 @@ def test_sigterm_flips_readiness_and_refuses_new_work() -> None:
         assert refused.status_code == 503 and refused.json()["error"] == "shutting_down"
 
 
+def test_a_drain_that_runs_out_answers_503_not_uvicorns_500() -> None:
+    """Through uvicorn as ``shardserve serve`` configures it: a request still held when the drain's
+    time is out gets the JSON 503 (with Retry-After), written before uvicorn cancels what is left
+    (which would answer a bare 500), and the server then exits."""
+    from serving.serve_cli import uvicorn_config
+    from tests.serving.live import free_port
+
+    factory = FakeFactory()
+    settings = ServeSettings(
+        model="tiny-bert", replicas=1, host="127.0.0.1", port=free_port(), drain_timeout_s=1.0
+    )
+    app = build_app(settings, backend_factory=factory)
+    server = DrainingServer(uvicorn_config(settings, app), app)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://{settings.host}:{settings.port}"
+    try:
+        wait_until(lambda: server.started and app.state.manager.ready == 1, what="a ready server")
+        factory.gate.clear()  # the gang holds the request past the drain's time
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(
+                httpx.post, f"{base}/v1/qa", json={"question": QUESTION, "context": CONTEXT}, timeout=30
+            )
+            wait_until(lambda: app.state.engine.ongoing == 1, what="the request in flight")
+            t0 = time.monotonic()
+            server.handle_exit(signal.SIGTERM, None)
+            r = held.result(timeout=30)
+        assert r.status_code == 503 and r.json()["error"] == "shutting_down", r.text
+        assert "drain time ran out" in r.json()["detail"] and "Retry-After" in r.headers
+        assert time.monotonic() - t0 < 1.0 + 2.0
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        factory.gate.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def test_client_disconnect_over_real_http_cancels_queued_work() -> None:
     """Through uvicorn (not the test transport): a client that hangs up frees its queue slot."""
     import socket
-
-    import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -173,6 +173,46 @@ def test_stop_timeout_answers_leftovers_503(model: ModelGeneration) -> None:
     run_engine(model, body)
 
 
+def test_a_drain_lets_requests_being_tokenized_finish(model: ModelGeneration) -> None:
+    """A request admitted before tokenizing (its queue place reserved) is part of the drain: it is
+    queued and answered when its tokens arrive after the drain began, not refused 503."""
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        encode = engine.inputs.encode
+
+        def slow_encode(pairs: list[QAPair]) -> Any:
+            time.sleep(0.3)
+            return encode(pairs)
+
+        engine.inputs.encode = slow_encode  # type: ignore[method-assign]
+        job = asyncio.ensure_future(engine.submit_async([SHORT]))
+        await _until(lambda: engine.scheduler.reserved == 1, "a reserved place")
+        stopping = asyncio.ensure_future(engine.stop(timeout_s=5))
+        (res,) = await engine.wait(await job)
+        assert res.prediction.answers
+        await stopping
+
+    run_engine(model, body)
+
+
+def test_the_drain_time_running_out_answers_leftovers_503_without_stop(model: ModelGeneration) -> None:
+    """begin_drain(within_s=...) (the signal handler's call): when the time is out the loop itself
+    answers what is left 503, before the HTTP server would cancel those requests (a bare 500)."""
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        factory.gate.clear()
+        job = engine.submit([SHORT])
+        engine.begin_drain(within_s=0.2)
+        with pytest.raises(EngineError) as info:
+            await asyncio.wait_for(engine.wait(job), 3)
+        assert (info.value.status, info.value.code) == (503, "shutting_down")
+        assert "drain time ran out" in info.value.detail
+        engine.begin_drain(within_s=60)  # the first deadline holds
+        assert engine.drain_left_s() == 0.0
+
+    run_engine(model, body)
+
+
 def test_abort_answers_admitted_requests_503_at_once(model: ModelGeneration) -> None:
     """A second signal: every admitted request (queued or in a blocked gang) is answered 503 by the
     loop's next pass, without waiting for the gang, and a later stop() does not wait either."""

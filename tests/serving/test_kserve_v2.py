@@ -8,6 +8,7 @@ Run: python -m pytest tests/serving/test_kserve_v2.py -q      (fake in-process g
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -267,6 +268,21 @@ def test_malformed_json_and_limits_are_400() -> None:
         assert "max_batch_items=2" in assert_v2_error(infer(client, three), 400)
 
 
+def test_a_body_without_content_type_is_json_and_another_media_type_is_415(
+    shared: tuple[TestClient, FakeFactory],
+) -> None:
+    """Open Inference Protocol clients may send JSON with no Content-Type: it is read as JSON. A
+    body declared as something else gets a 415 that says so (not "not a valid dictionary")."""
+    client, _ = shared
+    raw = json.dumps(infer_body()).encode()
+    bare = client.post(f"/v2/models/{NAME}/infer", content=raw)
+    assert "content-type" not in bare.request.headers
+    assert bare.status_code == 200, bare.text
+    plain = client.post(f"/v2/models/{NAME}/infer", content=raw, headers={"content-type": "text/plain"})
+    message = assert_v2_error(plain, 415)
+    assert "application/json" in message and "text/plain" in message, message
+
+
 def test_full_queue_is_429_with_retry_after_through_the_shared_admission() -> None:
     with serving(served_model_name=NAME, max_queue_size=1, max_inflight_per_replica=1, max_batch_size=1) as (
         client,
@@ -315,7 +331,7 @@ def test_openapi_documents_the_v2_routes_truthfully() -> None:
         doc = client.get("/openapi.json").json()
         paths = doc["paths"]
         op = paths["/v2/models/{model_name}/infer"]["post"]
-        assert set(op["responses"]) == {"200", "400", "404", "408", "413", "429", "500", "503", "504"}
+        assert set(op["responses"]) == {"200", "400", "404", "408", "413", "415", "429", "500", "503", "504"}
         assert "security" not in op  # no API key configured: nothing to authenticate
         assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
             "/V2InferenceRequest"

@@ -269,8 +269,8 @@ def test_admin_statuses_and_auth_are_documented() -> None:
         }
         expected = {
             ("/admin/replicas", "get"): {"200", "401", "503"},
-            ("/admin/replicas", "post"): {"200", "400", "401", "408", "413", "422", "503"},
-            ("/admin/reload", "post"): {"200", "400", "401", "408", "409", "413", "422", "503"},
+            ("/admin/replicas", "post"): {"200", "400", "401", "408", "413", "415", "422", "503"},
+            ("/admin/reload", "post"): {"200", "400", "401", "408", "409", "413", "415", "422", "503"},
         }
         for (path, method), statuses in expected.items():
             op = doc["paths"][path][method]

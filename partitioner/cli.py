@@ -364,3 +364,6 @@ def main_guard(func, args: argparse.Namespace) -> int:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the gangs were killed on the way out; no traceback
+        print("interrupted", file=sys.stderr)
+        return 130

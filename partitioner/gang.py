@@ -320,7 +320,9 @@ class Gang:
     def __enter__(self) -> Gang:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:  # nobody waits for the results (Ctrl-C, an error): no drain
+            self.kill()
         self.stop()
 
     @property

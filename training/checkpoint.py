@@ -42,19 +42,20 @@ state (`load`) and writes its part of every checkpoint (`save`, when `due`)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -96,6 +97,16 @@ def _with_moment_specs(specs: dict[str, list[int]]) -> dict[str, list[int]]:
     return specs | {f"optim.{name}.{m}": spec for name, spec in specs.items() for m in MOMENTS}
 
 
+@contextlib.contextmanager
+def open_shard(path: Path) -> Iterator[Any]:
+    """``safe_open`` of a rank's shard file; a damaged one is a `ResumeError` naming it."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as exc:
+        raise ResumeError(f"{path}: unreadable ({exc}); resume from an earlier checkpoint") from exc
+
+
 def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
     """Full tensors from per-rank shard files: sharded names (and their AdamW moments)
     concatenated in slice order, replicated names taken from the lowest tensor-parallel rank that
@@ -103,7 +114,7 @@ def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
     pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     replicated: dict[str, tuple[int, torch.Tensor]] = {}
     for path in paths:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_shard(path) as f:
             meta = f.metadata() or {}
             specs = _with_moment_specs(json.loads(meta.get("shard_specs", "{}")))
             tp_rank = int(meta.get("tp_rank", "0"))
@@ -266,7 +277,7 @@ def load_rank_state(path: Path, module: nn.Module, opt: torch.optim.Optimizer | 
     """Restore one rank's trainable parameters and optimizer moments written by ``write_shard``."""
     if not path.is_file():
         raise ResumeError(f"{path}: missing rank training state")
-    with safe_open(str(path), framework="pt", device="cpu") as f:
+    with open_shard(path) as f:
         _restore(f.get_tensor, set(f.keys()), module, opt, where=str(path))
 
 
@@ -294,6 +305,49 @@ class ResumePoint:
     loss_scale: float | None = None  # fp16 runs: the checkpoint's dynamic loss scale
 
 
+# settings a resumed run may change: where and how it runs, what it logs and keeps; every other
+# setting shapes what is trained (data, windows, batch, optimizer, model) and must be the checkpoint's
+RESUME_MAY_CHANGE = frozenset({
+    "train_file", "output", "eval_file", "max_eval_examples", "pp", "tp", "dp", "bucket_mb", "boundaries",
+    "schedule", "micro_batch_size", "epochs", "max_steps", "eval_every", "eval_batch_size", "save_every",
+    "keep_checkpoints", "resume", "elastic", "device", "precision", "threads_per_rank", "log_every",
+    "fail_at_step",
+})  # fmt: skip
+RUN_FILES = ("final", "curve.csv", "curve.png", "eval_results.json")  # besides checkpoint-* and .tmp-*
+
+
+def run_artifacts(out_dir: Path) -> list[Path]:
+    """What a training run wrote into ``out_dir`` (its feature cache aside), sorted."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(
+        p
+        for p in out_dir.iterdir()
+        if p.name in RUN_FILES or p.name.startswith(".tmp-") or _CKPT_RE.fullmatch(p.name) is not None
+    )
+
+
+def clear_run(out_dir: Path) -> None:
+    """Remove a previous run's checkpoints, final model, curve and results (``--overwrite``)."""
+    for path in run_artifacts(out_dir):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        logger.info("--overwrite: removed %s", path)
+
+
+def _changed_settings(state: dict[str, Any], cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """(checkpoint, now) of each setting that shapes the training and differs from the checkpoint's."""
+    then = TrainConfig.from_dict(state["config"]).to_dict() if "config" in state else {}
+    now = cfg.to_dict()
+    return {
+        k: (then.get(k), v)
+        for k, v in now.items()
+        if k not in RESUME_MAY_CHANGE and k in then and then[k] != v
+    }
+
+
 def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, compute_dtype: str) -> ResumePoint:
     """The newest ``checkpoint-*`` of ``cfg.output`` when ``cfg.resume`` (else step 0); a checkpoint
     written with another seed, length or data is a `ResumeError` naming the differences, and so is
@@ -311,6 +365,7 @@ def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, comput
         "data_sha256": data_sha256,
     }
     mismatch = {k: (state.get(k), v) for k, v in now.items() if state.get(k) != v}
+    mismatch.update(_changed_settings(state, cfg))
     if cfg.elastic:
         moved = {k: mismatch.pop(k) for k in ("pp", "tp") if k in mismatch}
         if moved:

@@ -272,17 +272,6 @@ def flag_conflict(args: argparse.Namespace) -> str | None:
     return None
 
 
-def output_error(args: argparse.Namespace) -> str | None:
-    """Refuse to silently replace a finished run: OUTPUT/final exists and neither --resume nor --overwrite."""
-    final = Path(args.output) / "final"
-    if final.exists() and not (args.resume or args.overwrite):
-        return (
-            f"--output {args.output} already holds a final checkpoint ({final}); pass --resume to continue "
-            "that run, --overwrite to train from scratch and replace it, or another --output"
-        )
-    return None
-
-
 def window_config(args: argparse.Namespace) -> WindowConfig:
     """The ``--max-seq-len`` / ``--doc-stride`` / ``--max-question-len`` flags as one window (ValueError if bad)."""
     from models.qa_processing import WindowConfig
@@ -320,7 +309,7 @@ def network_problem(args: argparse.Namespace) -> tuple[str | None, GangNetwork |
 
 def cmd_train(args: argparse.Namespace) -> int:
     from partitioner.gang import GangError
-    from training.checkpoint import ResumeError
+    from training.checkpoint import ResumeError, latest_checkpoint
     from training.squad_data import SquadFormatError
     from training.trainer import TrainConfig, TrainConfigError, train
 
@@ -330,7 +319,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         or flag_conflict(args)
         or input_file_error(args.train_file, "--train-file")
         or input_file_error(args.eval_file, "--eval-file")
-        or output_error(args)
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -386,7 +374,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             answer_occurrences=args.answer_occurrences,
             fail_at_step=args.fail_at_step,
         )
-        result = train(cfg, show_progress=not args.no_progress, network=network)
+        result = train(cfg, show_progress=not args.no_progress, network=network, overwrite=args.overwrite)
     except (TrainConfigError, PrecisionError, SquadFormatError, ResumeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -394,6 +382,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         logger.info("%s", exc)
         print(f"error: {gang_error_line(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the ranks were killed on the way out (trainer.train)
+        latest = latest_checkpoint(Path(args.output))
+        where = (
+            f"the newest checkpoint is {latest}" if latest is not None else "no checkpoint was written yet"
+        )
+        print(f"interrupted: {where}; the same command with --resume continues from it", file=sys.stderr)
+        return 130
     last = max(result.losses) if result.losses else None
     steps = f"{result.steps_run} step{'s' if result.steps_run != 1 else ''}"
     if result.start_step:
@@ -411,6 +406,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from partitioner.gang import GangError
     from training.evaluate import EvalConfig, EvalConfigError, evaluate_model
     from training.squad_data import SquadFormatError
 
@@ -442,6 +438,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except (EvalConfigError, SquadFormatError, PrecisionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except GangError as exc:  # a rank failed or was lost (--pp / --tp): one line; the whole story at INFO
+        logger.info("%s", exc)
+        print(f"error: {gang_error_line(exc)}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(metrics, sort_keys=True))
     else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,9 @@ ANSWER_OCCURRENCES: tuple[str, ...] = ("first", "all")
 TRAIN_WINDOW = WindowConfig(max_seq_len=256, doc_stride=128, max_question_len=64)  # the CLI defaults
 WINDOW_KEYS: tuple[str, ...] = ("max_seq_len", "doc_stride", "max_question_len")  # as serialized
 ADDED_FIELDS: tuple[str, ...] = ("dp", "bucket_mb", "elastic")  # on disk only when not at their default
+FLOAT_FIELDS: tuple[str, ...] = (
+    "bucket_mb", "epochs", "lr", "weight_decay", "warmup_ratio", "max_grad_norm", "adam_eps", "dropout", "lora_alpha"
+)  # fmt: skip
 
 
 class TrainConfigError(ValueError):
@@ -92,6 +96,14 @@ class TrainConfig:
         def bad(msg: str) -> None:
             raise TrainConfigError(msg)
 
+        for name in FLOAT_FIELDS:  # NaN passes every comparison below; inf trains to NaN weights
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                bad(f"{name}={value} must be a finite number")
+        if not all(math.isfinite(b) and 0 <= b < 1 for b in self.adam_betas):
+            bad(f"adam_betas={self.adam_betas} must each be in [0, 1)")
+        if not self.adam_eps > 0:
+            bad(f"adam_eps={self.adam_eps} must be > 0")
         if self.pp < 1 or self.tp < 1 or self.dp < 1:
             bad(f"dp={self.dp}, pp={self.pp} and tp={self.tp} must be >= 1")
         if self.schedule not in SCHEDULES:
@@ -140,10 +152,15 @@ class TrainConfig:
             limit = getattr(self, name)
             if limit is not None and limit < 1:
                 bad(f"{name}={limit} must be >= 1 (leave it unset to use every question)")
-        if self.eval_every < 0 or self.save_every < 0 or self.keep_checkpoints < 1:
+        if (
+            self.eval_every < 0
+            or self.save_every < 0
+            or self.keep_checkpoints < 1
+            or self.eval_batch_size < 1
+        ):
             bad(
-                f"eval_every={self.eval_every}, save_every={self.save_every} must be >= 0 and "
-                f"keep_checkpoints={self.keep_checkpoints} >= 1"
+                f"eval_every={self.eval_every}, save_every={self.save_every} must be >= 0, "
+                f"keep_checkpoints={self.keep_checkpoints} and eval_batch_size={self.eval_batch_size} >= 1"
             )
         if self.device not in ("cpu", "cuda"):
             bad(f"device={self.device!r} must be 'cpu' or 'cuda'")

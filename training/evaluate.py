@@ -12,6 +12,7 @@ normalisation (``training/squad_metrics.py``: HasAns / NoAns blocks on v2.0 data
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,8 @@ class EvalConfig:
             validate_max_answer_length(self.max_answer_length)
         except QAInputError as exc:
             raise EvalConfigError(f"max_answer_length={self.max_answer_length}: {exc.reason}") from exc
+        if self.null_threshold is not None and not math.isfinite(self.null_threshold):
+            raise EvalConfigError(f"null_threshold={self.null_threshold} must be a finite number")
 
 
 def _examples(cfg: EvalConfig) -> list[SquadExample]:
@@ -172,6 +175,10 @@ def predict_answers(
                 full[row : row + ids.shape[0], : ids.shape[1]] = logits
                 row += ids.shape[0]
                 bar.update(ids.shape[0])
+    if not bool(torch.isfinite(full).all()):  # (N, S, 2): padding is -1e9, finite
+        raise EvalConfigError(
+            f"{cfg.model}: the model's span logits are not finite (NaN or infinite weights?)"
+        )
     preds = postprocess_eval_predictions(
         feats,
         full[..., 0],

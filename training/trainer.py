@@ -286,6 +286,10 @@ def _build_trainable_stage(
     return stage, torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or gradients became NaN / infinite (without fp16's loss scaling to skip the step)."""
+
+
 def _clip_and_step(
     stage: nn.Module,
     opt: torch.optim.Optimizer | None,
@@ -303,6 +307,11 @@ def _clip_and_step(
         for p in trainable:
             p.grad.div_(scaler.scale)
     norm = float(_global_grad_norm(stage, ctx))
+    if scaler is None and not math.isfinite(norm):  # every rank alike (the norm is all-reduced)
+        raise TrainingDiverged(
+            f"the gradients are not finite (norm {norm}): the run diverged; lower --lr, keep "
+            f"--max-grad-norm > 0 (now {cfg.max_grad_norm:g}), or resume from an earlier checkpoint"
+        )
     apply = scaler.update(norm) if scaler is not None else True  # same on every rank
     if cfg.max_grad_norm > 0 and apply:
         coef = cfg.max_grad_norm / (norm + 1e-6)
@@ -430,12 +439,12 @@ def _train_steps(
             allreduce = dataclasses.asdict(reduced) if reduced is not None else None
             report(StepReport(ctx.rank, done, loss, lr, norm, len(idx), allreduce))
         final = done == run.total_steps
-        if evaluates and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
-            _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, autocast)
-        if checkpoints.due(done):
+        if checkpoints.due(done):  # before evaluating: a failing evaluation loses no training
             checkpoints.save(done, loss_scale=scaler.scale if scaler is not None else 1.0)
             if ctx.rank == 0:
                 report(CheckpointSaved(ctx.rank, done, final))
+        if evaluates and ((cfg.eval_every and done % cfg.eval_every == 0) or final):
+            _evaluate_in_gang(ctx, stage, comm, eval_data, run, cfg, done, autocast)
     if comm is not None:
         comm.flush()
 
@@ -495,8 +504,17 @@ def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
     return evaluate(eval_features.examples, prediction_texts(preds))
 
 
-def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    show_progress: bool = True,
+    network: GangNetwork | None = None,
+    overwrite: bool = False,
+) -> TrainResult:
     """Run (or resume) a training run; returns the final checkpoint and the logged numbers.
+
+    ``cfg.output`` holding another run's files (``checkpoint.run_artifacts``) is a `TrainConfigError`
+    unless the run resumes it, or ``overwrite`` (they are removed once the settings and data are valid).
 
     ``network``: where the gang's store and channel listen and which ranks run on other hosts
     (``shardserve worker`` there, running ``training/remote_program.py``'s program; flags:
@@ -533,10 +551,17 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
     if cfg.freeze_layers > source.config.num_layers:
         raise TrainConfigError(f"freeze_layers={cfg.freeze_layers} > num_layers={source.config.num_layers}")
     precision = resolve_dtype(cfg.precision, plan.devices[0])  # PrecisionError names the device
-    logger.info("precision: %s autocast, fp32 master weights (%s)", precision.name, precision.reason)
+    mode = "no autocast" if precision.name == "float32" else "autocast, fp32 master weights"
+    logger.info("precision: %s %s (%s)", precision.name, mode, precision.reason)
     out = Path(cfg.output)
     if cfg.resume:  # nothing to resume from: say so before tokenizing the data
         ckpt.read_state(ckpt.resumable_checkpoint(out))
+    elif not overwrite and (found := ckpt.run_artifacts(out)):
+        names = ", ".join(p.name for p in found)
+        raise TrainConfigError(
+            f"--output {cfg.output} already holds a run ({names}); pass --resume to continue it, "
+            "--overwrite to start again from scratch (its files are removed), or another --output"
+        )
     data = prepare_data(cfg, source, show_progress=show_progress)  # creates OUTPUT once the data is valid
     per_epoch = data.n_train // cfg.batch_size
     if per_epoch < 1:
@@ -547,6 +572,8 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
         cfg, total_steps=total, data_sha256=data.data_sha256, compute_dtype=precision.name
     )
     start_step = start.step
+    if overwrite and not cfg.resume:
+        ckpt.clear_run(out)
     loss_scale = start.loss_scale if start.loss_scale is not None else DynamicLossScale().scale
     run = RunInfo(
         features=str(data.path),
@@ -639,6 +666,9 @@ def train(cfg: TrainConfig, *, show_progress: bool = True, network: GangNetwork 
             gang.start()
             t_ready.append(time.perf_counter())
             gang.join(on_message=on_message)
+        except BaseException:  # Ctrl-C, or a failure here: the ranks stop now, not after their run
+            gang.kill()
+            raise
         finally:
             gang.stop()
             bar.close()

@@ -24,9 +24,11 @@ from models.qa_processing import WindowConfig
 from training.checkpoint import (
     STATE_FILE,
     ResumeError,
+    clear_run,
     overlay_tensors,
     publish,
     resume_point,
+    run_artifacts,
     trainer_state,
 )
 from training.config import RunInfo, TrainConfig, TrainConfigError
@@ -145,6 +147,53 @@ def test_resume_point_takes_the_newest_matching_checkpoint(tmp_path: Path) -> No
     _write_checkpoint(tmp_path, 1300, compute_dtype="float16", loss_scale=1024.0)
     assert resume_point(cfg, **{**kw, "compute_dtype": "float16"}).loss_scale == 1024.0
     assert resume_point(cfg, **kw).loss_scale is None  # bf16 now: the fp16 scale does not carry over
+
+
+def test_resume_refuses_settings_that_shape_the_training_and_allows_the_rest(tmp_path: Path) -> None:
+    """A resumed run with another batch, lr, window or held-out split would continue another run
+    (with --holdout-articles, on questions it trained on): refused, naming each difference. How it
+    runs, logs and keeps checkpoints may change."""
+    cfg = dataclasses.replace(TrainConfig.from_dict(OLD_STATE["config"]), output=str(tmp_path))
+    kw = dict(total_steps=6088, data_sha256=OLD_STATE["data_sha256"], compute_dtype="bfloat16")
+    _write_checkpoint(tmp_path, 1200)
+    changed = dataclasses.replace(
+        cfg, lr=cfg.lr * 2, batch_size=cfg.batch_size * 2, holdout_articles=3, max_train_examples=100
+    )
+    with pytest.raises(ResumeError) as info:
+        resume_point(changed, **kw)
+    for name in ("lr", "batch_size", "holdout_articles", "max_train_examples"):
+        assert f"'{name}': (" in str(info.value)
+    window = dataclasses.replace(cfg.window, doc_stride=cfg.window.doc_stride // 2)
+    with pytest.raises(ResumeError, match="'doc_stride': \\(128, 64\\)"):
+        resume_point(dataclasses.replace(cfg, window=window), **kw)
+    allowed = dataclasses.replace(
+        cfg, micro_batch_size=cfg.micro_batch_size // 2, log_every=1, eval_batch_size=7, precision="fp32",
+        keep_checkpoints=5, save_every=10, threads_per_rank=1, train_file="/elsewhere/same-bytes.json",
+    )  # fmt: skip
+    assert resume_point(allowed, **kw).step == 1200
+
+
+def test_run_artifacts_are_the_runs_own_files_and_clear_run_removes_only_them(tmp_path: Path) -> None:
+    for name in ("checkpoint-2", "checkpoint-10", ".tmp-checkpoint-12", "final", ".cache"):
+        (tmp_path / name).mkdir()
+    for name in ("curve.csv", "curve.png", "eval_results.json", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "checkpoint-best").mkdir()  # not a step: the user's own
+    found = [p.name for p in run_artifacts(tmp_path)]
+    assert found == sorted(
+        [
+            ".tmp-checkpoint-12",
+            "checkpoint-10",
+            "checkpoint-2",
+            "curve.csv",
+            "curve.png",
+            "eval_results.json",
+            "final",
+        ]
+    )
+    clear_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".cache", "checkpoint-best", "notes.txt"]
+    assert run_artifacts(tmp_path / "missing") == []
 
 
 def test_overlay_folds_the_lora_scale_and_drops_optimizer_state() -> None:

@@ -66,7 +66,7 @@ def test_train_refuses_to_replace_a_final_checkpoint_without_resume_or_overwrite
     squad = tmp_path / "train.json"
     squad.write_text('{"data": []}')
     argv = ["train", "--model", "tiny-bert", "--train-file", str(squad), "--output", str(out)]
-    _one_line_error(capsys, argv, "already holds a final checkpoint", "--resume", "--overwrite")
+    _one_line_error(capsys, argv, "already holds a run (final)", "--resume", "--overwrite")
     assert (out / "final" / "model.safetensors").read_bytes() == b"trained weights"
     # with --overwrite the check passes (the run then fails on the empty data set, one line too)
     err = _one_line_error(capsys, [*argv, "--overwrite", "--no-progress"])
@@ -134,6 +134,10 @@ def test_train_fp16_on_a_cpu_without_fp16_units_is_one_line(
         (["--max-answer-length", "0"], ["max_answer_length=0", "1..512"]),
         (["--max-seq-len", "1000"], ["max_seq_len=1000 exceeds the model's 512 positions"]),
         (["--tp", "3"], ["tp=3"]),
+        (
+            ["--null-threshold", "nan"],
+            ["null_threshold=nan", "finite"],
+        ),  # was a traceback after the model ran
     ],
 )
 def test_eval_bad_numbers_are_one_line_without_a_progress_bar(
@@ -169,6 +173,15 @@ def _train_argv(tmp_path: Path, out: Path, *flags: str) -> list[str]:
         (["--resume", "--overwrite"], ["--resume", "--overwrite"]),
         (["--elastic"], ["--elastic", "--resume"]),  # --elastic only means something with --resume
         (["--resume"], ["--resume: no checkpoint-*"]),
+        # non-finite numbers passed every range check and trained to NaN weights (or crashed)
+        (["--lr", "inf"], ["lr=inf must be a finite number"]),
+        (["--weight-decay", "nan"], ["weight_decay=nan"]),
+        (["--max-grad-norm", "nan"], ["max_grad_norm=nan"]),  # silently turned clipping off
+        (["--epochs", "nan"], ["epochs=nan"]),
+        (["--epochs", "inf"], ["epochs=inf"]),
+        (["--lora-rank", "4", "--lora-alpha", "nan"], ["lora_alpha=nan"]),
+        (["--adam-eps", "0"], ["adam_eps=0.0 must be > 0"]),
+        (["--eval-batch-size", "0"], ["eval_batch_size=0"]),  # a ZeroDivisionError after the last step
     ],
 )
 def test_train_bad_settings_are_one_line_and_leave_no_output(
@@ -252,3 +265,118 @@ def test_help_shows_a_default_only_where_there_is_one(
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "default: None" not in text and text.count("(default:") >= 5  # ints, floats, choices keep theirs
+
+
+def _squad_file_of(tmp_path: Path, n: int) -> Path:
+    """``n`` answerable questions over one short context each."""
+    paragraphs = []
+    for i in range(n):
+        context = f"Ann met Bob number {i} in Paris on day {i}."
+        start = context.index("Paris")
+        qa = {
+            "id": f"q{i}",
+            "question": f"Where did Ann meet Bob {i}?",
+            "answers": [{"text": "Paris", "answer_start": start}],
+        }
+        paragraphs.append({"context": context, "qas": [qa]})
+    squad = tmp_path / f"squad{n}.json"
+    squad.write_text(json.dumps({"data": [{"title": "t", "paragraphs": paragraphs}]}))
+    return squad
+
+
+def _tiny_run(tmp_path: Path, out: Path, *flags: str) -> list[str]:
+    return [
+        "train", "--model", "tiny-bert", "--train-file", str(_squad_file_of(tmp_path, 8)), "--output", str(out),
+        "--no-progress", "--batch-size", "4", "--micro-batch-size", "2", "--max-seq-len", "64",
+        "--doc-stride", "16", "--max-question-len", "16", "--precision", "fp32", *flags,
+    ]  # fmt: skip
+
+
+def test_overwrite_removes_the_previous_runs_files_and_a_crashed_run_is_protected_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An old run's higher-numbered checkpoints outlived --overwrite: pruning then deleted the new
+    run's own, and --resume continued the OLD run. A crashed run (checkpoints, no final) is a run."""
+    out = tmp_path / "run"
+    old = out / "checkpoint-6"
+    old.mkdir(parents=True)
+    (old / "trainer_state.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    _one_line_error(
+        capsys, _tiny_run(tmp_path, out, "--max-steps", "1"), "already holds a run (checkpoint-6)"
+    )
+    assert main(_tiny_run(tmp_path, out, "--max-steps", "1", "--overwrite")) == 0
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "curve.csv", "curve.png", "final", "notes.txt"
+    ]  # fmt: skip
+
+
+def test_a_diverging_run_stops_with_one_line_and_publishes_no_final(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """lr 1e4 without clipping: the loss went NaN and the run reported success with NaN weights."""
+    out = tmp_path / "run"
+    argv = _tiny_run(
+        tmp_path, out, "--max-steps", "6", "--lr", "1e4", "--warmup-ratio", "0", "--max-grad-norm", "0"
+    )
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "diverged" in err and "--lr" in err, err
+    assert not (out / "final").exists()
+
+
+def test_ctrl_c_stops_a_pipelined_run_at_once_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the process group): the ranks ignore it and ran on for a minute while the
+    driver waited to drain them, then a 33-line traceback. Now: killed, one line naming the newest
+    checkpoint, exit 130, no rank left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    argv = _tiny_run(tmp_path, out, "--max-steps", "100000", "--save-every", "2", "--pp", "2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardserve.cli", *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint-2").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert (out / "checkpoint-2").exists()
+        pids = [
+            int(p)
+            for p in subprocess.run(
+                ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
+            ).stdout.split()
+        ]
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("interrupted: the newest checkpoint is") and "--resume" in lines[0], err
+
+    def alive() -> list[str]:
+        out = []
+        for pid in pids:  # the driver and its ranks (its process group)
+            try:
+                out.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:120])
+            except OSError:
+                pass
+        return out
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(), alive()

@@ -168,12 +168,12 @@ class RequestGuard:
                 n = int(declared)
             except ValueError:
                 await _send_error(
-                    send, 400, "invalid_content_length", f"Content-Length {declared!r} is not a number"
+                    scope, send, 400, "invalid_content_length", f"Content-Length {declared!r} is not a number"
                 )
                 return
             if n > limit:
                 await _send_error(
-                    send, 413, "body_too_large", f"body of {n} bytes exceeds max_body_bytes={limit}"
+                    scope, send, 413, "body_too_large", f"body of {n} bytes exceeds max_body_bytes={limit}"
                 )
                 return
         chunks, size = [], 0
@@ -189,21 +189,21 @@ class RequestGuard:
                     size += len(chunk)
                     if size > limit:
                         detail = f"body over {limit} bytes (max_body_bytes)"
-                        await _send_error(send, 413, "body_too_large", detail)
+                        await _send_error(scope, send, 413, "body_too_large", detail)
                         return
                     chunks.append(chunk)
                     if not msg.get("more_body", False):
                         break
         except TimeoutError:
             detail = f"request body not received within {self.body_timeout_s:g} s ({size} bytes came)"
-            await _send_error(send, 408, "request_timeout", detail, close=True)
+            await _send_error(scope, send, 408, "request_timeout", detail, close=True)
             return
         body = b"".join(chunks)
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as err:
             await _send_error(
-                send, 400, "invalid_utf8", f"body is not valid UTF-8: {err.reason} at byte {err.start}"
+                scope, send, 400, "invalid_utf8", f"body is not valid UTF-8: {err.reason} at byte {err.start}"
             )
             return
         replayed = False
@@ -218,9 +218,12 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
 
-async def _send_error(send: Any, status: int, code: str, detail: str, *, close: bool = False) -> None:
-    """A JSON error answer; ``close``: and the connection closes after it (the body was not read)."""
-    payload = json.dumps({"error": code, "detail": detail}).encode()
+async def _send_error(
+    scope: dict, send: Any, status: int, code: str, detail: str, *, close: bool = False
+) -> None:
+    """A JSON error answer in the shape of the path's API; ``close``: and the connection closes after
+    it (the body was not read)."""
+    payload = json.dumps(kserve_v2.error_body(scope["path"], code, detail)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     if close:
         headers.append((b"connection", b"close"))
@@ -250,7 +253,9 @@ def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse
         code = "method_not_allowed"
         headers["Allow"] = ", ".join(allowed_methods(request))
     return JSONResponse(
-        {"error": code, "detail": detail}, status_code=exc.status_code, headers=headers or None
+        kserve_v2.error_body(request.url.path, code, detail),
+        status_code=exc.status_code,
+        headers=headers or None,
     )
 
 

@@ -165,6 +165,17 @@ class V2InputError(ValueError):
     """A request the model cannot take (400): a tensor's name, shape, datatype or data, a parameter."""
 
 
+def is_v2_path(path: str) -> bool:
+    """Whether ``path`` is under the protocol's ``/v2``: its errors are ``{"error": message}``."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_body(path: str, code: str, detail: Any) -> dict[str, Any]:
+    """An error answered outside the routes (the body guard, routing's 404 / 405) in the shape of
+    ``path``'s API: ``{"error": "code: detail"}`` under /v2, else ``{"error": code, "detail": ...}``."""
+    return {"error": f"{code}: {detail}"} if is_v2_path(path) else {"error": code, "detail": detail}
+
+
 def v2_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """``{"error": message}``; every 429 and 503 carries ``Retry-After``."""
     if status in (429, 503) and not any(k.lower() == "retry-after" for k in headers or {}):

@@ -283,6 +283,22 @@ def test_a_body_without_content_type_is_json_and_another_media_type_is_415(
     assert "application/json" in message and "text/plain" in message, message
 
 
+def test_errors_answered_outside_the_routes_have_the_v2_shape_under_v2() -> None:
+    """The body guard (413, 400) and routing (404, 405) answer before any v2 route runs: under /v2
+    they too are ``{"error": message}``, the code kept at the front of the message."""
+    with serving(served_model_name=NAME, max_body_bytes=2048) as (client, _):
+        big = infer_body(contexts=["x" * 3000])
+        assert assert_v2_error(infer(client, big), 413).startswith("body_too_large: ")
+        bad = client.post(
+            f"/v2/models/{NAME}/infer", content=b"\xff\xfe", headers={"content-type": "application/json"}
+        )
+        assert assert_v2_error(bad, 400).startswith("invalid_utf8: ")
+        assert assert_v2_error(client.get("/v2/no/such/route"), 404)
+        assert assert_v2_error(client.post("/v2/health/live"), 405).startswith("method_not_allowed: ")
+        native = client.get("/v1/no/such/route").json()  # the native API keeps its own shape
+        assert {"error", "detail"} <= set(native)
+
+
 def test_full_queue_is_429_with_retry_after_through_the_shared_admission() -> None:
     with serving(served_model_name=NAME, max_queue_size=1, max_inflight_per_replica=1, max_batch_size=1) as (
         client,

@@ -162,6 +162,12 @@ class TrainConfig:
                 f"eval_every={self.eval_every}, save_every={self.save_every} must be >= 0, "
                 f"keep_checkpoints={self.keep_checkpoints} and eval_batch_size={self.eval_batch_size} >= 1"
             )
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            bad(
+                f"threads_per_rank={self.threads_per_rank} must be >= 1 (leave it unset for the cores / ranks)"
+            )
+        if self.log_every < 0 or (self.fail_at_step is not None and self.fail_at_step < 1):
+            bad(f"log_every={self.log_every} must be >= 0 and fail_at_step={self.fail_at_step} >= 1")
         if self.device not in ("cpu", "cuda"):
             bad(f"device={self.device!r} must be 'cpu' or 'cuda'")
         if self.answer_occurrences not in ANSWER_OCCURRENCES:

@@ -182,6 +182,8 @@ def _train_argv(tmp_path: Path, out: Path, *flags: str) -> list[str]:
         (["--lora-rank", "4", "--lora-alpha", "nan"], ["lora_alpha=nan"]),
         (["--adam-eps", "0"], ["adam_eps=0.0 must be > 0"]),
         (["--eval-batch-size", "0"], ["eval_batch_size=0"]),  # a ZeroDivisionError after the last step
+        (["--threads-per-rank", "0"], ["threads_per_rank=0"]),  # silently meant "the default"
+        (["--log-every", "-1"], ["log_every=-1"]),
     ],
 )
 def test_train_bad_settings_are_one_line_and_leave_no_output(

@@ -167,8 +167,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest OUTPUT/checkpoint-* (same --max-steps/--epochs, --seed, data and, "
-        "without --elastic, --pp/--tp; not with --overwrite)",
+        help="continue from the newest OUTPUT/checkpoint-* with the settings that shape the training "
+        "unchanged (steps, --seed, data, split, windows, batch, optimizer, model; without --elastic also "
+        "--pp/--tp); how it runs, logs and saves may change; not with --overwrite",
     )
     g.add_argument(
         "--elastic",
@@ -179,8 +180,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--overwrite",
         action="store_true",
-        help="train from scratch into an OUTPUT that already holds a final checkpoint (replacing it); "
-        "not with --resume",
+        help="train from scratch into an OUTPUT that already holds a run: its checkpoints, final model, "
+        "curve and eval results are removed first (other files stay); not with --resume",
     )
     g.add_argument("--log-every", type=int, default=10, help="log a line every N steps (0: never)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")

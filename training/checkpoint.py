@@ -171,8 +171,14 @@ def read_state(ckpt: Path) -> dict[str, Any]:
 
 
 def resumable_checkpoint(out_dir: Path) -> Path:
-    """The newest ``checkpoint-*`` of ``out_dir`` (what ``--resume`` continues), or a `ResumeError`."""
+    """What ``--resume`` continues: the newest ``checkpoint-*`` of ``out_dir``, or its ``final`` when
+    that is newer (a finished run: nothing is left to train), or a `ResumeError`."""
     latest = latest_checkpoint(out_dir)
+    final = out_dir / "final"
+    if (final / STATE_FILE).is_file() and (
+        latest is None or read_state(final)["step"] > read_state(latest)["step"]
+    ):
+        return final
     if latest is None:
         raise ResumeError(f"--resume: no checkpoint-* with {STATE_FILE} under {out_dir}")
     return latest

@@ -390,6 +390,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         print(f"interrupted: {where}; the same command with --resume continues from it", file=sys.stderr)
         return 130
+    if result.steps_run == 0:
+        print(
+            f"nothing to train: the run finished at step {result.steps}; checkpoint: {result.final_checkpoint}"
+        )
+        return 0
     last = max(result.losses) if result.losses else None
     steps = f"{result.steps_run} step{'s' if result.steps_run != 1 else ''}"
     if result.start_step:

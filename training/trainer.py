@@ -574,6 +574,9 @@ def train(
     start_step = start.step
     if overwrite and not cfg.resume:
         ckpt.clear_run(out)
+    if start_step >= total:  # --resume of a finished run: its final is the result
+        logger.info("nothing to train: %s is at step %d of %d", start.path, start_step, total)
+        return TrainResult(output=out, final_checkpoint=out / "final", steps=total, start_step=start_step)
     loss_scale = start.loss_scale if start.loss_scale is not None else DynamicLossScale().scale
     run = RunInfo(
         features=str(data.path),

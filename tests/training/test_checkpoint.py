@@ -173,6 +173,19 @@ def test_resume_refuses_settings_that_shape_the_training_and_allows_the_rest(tmp
     assert resume_point(allowed, **kw).step == 1200
 
 
+def test_resume_of_a_finished_run_points_at_its_final(tmp_path: Path) -> None:
+    """A finished run's final is newer than its checkpoints (or the only one, with --save-every 0):
+    --resume takes it, and train() then has nothing left to do (it retrained the last steps)."""
+    cfg = dataclasses.replace(TrainConfig.from_dict(OLD_STATE["config"]), output=str(tmp_path))
+    kw = dict(total_steps=6088, data_sha256=OLD_STATE["data_sha256"], compute_dtype="bfloat16")
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / STATE_FILE).write_text(json.dumps({**OLD_STATE, "step": 6088}))
+    assert resume_point(cfg, **kw).step == 6088  # no checkpoint-* at all
+    _write_checkpoint(tmp_path, 6000)
+    assert resume_point(cfg, **kw).path == str(final)
+
+
 def test_run_artifacts_are_the_runs_own_files_and_clear_run_removes_only_them(tmp_path: Path) -> None:
     for name in ("checkpoint-2", "checkpoint-10", ".tmp-checkpoint-12", "final", ".cache"):
         (tmp_path / name).mkdir()

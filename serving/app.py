@@ -12,7 +12,8 @@ writes the access log; routes under /v1 and /v2/models (but model readiness, a h
 ``--api-key`` when one is set; the Open Inference Protocol (KServe v2) routes are ``serving/kserve_v2.py``.
 
 ``RequestGuard`` (a pure ASGI middleware) checks every request body BEFORE FastAPI parses it:
-``Content-Length`` / streamed size over ``max_body_bytes`` -> 413, invalid UTF-8 -> 400.
+``Content-Length`` / streamed size over ``max_body_bytes`` -> 413, invalid UTF-8 -> 400; a gzip or
+deflate ``Content-Encoding`` is inflated (within ``max_body_bytes``), another is a 415.
 
     uvicorn.run(build_app(ServeSettings(model="tiny-bert")))        # or: shardserve serve
     build_app(settings, backend_factory=fake)                        # tests: fake gangs in-process
@@ -40,7 +41,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from partitioner.precision import DtypeChoice, resolve_dtype
-from serving import kserve_v2
+from serving import content_encoding, kserve_v2, v2_binary
 from serving.access import AccessMiddleware, include_protected
 from serving.engine import Engine
 from serving.metrics import ServingMetrics
@@ -147,10 +148,15 @@ def freeze_startup_heap() -> None:
     logger.debug("gc: %d start-up objects frozen", gc.get_freeze_count())
 
 
+_BINARY_HEADER = v2_binary.HEADER.lower().encode()
+
+
 class RequestGuard:
     """Reject oversized (413) and non-UTF-8 (400) bodies before any parsing, and bodies that do not
     arrive within ``body_timeout_s`` (408, connection closed: a stalled client cannot hold it);
-    replay the rest."""
+    inflate a gzip / deflate body (``serving/content_encoding.py``, within the same limit); replay
+    the rest. A body with binary tensor data (``serving/v2_binary.py``) is not text: its route
+    checks its JSON part."""
 
     def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
@@ -199,12 +205,20 @@ class RequestGuard:
             await _send_error(scope, send, 408, "request_timeout", detail, close=True)
             return
         body = b"".join(chunks)
+        headers = dict(scope["headers"])
+        if (encoding := headers.get(b"content-encoding")) is not None:
+            try:
+                body = content_encoding.inflate(body, encoding.decode("latin-1"), limit=limit)
+            except content_encoding.BodyEncodingError as err:
+                await _send_error(scope, send, err.status, err.code, err.detail)
+                return
+            kept = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
+            scope = {**scope, "headers": [*kept, (b"content-length", str(len(body)).encode())]}
+        text = body if _BINARY_HEADER not in headers else b""  # its JSON part: the route checks it
         try:
-            body.decode("utf-8")
+            text.decode("utf-8")
         except UnicodeDecodeError as err:
-            await _send_error(
-                scope, send, 400, "invalid_utf8", f"body is not valid UTF-8: {err.reason} at byte {err.start}"
-            )
+            await _send_error(scope, send, 400, "invalid_utf8", v2_binary.utf8_problem(err))
             return
         replayed = False
 

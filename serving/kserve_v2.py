@@ -19,12 +19,16 @@ is the served model name (``--served-model-name``, else the loaded model's); ano
 Inference: inputs ``question`` and ``context``, datatype ``BYTES`` (JSON strings), shape ``[N]`` or
 ``[N, 1]`` (data flat, or nested as the shape, row-major), N pairs; a duplicate input or output is a
 400. Request ``parameters`` (all optional): ``top_k`` (K, default 1), ``max_answer_length``,
-``null_threshold``, ``timeout_s`` - the fields of the native ``/v1/qa/batch``, with its limits.
-Outputs (all, or those named in ``outputs``, in that order): ``answer`` BYTES [N, K], ``score`` FP32
-[N, K], ``start`` / ``end`` INT64 [N, K] (character offsets: ``context[start:end] == answer``),
-``no_answer`` BOOL [N]. Rows with fewer than K answers (or none: no_answer) are padded with ``""``,
-score 0.0, start = end = -1. The response ``id`` is the request's ``id``, else the request id
-(``X-Request-ID``).
+``null_threshold``, ``timeout_s`` - the fields of the native ``/v1/qa/batch``, with its limits -
+or Triton's ``timeout`` (microseconds) in place of ``timeout_s``. Outputs (all, or those named in
+``outputs``, in that order): ``answer`` BYTES [N, K], ``score`` FP32 [N, K], ``start`` / ``end``
+INT64 [N, K] (character offsets: ``context[start:end] == answer``), ``no_answer`` BOOL [N]. Rows
+with fewer than K answers (or none: no_answer) are padded with ``""``, score 0.0, start = end = -1.
+The response ``id`` is the request's ``id``, else the request id (``X-Request-ID``).
+
+The binary tensor data extension (``serving/v2_binary.py``; listed in the server metadata) takes
+inputs as binary data and returns outputs so (``binary_data`` per output, ``binary_data_output``
+for all): what Triton's clients (``tritonclient.http``) do by default.
 
 The pairs go through ``serving.routes.answer_pairs``, the path of /v1/qa/batch: same admission (429
 with Retry-After), limits, deadlines and metrics (endpoint label ``v2_infer``). Errors are the
@@ -49,6 +53,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving import v2_binary
 from serving.access import ApiKeyRoute, request_id_of
 from serving.routes import RETRY_AFTER_503_S, answer_pairs, pair_result
 from serving.schemas import JsonInt, QAItem
@@ -59,6 +64,8 @@ PLATFORM = "pytorch_shardserve"
 INPUTS = ("question", "context")
 OUTPUTS = ("answer", "score", "start", "end", "no_answer")
 REQUEST_PARAMETERS = ("top_k", "max_answer_length", "null_threshold", "timeout_s")
+PROTOCOL_PARAMETERS = ("timeout", "binary_data_output")  # Triton's deadline (µs); the binary extension's
+EXTENSIONS = ["binary_tensor_data"]
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 ParameterValue = bool | int | float | str
@@ -113,8 +120,10 @@ class V2RequestInput(BaseModel):
     name: str
     shape: list[JsonInt] = Field(description="[N] or [N, 1]")
     datatype: str = Field(description="BYTES")
-    parameters: dict[str, ParameterValue] | None = None
-    data: list[Any] = Field(description="N strings, flat or nested as the shape (row-major)")
+    parameters: dict[str, ParameterValue] | None = Field(
+        None, description="content_type str; binary_data_size (bytes after the JSON) in place of data"
+    )
+    data: list[Any] | None = Field(None, description="N strings, flat or nested as the shape (row-major)")
 
 
 class V2RequestOutput(BaseModel):
@@ -131,7 +140,9 @@ class V2InferenceRequest(BaseModel):
 
     id: str | None = Field(None, description="returned as the response's id")
     parameters: dict[str, ParameterValue] | None = Field(
-        None, description="top_k, max_answer_length, null_threshold, timeout_s (as in /v1/qa/batch)"
+        None,
+        description="top_k, max_answer_length, null_threshold, timeout_s (as in /v1/qa/batch); Triton's "
+        "timeout (µs); binary_data_output (all outputs as binary data)",
     )
     inputs: list[V2RequestInput]
     outputs: list[V2RequestOutput] | None = Field(None, description="the outputs to return (default: all)")
@@ -141,7 +152,10 @@ class V2ResponseOutput(BaseModel):
     name: str
     shape: list[int]
     datatype: str
-    data: list[Any]
+    parameters: dict[str, ParameterValue] | None = Field(
+        None, description="binary_data_size: the output's data follows the JSON (binary extension)"
+    )
+    data: list[Any] | None = Field(None, description="row-major, flat; absent for a binary output")
 
 
 class V2InferenceResponse(BaseModel):
@@ -224,7 +238,8 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "no model of that name",
         408: "the request body did not arrive within client_timeout_s (the connection is closed)",
         413: "body larger than max_body_bytes, or more windows than max_windows_per_request / the deadline",
-        415: "the body has a Content-Type other than JSON (none is read as JSON)",
+        415: "a Content-Type other than JSON (none is read as JSON; octet-stream with binary data), "
+        "or a Content-Encoding other than gzip / deflate",
         429: "queue full (see Retry-After)",
         500: "span decoding failed (a server bug; the log has it)",
         503: "not ready, starting, shutting down or replica failed (see Retry-After)",
@@ -240,8 +255,9 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
-class V2ModelRoute(V2Route, ApiKeyRoute):
-    """A model route: the API key checked before the body (``ApiKeyRoute``), its 401 as ``{"error": ...}``."""
+class V2ModelRoute(V2Route, ApiKeyRoute, v2_binary.BinaryTensorRoute):
+    """A model route: the API key checked before the body (``ApiKeyRoute``), its 401 as ``{"error": ...}``;
+    a body may carry binary tensor data (``BinaryTensorRoute``)."""
 
 
 open_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2Route)
@@ -285,8 +301,21 @@ def _elements(name: str, data: list[Any], shape: list[int]) -> list[Any]:
     raise V2InputError(f"input {name!r}: data is nested otherwise than its shape {shape} (give it flat)")
 
 
-def decode_input(tensor: V2RequestInput) -> list[str]:
-    """The N strings of a BYTES tensor of shape [N] or [N, 1]; ``V2InputError`` names what is wrong."""
+def binary_size(tensor: V2RequestInput) -> int | None:
+    """The input's ``binary_data_size`` (its data follows the JSON), None when its data is JSON."""
+    size = (tensor.parameters or {}).get("binary_data_size")
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise V2InputError(f"input {tensor.name!r}: binary_data_size {size!r} is not a number of bytes")
+    if tensor.data is not None:
+        raise V2InputError(f"input {tensor.name!r} has both data and binary_data_size; give one")
+    return size
+
+
+def decode_input(tensor: V2RequestInput, binary: bytes | None = None) -> list[str]:
+    """The N strings of a BYTES tensor of shape [N] or [N, 1], from its JSON data or its ``binary``
+    data (the binary extension); ``V2InputError`` names what is wrong."""
     name = tensor.name
     if tensor.datatype != "BYTES":
         raise V2InputError(f"input {name!r} has datatype {tensor.datatype!r}; this model takes BYTES")
@@ -294,13 +323,19 @@ def decode_input(tensor: V2RequestInput) -> list[str]:
     if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
         raise V2InputError(f"input {name!r} has shape {shape}; this model takes [N] or [N, 1] with N >= 1")
     for key, value in (tensor.parameters or {}).items():
-        if key == "binary_data_size":
-            raise V2InputError(f"input {name!r}: binary tensor data is not supported; send JSON strings")
-        if key != "content_type":
-            raise V2InputError(f"input {name!r}: unknown parameter {key!r} (only content_type)")
-        if value not in ("str", "bytes", "BYTES"):
+        if key not in ("content_type", "binary_data_size"):
+            raise V2InputError(f"input {name!r}: unknown parameter {key!r} (content_type, binary_data_size)")
+        if key == "content_type" and value not in ("str", "bytes", "BYTES"):
             raise V2InputError(f"input {name!r}: content_type {value!r} is not str")
-    flat = _elements(name, tensor.data, shape)
+    if binary is not None:
+        try:
+            flat: list[Any] = v2_binary.decode_bytes(binary)
+        except ValueError as err:
+            raise V2InputError(f"input {name!r} binary data: {err}") from None
+    elif tensor.data is None:
+        raise V2InputError(f"input {name!r} has no data (and no binary_data_size)")
+    else:
+        flat = _elements(name, tensor.data, shape)
     if len(flat) != math.prod(shape):
         raise V2InputError(
             f"input {name!r} has {len(flat)} elements; its shape {shape} needs {math.prod(shape)}"
@@ -311,9 +346,30 @@ def decode_input(tensor: V2RequestInput) -> list[str]:
     return flat
 
 
-def decode_request(body: V2InferenceRequest) -> list[QAItem]:
+def _binary_inputs(inputs: list[V2RequestInput], binary: bytes | None) -> dict[str, bytes]:
+    """Each binary input's slice of the tensor data after the JSON, in input order."""
+    sizes = [(t.name, size) for t in inputs if (size := binary_size(t)) is not None]
+    if binary is None:
+        if sizes:
+            raise V2InputError(
+                f"input {sizes[0][0]!r} has binary_data_size but the request has no {v2_binary.HEADER}"
+            )
+        return {}
+    total = sum(size for _, size in sizes)
+    if total != len(binary):
+        raise V2InputError(
+            f"{len(binary)} bytes of binary data follow the JSON; the inputs' binary_data_size sum to {total}"
+        )
+    out, at = {}, 0
+    for name, size in sizes:
+        out[name], at = binary[at : at + size], at + size
+    return out
+
+
+def decode_request(body: V2InferenceRequest, binary: bytes | None = None) -> list[QAItem]:
     """The (question, context) pairs of a v2 request with its parameters, as /v1/qa/batch items
-    (their server limits are checked on the shared path, ``answer_pairs``)."""
+    (their server limits are checked on the shared path, ``answer_pairs``); ``binary``: the tensor
+    data after the JSON (the binary extension), None when the body is all JSON."""
     tensors: dict[str, V2RequestInput] = {}
     for t in body.inputs:
         if t.name not in INPUTS:
@@ -324,17 +380,20 @@ def decode_request(body: V2InferenceRequest) -> list[QAItem]:
     missing = [n for n in INPUTS if n not in tensors]
     if missing:
         raise V2InputError(f"missing input {missing[0]!r}; this model takes question and context (BYTES)")
-    questions, contexts = decode_input(tensors["question"]), decode_input(tensors["context"])
+    data = _binary_inputs(body.inputs, binary)
+    questions, contexts = (decode_input(tensors[n], data.get(n)) for n in INPUTS)
     if len(questions) != len(contexts):
         raise V2InputError(
             f"{len(questions)} questions but {len(contexts)} contexts; give one question per context"
         )
     params = dict(body.parameters or {})
     params.pop("content_type", None)
-    unknown = sorted(set(params) - set(REQUEST_PARAMETERS))
+    unknown = sorted(set(params) - set(REQUEST_PARAMETERS) - set(PROTOCOL_PARAMETERS))
     if unknown:
-        raise V2InputError(f"unknown parameter {unknown[0]!r}; supported: {', '.join(REQUEST_PARAMETERS)}")
-    params.pop("timeout_s", None)
+        known = ", ".join(REQUEST_PARAMETERS + PROTOCOL_PARAMETERS)
+        raise V2InputError(f"unknown parameter {unknown[0]!r}; supported: {known}")
+    for name in ("timeout_s", *PROTOCOL_PARAMETERS):
+        params.pop(name, None)
     items = []
     for i, (q, c) in enumerate(zip(questions, contexts, strict=True)):
         try:
@@ -353,28 +412,43 @@ def _v2_field(i: int, field: str) -> str:
 
 
 def _timeout(body: V2InferenceRequest) -> float | None:
-    value = (body.parameters or {}).get("timeout_s")
+    """The deadline in seconds: ``timeout_s``, or Triton's ``timeout`` in microseconds."""
+    params = body.parameters or {}
+    if "timeout_s" in params and "timeout" in params:
+        raise V2InputError("parameters: give timeout_s (seconds) or timeout (microseconds), not both")
+    name, unit = ("timeout", 1e-6) if "timeout" in params else ("timeout_s", 1.0)
+    value = params.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or math.isinf(value):
-        raise V2InputError(f"parameters.timeout_s: {value!r} is not a number of seconds > 0")
-    return float(value)
+        what = "microseconds" if name == "timeout" else "seconds"
+        raise V2InputError(f"parameters.{name}: {value!r} is not a number of {what} > 0")
+    return float(value) * unit
 
 
-def _requested_outputs(body: V2InferenceRequest) -> list[str]:
+def _flag(where: str, value: ParameterValue | None) -> bool:
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise V2InputError(f"{where}: {value!r} is not true or false")
+
+
+def _requested_outputs(body: V2InferenceRequest) -> list[tuple[str, bool]]:
+    """The outputs to return, in order, each with whether it goes as binary data."""
+    binary = _flag("parameters.binary_data_output", (body.parameters or {}).get("binary_data_output"))
     if body.outputs is None:
-        return list(OUTPUTS)
-    names = []
-    for out in body.outputs:
-        if out.name not in OUTPUTS:
-            raise V2InputError(f"unknown output {out.name!r}; this model has {', '.join(OUTPUTS)}")
-        if out.name in names:
-            raise V2InputError(f"output {out.name!r} is requested twice")
-        for key, value in (out.parameters or {}).items():
-            if key != "binary_data" or value is not False:
-                raise V2InputError(f"output {out.name!r}: parameter {key}={value!r} is not supported")
-        names.append(out.name)
-    return names
+        return [(name, binary) for name in OUTPUTS]
+    out: dict[str, bool] = {}
+    for requested in body.outputs:
+        name, params = requested.name, dict(requested.parameters or {})
+        if name not in OUTPUTS:
+            raise V2InputError(f"unknown output {name!r}; this model has {', '.join(OUTPUTS)}")
+        if name in out:
+            raise V2InputError(f"output {name!r} is requested twice")
+        flag = params.pop("binary_data", None)
+        for key, value in params.items():
+            raise V2InputError(f"output {name!r}: parameter {key}={value!r} is not supported")
+        out[name] = binary if flag is None else _flag(f"output {name!r} binary_data", flag)
+    return list(out.items())
 
 
 def encode_outputs(results: list[Any], *, top_k: int, names: list[str]) -> list[V2ResponseOutput]:
@@ -412,8 +486,8 @@ def _version() -> str:
 
 @open_router.get("/v2", response_model=V2ServerMetadata)
 async def server_metadata() -> V2ServerMetadata:
-    """Server metadata: name, version, extensions (none). Open, like the health routes."""
-    return V2ServerMetadata(name="shardserve", version=_version(), extensions=[])
+    """Server metadata: name, version, extensions. Open, like the health routes."""
+    return V2ServerMetadata(name="shardserve", version=_version(), extensions=EXTENSIONS)
 
 
 @open_router.get("/v2/health/live", response_model=V2Live)
@@ -462,10 +536,20 @@ async def model_ready(model_name: str, request: Request) -> Any:
 @model_router.post(
     "/v2/models/{model_name}/infer",
     response_model=V2InferenceResponse,
-    responses=_responses(400, 404, 408, 413, 415, 429, 500, 503, 504),
+    response_model_exclude_none=True,
+    responses={
+        200: {
+            "description": "the outputs; with binary outputs, application/octet-stream: the JSON "
+            "(Inference-Header-Content-Length bytes), then the outputs' data",
+            "content": {v2_binary.BINARY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        },
+        **_responses(400, 404, 408, 413, 415, 429, 500, 503, 504),
+    },
 )
 async def infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
-    """Answer N (question, context) pairs: BYTES inputs in, answer/score/start/end/no_answer out."""
+    """Answer N (question, context) pairs: BYTES inputs in, answer/score/start/end/no_answer out.
+    Inputs and outputs may travel as binary data after the JSON (header ``Inference-Header-Content-Length``:
+    the binary tensor data extension; such a response is ``application/octet-stream``)."""
     return await _infer(model_name, body, request)
 
 
@@ -475,9 +559,9 @@ async def _infer(model_name: str, body: V2InferenceRequest, request: Request) ->
         return problem
     settings = request.app.state.settings
     try:
-        items = decode_request(body)
+        items = decode_request(body, request.state.v2_binary)
         timeout_s = _timeout(body)
-        names = _requested_outputs(body)
+        requested = _requested_outputs(body)
     except V2InputError as err:
         return v2_error(400, str(err))
     if len(items) > settings.max_batch_items:
@@ -488,9 +572,15 @@ async def _infer(model_name: str, body: V2InferenceRequest, request: Request) ->
     if isinstance(out, Response):
         return _native_to_v2(out)
     results, name, _ = out
-    top_k = items[0].top_k
-    return V2InferenceResponse(
-        model_name=name,
-        id=body.id if body.id is not None else request_id_of(request) or "",
-        outputs=encode_outputs([pair_result(r) for r in results], top_k=top_k, names=names),
+    names = [n for n, _ in requested]
+    outputs = encode_outputs([pair_result(r) for r in results], top_k=items[0].top_k, names=names)
+    response = V2InferenceResponse(
+        model_name=name, id=body.id if body.id is not None else request_id_of(request) or "", outputs=outputs
     )
+    binary = [o for o, (_, as_binary) in zip(outputs, requested, strict=True) if as_binary]
+    if not binary:
+        return response
+    data = [v2_binary.encode(o.datatype, o.data or []) for o in binary]
+    for o, blob in zip(binary, data, strict=True):
+        o.data, o.parameters = None, {"binary_data_size": len(blob)}
+    return v2_binary.binary_response(response.model_dump(exclude_none=True), data)

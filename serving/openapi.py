@@ -56,7 +56,10 @@ _STATUS: dict[int, tuple[str, dict[str, Any]]] = {
         "deadline allows",
         {},
     ),
-    415: ("the body has a Content-Type other than JSON (none is read as JSON)", {}),
+    415: (
+        "a Content-Type other than JSON (none is read as JSON), or a Content-Encoding other than gzip / deflate",
+        {},
+    ),
     422: ("invalid input: a type, a missing or unknown field, a limit, a range", {}),
     429: ("queue full (see Retry-After)", _RETRY_AFTER),
     500: ("span decoding failed (a server bug; the log has it)", {}),

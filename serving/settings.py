@@ -142,7 +142,11 @@ class ServeSettings(GangFlags):
     )
 
     # ---- limits on input
-    max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body (bytes); beyond: 413")
+    max_body_bytes: int = Field(
+        1_000_000,
+        ge=1024,
+        description="largest request body (bytes, inflated when gzip / deflate); beyond: 413",
+    )
     client_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -61,7 +61,7 @@ def shared() -> Iterator[tuple[TestClient, FakeFactory]]:
 def test_server_metadata_and_health() -> None:
     with serving(served_model_name=NAME) as (client, _):
         meta = client.get("/v2").json()
-        assert meta["name"] == "shardserve" and isinstance(meta["version"], str) and meta["extensions"] == []
+        assert meta["name"] == "shardserve" and isinstance(meta["version"], str) and meta["extensions"] == ["binary_tensor_data"]
         live = client.get("/v2/health/live")
         assert live.status_code == 200 and live.json() == {"live": True}
         ready = client.get("/v2/health/ready")
@@ -231,7 +231,10 @@ def test_requested_outputs_only_in_their_order_and_id_defaults_to_the_request_id
         ),
         (infer_body(contexts=[CONTEXT, "\u0301\u0301"]), "invalid_input: context[1]: yields no tokens"),
         (infer_body(questions=[QUESTION, "   "]), "question[1]"),
-        ({"inputs": [{"name": "question", "shape": [1], "datatype": "BYTES"}]}, "data"),
+        (
+            {"inputs": [{"name": "question", "shape": [1], "datatype": "BYTES"}, tensor("context", [CONTEXT])]},
+            "input 'question' has no data",
+        ),
         ({"inputs": "question"}, "inputs"),
         ({"inputs": [], "extra": 1}, "extra"),
     ],

@@ -29,7 +29,9 @@ scratch directory and sends them to rank 0, and on resume rank 0 sends it the fi
 (``training/run_files.py``, over torch.distributed).
 
 The driver asks `resume_point` where a ``--resume`` run starts (the newest checkpoint, refused if
-its layout, seed, length or data differ); each rank owns a `CheckpointManager` that restores its
+its layout, seed, length or data differ; one whose trainer state or rank files are missing or do not
+open is skipped for the newest intact one, with a warning, and left in place:
+`choose_resume_checkpoint`); each rank owns a `CheckpointManager` that restores its
 state (`load`) and writes its part of every checkpoint (`save`, when `due`)::
 
     manager = CheckpointManager(ctx, stage, opt, cfg=cfg, run=run, files=RunFiles(ctx, run))
@@ -48,7 +50,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,18 +172,114 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def resumable_checkpoint(out_dir: Path) -> Path:
-    """What ``--resume`` continues: the newest ``checkpoint-*`` of ``out_dir``, or its ``final`` when
-    that is newer (a finished run: nothing is left to train), or a `ResumeError`."""
-    latest = latest_checkpoint(out_dir)
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _rank_file_problem(path: Path) -> str | None:
+    """Why a rank's training-state file cannot be resumed from, or None: it must exist and open as
+    safetensors, whose header parse checks that the data covers the file exactly (a truncated or
+    padded file fails), with readable shard metadata. No tensor is read."""
+    if not path.is_file():
+        return f"{path}: missing"
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+        specs = json.loads(meta.get("shard_specs", "{}"))
+        int(meta.get("tp_rank", "0"))
+    except (SafetensorError, OSError) as exc:
+        return f"{path}: unreadable ({_one_line(str(exc))})"
+    except ValueError as exc:  # json.JSONDecodeError too
+        return f"{path}: damaged shard metadata ({_one_line(str(exc))})"
+    if not isinstance(specs, dict):
+        return f"{path}: damaged shard metadata (shard_specs is not a JSON object)"
+    return None
+
+
+def checkpoint_problem(ckpt: Path, *, rank_files: bool = True) -> str | None:
+    """Why ``ckpt`` cannot be resumed from, or None when it can: its trainer state reads, and (with
+    ``rank_files``) the training state of each of its ``pp * tp`` ranks (and any other
+    ``rank*.safetensors`` there, which an elastic resume merges) exists and opens
+    (`_rank_file_problem`: headers only, cheap)."""
+    try:
+        state = read_state(ckpt)
+    except ResumeError as exc:
+        return _one_line(str(exc))
+    if not rank_files:
+        return None
+    pp, tp = state.get("pp"), state.get("tp")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (pp, tp)):
+        return f"{ckpt / STATE_FILE}: no pp / tp layout (pp={pp!r}, tp={tp!r})"
+    folder = ckpt / "training_state"
+    names = {f"rank{r}.safetensors" for r in range(pp * tp)}
+    names |= {p.name for p in folder.glob("rank*.safetensors")}
+    for name in sorted(names, key=lambda n: (len(n), n)):  # rank2 before rank10
+        problem = _rank_file_problem(folder / name)
+        if problem is not None:
+            return problem
+    return None
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a ``--resume`` run continues, and the newer ones it skipped as damaged."""
+
+    path: Path
+    skipped: tuple[tuple[Path, str], ...] = ()  # (damaged checkpoint, why), newest first
+
+
+def _resume_candidates(out_dir: Path) -> list[Path]:
+    """Newest first: ``final`` when it is newer than every ``checkpoint-*`` (or its state is
+    unreadable: it is written last), then each ``checkpoint-*`` directory by step (also one without
+    a trainer state: published checkpoints always have one, so it is a damaged one)."""
+    if not out_dir.is_dir():
+        return []
+    ckpts = sorted(
+        ((int(m.group(1)), p) for p in out_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()),
+        reverse=True,
+    )
+    found = [p for _, p in ckpts]
     final = out_dir / "final"
-    if (final / STATE_FILE).is_file() and (
-        latest is None or read_state(final)["step"] > read_state(latest)["step"]
-    ):
-        return final
-    if latest is None:
+    if (final / STATE_FILE).is_file():
+        try:
+            newer = not ckpts or read_state(final)["step"] > ckpts[0][0]
+        except ResumeError:
+            newer = True
+        if newer:
+            found.insert(0, final)
+    return found
+
+
+def choose_resume_checkpoint(out_dir: Path) -> ResumeChoice:
+    """What ``--resume`` continues: the newest ``checkpoint-*`` of ``out_dir``, or its ``final`` when
+    that is newer (a finished run: nothing is left to train), provided it is intact
+    (`checkpoint_problem`; of ``final``, only its trainer state is read). A damaged one is skipped
+    with a warning naming it, why, and the older checkpoint resumed instead; it is left in place (a
+    resumed run's pruning spares it too). None intact, or none at all: a `ResumeError` naming each
+    damaged checkpoint."""
+    candidates = _resume_candidates(out_dir)
+    if not candidates:
         raise ResumeError(f"--resume: no checkpoint-* with {STATE_FILE} under {out_dir}")
-    return latest
+    skipped: list[tuple[Path, str]] = []
+    for path in candidates:
+        # a finished run's final: resuming it reads its trainer state alone (nothing is left to train)
+        problem = checkpoint_problem(path, rank_files=path.name != "final")
+        if problem is None:
+            for bad, why in skipped:
+                logger.warning(
+                    "--resume: %s is damaged (%s); resuming from %s, the newest intact checkpoint, "
+                    "instead (the damaged one is left in place)",
+                    bad, why, path,
+                )  # fmt: skip
+            return ResumeChoice(path, tuple(skipped))
+        skipped.append((path, problem))
+    damaged = "; ".join(f"{bad.name} ({why})" for bad, why in skipped)
+    raise ResumeError(f"--resume: no checkpoint under {out_dir} is intact, nothing to resume from: {damaged}")
+
+
+def resumable_checkpoint(out_dir: Path) -> Path:
+    """The path of `choose_resume_checkpoint`'s choice."""
+    return choose_resume_checkpoint(out_dir).path
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -218,9 +316,11 @@ def _umask() -> int:
     return mask
 
 
-def prune_checkpoints(out_dir: Path, *, keep: int) -> None:
-    """Delete all but the newest ``keep`` ``checkpoint-*`` directories."""
-    ckpts = list_checkpoints(out_dir)
+def prune_checkpoints(out_dir: Path, *, keep: int, spare: Collection[str] = ()) -> None:
+    """Delete all but the newest ``keep`` ``checkpoint-*`` directories. Those named in ``spare`` (the
+    damaged ones a ``--resume`` skipped) are neither deleted nor counted: a damaged newer checkpoint
+    must not push out the intact ones."""
+    ckpts = [(step, path) for step, path in list_checkpoints(out_dir) if path.name not in spare]
     for _, path in ckpts[: max(0, len(ckpts) - keep)]:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -309,6 +409,7 @@ class ResumePoint:
     step: int = 0
     path: str | None = None  # the checkpoint directory resumed from
     loss_scale: float | None = None  # fp16 runs: the checkpoint's dynamic loss scale
+    skipped: tuple[str, ...] = ()  # newer checkpoints found damaged and passed over
 
 
 # settings a resumed run may change: where and how it runs, what it logs and keeps; every other
@@ -354,14 +455,23 @@ def _changed_settings(state: dict[str, Any], cfg: TrainConfig) -> dict[str, tupl
     }
 
 
-def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, compute_dtype: str) -> ResumePoint:
-    """The newest ``checkpoint-*`` of ``cfg.output`` when ``cfg.resume`` (else step 0); a checkpoint
+def resume_point(
+    cfg: TrainConfig,
+    *,
+    total_steps: int,
+    data_sha256: str,
+    compute_dtype: str,
+    choice: ResumeChoice | None = None,
+) -> ResumePoint:
+    """The newest intact ``checkpoint-*`` of ``cfg.output`` when ``cfg.resume`` (else step 0; ``choice``:
+    `choose_resume_checkpoint`'s, when the caller made it already); a checkpoint
     written with another seed, length or data is a `ResumeError` naming the differences, and so is
     another (pp, tp) unless ``cfg.elastic``. The data-parallel degree may always change (the
     checkpoint does not depend on it)."""
     if not cfg.resume:
         return ResumePoint()
-    latest = resumable_checkpoint(Path(cfg.output))
+    choice = choice or choose_resume_checkpoint(Path(cfg.output))
+    latest = choice.path
     state = read_state(latest)
     now = {
         "pp": cfg.pp,
@@ -385,7 +495,8 @@ def resume_point(cfg: TrainConfig, *, total_steps: int, data_sha256: str, comput
     if state.get("compute_dtype") == "float16" and compute_dtype == "float16":
         scale = float(state["loss_scale"])
     logger.info("resuming from %s at step %d of %d", latest, int(state["step"]), total_steps)
-    return ResumePoint(step=int(state["step"]), path=str(latest), loss_scale=scale)
+    skipped = tuple(str(path) for path, _ in choice.skipped)
+    return ResumePoint(step=int(state["step"]), path=str(latest), loss_scale=scale, skipped=skipped)
 
 
 def trainer_state(cfg: TrainConfig, run: RunInfo, step: int, *, loss_scale: float) -> dict[str, Any]:
@@ -440,6 +551,8 @@ class CheckpointManager:
         self.names = {p: n for n, p in stage.named_parameters()}
         self.world = ctx.plan.dims.world_size
         self.writes = ctx.dp_rank == 0  # replica 0 writes the (dp-free) checkpoint files
+        # damaged checkpoints this (resumed) run skipped: pruning spares them until one is rewritten
+        self.spare = {Path(p).name for p in run.skipped_checkpoints}
 
     def _needed(self, ckpt: Path, rank: int) -> list[str]:
         """The files of ``ckpt`` that ``rank`` reads in ``load`` (its own training state, or every
@@ -495,9 +608,10 @@ class CheckpointManager:
         self._barrier()
         if self.ctx.rank == 0:
             self._assemble(tmp, step, loss_scale=loss_scale)
-            publish(tmp, out / name)
+            publish(tmp, out / name)  # replaces a damaged checkpoint of the same step
+            self.spare.discard(name)
             if not final:
-                prune_checkpoints(out, keep=self.cfg.keep_checkpoints)
+                prune_checkpoints(out, keep=self.cfg.keep_checkpoints, spare=self.spare)
         self._barrier()
 
     def _barrier(self) -> None:

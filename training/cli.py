@@ -169,7 +169,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue from the newest OUTPUT/checkpoint-* with the settings that shape the training "
         "unchanged (steps, --seed, data, split, windows, batch, optimizer, model; without --elastic also "
-        "--pp/--tp); how it runs, logs and saves may change; not with --overwrite",
+        "--pp/--tp); how it runs, logs and saves may change; not with --overwrite. A damaged checkpoint "
+        "(a rank file missing or cut short) is skipped with a warning for the newest intact one",
     )
     g.add_argument(
         "--elastic",
@@ -308,9 +309,34 @@ def network_problem(args: argparse.Namespace) -> tuple[str | None, GangNetwork |
     return None, dataclasses.replace(flags.network(), program=REMOTE_PROGRAM)
 
 
+def stopped_run_hint(output: Path) -> str:
+    """Where a run stopped early (Ctrl-C, SIGTERM) stands: the checkpoint ``--resume`` continues
+    from, or how to start again when none was written."""
+    from training.checkpoint import latest_checkpoint, run_artifacts
+
+    latest = latest_checkpoint(output)
+    if latest is not None:
+        return f"the newest checkpoint is {latest}; the same command with --resume continues from it"
+    if run_artifacts(output):  # a curve, a temporary checkpoint: a new run needs --overwrite
+        return "no checkpoint was written yet; the same command with --overwrite starts again"
+    return "no checkpoint was written yet"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    """``shardserve train``; a SIGTERM stops it like Ctrl-C (the ranks killed), in one line, exit 143."""
+    from training.sigterm import Terminated, raise_on_sigterm
+
+    try:
+        with raise_on_sigterm():
+            return _train(args)
+    except Terminated as exc:  # the ranks were killed on the way out (trainer.train)
+        print(f"terminated (SIGTERM): {stopped_run_hint(Path(args.output))}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _train(args: argparse.Namespace) -> int:
     from partitioner.gang import GangError
-    from training.checkpoint import ResumeError, latest_checkpoint
+    from training.checkpoint import ResumeError
     from training.squad_data import SquadFormatError
     from training.trainer import TrainConfig, TrainConfigError, train
 
@@ -384,11 +410,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"error: {gang_error_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # the ranks were killed on the way out (trainer.train)
-        latest = latest_checkpoint(Path(args.output))
-        where = (
-            f"the newest checkpoint is {latest}" if latest is not None else "no checkpoint was written yet"
-        )
-        print(f"interrupted: {where}; the same command with --resume continues from it", file=sys.stderr)
+        print(f"interrupted: {stopped_run_hint(Path(args.output))}", file=sys.stderr)
         return 130
     if result.steps_run == 0:
         print(
@@ -412,6 +434,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """``shardserve eval``; a SIGTERM stops it like Ctrl-C (the ranks killed), in one line, exit 143."""
+    from training.sigterm import Terminated, raise_on_sigterm
+
+    try:
+        with raise_on_sigterm():
+            return _eval(args)
+    except Terminated as exc:  # the evaluation gang was killed on the way out (Gang.__exit__)
+        print("terminated (SIGTERM): the evaluation was stopped before it finished", file=sys.stderr)
+        return exc.exit_code
+
+
+def _eval(args: argparse.Namespace) -> int:
     from partitioner.gang import GangError
     from training.evaluate import EvalConfig, EvalConfigError, evaluate_model
     from training.squad_data import SquadFormatError

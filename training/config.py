@@ -240,3 +240,5 @@ class RunInfo:
     # ranks joined with `shardserve worker` on other hosts: they get and give run files through
     # rank 0 (training/run_files.py), assuming no shared filesystem
     remote_ranks: tuple[int, ...] = ()
+    # --resume: newer checkpoints found damaged and passed over; rank 0's pruning spares them
+    skipped_checkpoints: tuple[str, ...] = ()

@@ -33,6 +33,7 @@ def from_json(body: dict[str, Any], source: ModelSource) -> tuple[dict[str, Any]
     cfg = TrainConfig.from_dict(body["train"])
     run_fields = dict(body["run"])
     run_fields["remote_ranks"] = tuple(run_fields.get("remote_ranks", ()))
+    run_fields["skipped_checkpoints"] = tuple(run_fields.get("skipped_checkpoints", ()))
     run = RunInfo(**run_fields)
     return {"train": cfg, "run": run}, with_dropout(source, cfg.dropout)
 

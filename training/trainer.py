@@ -554,8 +554,9 @@ def train(
     mode = "no autocast" if precision.name == "float32" else "autocast, fp32 master weights"
     logger.info("precision: %s %s (%s)", precision.name, mode, precision.reason)
     out = Path(cfg.output)
-    if cfg.resume:  # nothing to resume from: say so before tokenizing the data
-        ckpt.read_state(ckpt.resumable_checkpoint(out))
+    choice = None
+    if cfg.resume:  # nothing (intact) to resume from: say so before tokenizing the data
+        choice = ckpt.choose_resume_checkpoint(out)
     elif not overwrite and (found := ckpt.run_artifacts(out)):
         names = ", ".join(p.name for p in found)
         raise TrainConfigError(
@@ -569,7 +570,7 @@ def train(
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.floor(cfg.epochs * per_epoch))
     warmup = math.floor(cfg.warmup_ratio * total)
     start = ckpt.resume_point(
-        cfg, total_steps=total, data_sha256=data.data_sha256, compute_dtype=precision.name
+        cfg, total_steps=total, data_sha256=data.data_sha256, compute_dtype=precision.name, choice=choice
     )
     start_step = start.step
     if overwrite and not cfg.resume:
@@ -592,6 +593,7 @@ def train(
         compute_dtype=precision.name,
         loss_scale=loss_scale,
         remote_ranks=tuple(external),
+        skipped_checkpoints=start.skipped,
     )
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
     spec = GangSpec(

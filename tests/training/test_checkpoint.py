@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -123,11 +124,22 @@ def test_trainer_state_is_the_on_disk_format() -> None:
     assert state == OLD_STATE
 
 
-def _write_checkpoint(out: Path, step: int, **changes) -> Path:
+def _write_checkpoint(out: Path, step: int, *, ranks: int = 2, **changes) -> Path:
+    """A checkpoint's trainer state (``OLD_STATE``: pp=2, tp=1) and ``ranks`` rank files."""
     ckpt = out / f"checkpoint-{step}"
-    ckpt.mkdir(parents=True)
+    (ckpt / "training_state").mkdir(parents=True)
     (ckpt / STATE_FILE).write_text(json.dumps({**OLD_STATE, "step": step, **changes}))
+    for rank in range(ranks):
+        save_file(
+            {"layers.0.mlp.up.weight": torch.zeros(3, 2)},
+            str(ckpt / "training_state" / f"rank{rank}.safetensors"),
+            metadata={"tp_rank": "0", "shard_specs": "{}"},
+        )
     return ckpt
+
+
+def _truncate(path: Path, n: int = 10) -> None:
+    path.write_bytes(path.read_bytes()[:-n])
 
 
 def test_resume_point_takes_the_newest_matching_checkpoint(tmp_path: Path) -> None:
@@ -184,6 +196,110 @@ def test_resume_of_a_finished_run_points_at_its_final(tmp_path: Path) -> None:
     assert resume_point(cfg, **kw).step == 6088  # no checkpoint-* at all
     _write_checkpoint(tmp_path, 6000)
     assert resume_point(cfg, **kw).path == str(final)
+
+
+def test_resume_skips_damaged_newer_checkpoints_for_the_newest_intact_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A truncated or missing rank file (or a damaged trainer state) in the newest checkpoint: --resume
+    failed on it (naming the file) and never said that an older one was intact. Now it resumes from
+    the newest intact checkpoint, with a warning naming each damaged one and why; they stay in place."""
+    cfg = dataclasses.replace(TrainConfig.from_dict(OLD_STATE["config"]), output=str(tmp_path))
+    kw = dict(total_steps=6088, data_sha256=OLD_STATE["data_sha256"], compute_dtype="bfloat16")
+    _write_checkpoint(tmp_path, 1000)
+    intact = _write_checkpoint(tmp_path, 1100)
+    truncated = _write_checkpoint(tmp_path, 1200)
+    _truncate(truncated / "training_state" / "rank1.safetensors")
+    missing = _write_checkpoint(tmp_path, 1300, ranks=1)  # rank1's file never arrived
+    bad_state = _write_checkpoint(tmp_path, 1400)
+    (bad_state / STATE_FILE).write_text('{"step": 14')
+    no_state = _write_checkpoint(tmp_path, 1500)
+    (no_state / STATE_FILE).unlink()
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        point = resume_point(cfg, **kw)
+    assert (point.step, point.path) == (1100, str(intact))
+    assert point.skipped == tuple(str(p) for p in (no_state, bad_state, missing, truncated))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4, warnings
+    for ckpt, why in (
+        (no_state, f"no {STATE_FILE}"),
+        (bad_state, "not valid JSON"),
+        (missing, f"{missing / 'training_state' / 'rank1.safetensors'}: missing"),
+        (truncated, f"{truncated / 'training_state' / 'rank1.safetensors'}: unreadable"),
+    ):
+        line = next(w for w in warnings if w.startswith(f"--resume: {ckpt} is damaged ("))
+        assert why in line and f"resuming from {intact}," in line, line
+    assert (truncated / "training_state" / "rank1.safetensors").is_file()  # nothing was deleted
+    assert (bad_state / STATE_FILE).is_file() and no_state.is_dir()
+
+
+def test_resume_with_no_intact_checkpoint_is_one_error_naming_each(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(TrainConfig.from_dict(OLD_STATE["config"]), output=str(tmp_path))
+    kw = dict(total_steps=6088, data_sha256=OLD_STATE["data_sha256"], compute_dtype="bfloat16")
+    older = _write_checkpoint(tmp_path, 1100, ranks=1)
+    newer = _write_checkpoint(tmp_path, 1200)
+    _truncate(newer / "training_state" / "rank0.safetensors")
+    with pytest.raises(ResumeError) as info:
+        resume_point(cfg, **kw)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"--resume: no checkpoint under {tmp_path} is intact"), msg
+    assert f"checkpoint-1100 ({older / 'training_state' / 'rank1.safetensors'}: missing)" in msg, msg
+    assert f"checkpoint-1200 ({newer / 'training_state' / 'rank0.safetensors'}: unreadable (" in msg, msg
+    assert msg.index("checkpoint-1200") < msg.index("checkpoint-1100")  # newest first
+
+
+def test_resume_past_a_damaged_final_takes_the_newest_intact_checkpoint(tmp_path: Path) -> None:
+    """A finished run's final is resumed on its trainer state alone (nothing is left to train); an
+    unreadable one is damaged like any checkpoint."""
+    cfg = dataclasses.replace(TrainConfig.from_dict(OLD_STATE["config"]), output=str(tmp_path))
+    kw = dict(total_steps=6088, data_sha256=OLD_STATE["data_sha256"], compute_dtype="bfloat16")
+    intact = _write_checkpoint(tmp_path, 6000)
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / STATE_FILE).write_text('{"step": 60')
+    point = resume_point(cfg, **kw)
+    assert (point.path, point.skipped) == (str(intact), (str(final),))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["none", "extra rank file truncated", "shard_specs not JSON", "no layout", "header garbage", "empty"],
+)
+def test_checkpoint_problem_reads_headers_of_every_rank_file(tmp_path: Path, damage: str) -> None:
+    from training.checkpoint import checkpoint_problem
+
+    ckpt = _write_checkpoint(tmp_path, 5, ranks=3)  # pp*tp = 2, and an extra rank2 an elastic resume merges
+    rank = ckpt / "training_state" / "rank2.safetensors"
+    if damage == "extra rank file truncated":
+        _truncate(rank, 1)
+    elif damage == "shard_specs not JSON":
+        save_file({"w": torch.zeros(1)}, str(rank), metadata={"shard_specs": "{"})
+    elif damage == "no layout":
+        (ckpt / STATE_FILE).write_text(json.dumps({**OLD_STATE, "pp": None}))
+    elif damage == "header garbage":
+        rank.write_bytes(rank.read_bytes()[:8] + b"\xff" * 16 + rank.read_bytes()[24:])
+    elif damage == "empty":
+        rank.write_bytes(b"")
+    problem = checkpoint_problem(ckpt)
+    if damage == "none":
+        assert problem is None
+    else:
+        where = ckpt / STATE_FILE if damage == "no layout" else rank
+        assert problem is not None and problem.startswith(f"{where}: ") and "\n" not in problem, problem
+
+
+def test_pruning_spares_the_damaged_checkpoints_a_resume_skipped(tmp_path: Path) -> None:
+    """Resumed from checkpoint-2 past a damaged checkpoint-4, a run keeping 1 checkpoint wrote
+    checkpoint-3 and pruned it with checkpoint-2 (the damaged 4 counted as the newest), leaving no
+    intact checkpoint. The damaged one is neither counted nor deleted."""
+    from training.checkpoint import prune_checkpoints
+
+    for step in (2, 3, 4):
+        _write_checkpoint(tmp_path, step)
+    prune_checkpoints(tmp_path, keep=1, spare={"checkpoint-4"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    prune_checkpoints(tmp_path, keep=1)  # once rewritten it is no longer spared
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
 
 
 def test_run_artifacts_are_the_runs_own_files_and_clear_run_removes_only_them(tmp_path: Path) -> None:

@@ -1,14 +1,17 @@
 """``shardserve train`` / ``eval`` user mistakes: one line on stderr, exit 2, no traceback (issue 11.6),
-and a finished run's ``final`` is never replaced silently (issue 11.12)."""
+and a finished run's ``final`` is never replaced silently (issue 11.12); Ctrl-C (exit 130) and
+SIGTERM (exit 143) stop a run in one line, its ranks killed."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardserve.cli import main
 
@@ -234,10 +237,15 @@ def test_train_output_that_cannot_be_created_is_one_line(
             locked.chmod(0o700)
 
 
-def _fake_checkpoint(out: Path, step: int, state: str) -> Path:
+def _fake_checkpoint(out: Path, step: int, state: str, *, ranks: int = 0) -> Path:
+    """A checkpoint directory with the trainer state ``state`` and ``ranks`` (tiny) rank files."""
+    from safetensors.torch import save_file
+
     ckpt = out / f"checkpoint-{step}"
-    ckpt.mkdir(parents=True)
+    (ckpt / "training_state").mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(state)
+    for rank in range(ranks):
+        save_file({"w": torch.zeros(2)}, str(ckpt / "training_state" / f"rank{rank}.safetensors"))
     return ckpt
 
 
@@ -251,12 +259,28 @@ def test_train_resume_problems_are_one_line(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "damaged" / ".cache").exists()
     # a checkpoint of another length / layout: ResumeError's own message, as one line
     state = {"step": 2, "total_steps": 3, "pp": 1, "tp": 1, "seed": 0, "data_sha256": "x"}
-    _fake_checkpoint(tmp_path / "other", 2, json.dumps(state))
+    _fake_checkpoint(tmp_path / "other", 2, json.dumps(state), ranks=1)
     argv = _train_argv(
         tmp_path, tmp_path / "other", "--resume", "--batch-size", "1", "--micro-batch-size", "1"
     )
     _one_line_error(capsys, [*argv, "--max-steps", "5"], "cannot resume", "'total_steps': (3, 5)")
     _one_line_error(capsys, [*argv, "--max-steps", "3", "--pp", "2"], "'pp': (1, 2)", "--elastic")
+    # every checkpoint damaged (a rank file truncated, one missing): one line naming each and why
+    newer = _fake_checkpoint(tmp_path / "all-damaged", 4, json.dumps(state), ranks=1)
+    rank0 = newer / "training_state" / "rank0.safetensors"
+    rank0.write_bytes(rank0.read_bytes()[:-3])
+    older = _fake_checkpoint(tmp_path / "all-damaged", 2, json.dumps(state))
+    argv = _train_argv(
+        tmp_path, tmp_path / "all-damaged", "--resume", "--batch-size", "1", "--micro-batch-size", "1"
+    )
+    _one_line_error(
+        capsys,
+        argv,
+        "no checkpoint under",
+        f"checkpoint-4 ({rank0}: unreadable (",
+        f"checkpoint-2 ({older / 'training_state' / 'rank0.safetensors'}: missing)",
+    )
+    assert not (tmp_path / "all-damaged" / ".cache").exists()  # refused before tokenizing
 
 
 @pytest.mark.parametrize("command", ["train", "eval"])
@@ -327,10 +351,10 @@ def test_a_diverging_run_stops_with_one_line_and_publishes_no_final(
     assert not (out / "final").exists()
 
 
-def test_ctrl_c_stops_a_pipelined_run_at_once_with_one_line(tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT to the process group): the ranks ignore it and ran on for a minute while the
-    driver waited to drain them, then a 33-line traceback. Now: killed, one line naming the newest
-    checkpoint, exit 130, no rank left."""
+def _stop_a_pipelined_run(tmp_path: Path, stop: Callable[[int], None]) -> tuple[int, float, str, list[int]]:
+    """Start a long pipelined ``shardserve train`` in a session of its own, wait for its
+    checkpoint-2, then ``stop(driver pid)``: (exit code, seconds it took to exit, its stderr, the
+    pids of the driver and its ranks)."""
     import signal
     import subprocess
     import sys
@@ -358,16 +382,18 @@ def test_ctrl_c_stops_a_pipelined_run_at_once_with_one_line(tmp_path: Path) -> N
             ).stdout.split()
         ]
         t0 = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
+        stop(proc.pid)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130 and time.monotonic() - t0 < 15
+        return proc.returncode, time.monotonic() - t0, err, pids
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("interrupted: the newest checkpoint is") and "--resume" in lines[0], err
+
+
+def _alive_after_a_while(pids: list[int]) -> list[str]:
+    """The command lines of the processes in ``pids`` still alive 5 s on (or as soon as none is)."""
+    import time
 
     def alive() -> list[str]:
         out = []
@@ -381,4 +407,107 @@ def test_ctrl_c_stops_a_pipelined_run_at_once_with_one_line(tmp_path: Path) -> N
     deadline = time.monotonic() + 5
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(), alive()
+    return alive()
+
+
+def test_ctrl_c_stops_a_pipelined_run_at_once_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the process group): the ranks ignore it and ran on for a minute while the
+    driver waited to drain them, then a 33-line traceback. Now: killed, one line naming the newest
+    checkpoint, exit 130, no rank left."""
+    import signal
+
+    code, took, err, pids = _stop_a_pipelined_run(tmp_path, lambda pid: os.killpg(pid, signal.SIGINT))
+    assert code == 130 and took < 15, (code, took, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("interrupted: the newest checkpoint is") and "--resume" in lines[0], err
+    assert not _alive_after_a_while(pids)
+
+
+def test_sigterm_stops_a_pipelined_run_at_once_with_one_line(tmp_path: Path) -> None:
+    """SIGTERM to the driver alone (``kill PID``, Kubernetes stopping the pod): it died at once with
+    no word (exit -15 here, 143 in a shell) while the checkpoints were resumable. Now as Ctrl-C: the
+    ranks killed, one line naming the newest checkpoint and --resume, exit 143, no rank left."""
+    import signal
+
+    code, took, err, pids = _stop_a_pipelined_run(tmp_path, lambda pid: os.kill(pid, signal.SIGTERM))
+    assert code == 143 and took < 15, (code, took, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("terminated (SIGTERM): the newest checkpoint is"), err
+    assert str(tmp_path / "run" / "checkpoint-") in lines[0] and "--resume" in lines[0], err
+    assert not _alive_after_a_while(pids)
+
+
+@pytest.fixture
+def sigterm_caught() -> Iterator[list[int]]:
+    """A SIGTERM handler that only counts, so a test may signal its own process (the default
+    action would end pytest); restored afterwards."""
+    import signal
+
+    got: list[int] = []
+
+    def count(signum: int, frame: object) -> None:
+        got.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, count)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_self_then_wait(*_args: object, **_kwargs: object) -> dict[str, float]:
+    """Stands in for the training / evaluation: SIGTERM to this process, then 5 s of work."""
+    import signal
+    import time
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    return {"exact": 0.0}
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_sigterm_during_train_or_eval_is_one_line_and_exit_143(
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    sigterm_caught: list[int],
+) -> None:
+    """In-process (the gang-free part of the SIGTERM handling): the command stops at once with one
+    line and exit 143, and the process's previous SIGTERM handler is back afterwards."""
+    import signal
+    import time
+
+    import training.evaluate
+    import training.trainer
+
+    monkeypatch.setattr(training.trainer, "train", _sigterm_self_then_wait)
+    monkeypatch.setattr(training.evaluate, "evaluate_model", _sigterm_self_then_wait)
+    out = tmp_path / "run"
+    if command == "train":
+        _fake_checkpoint(out, 2, "{}")
+        argv = _tiny_run(tmp_path, out, "--max-steps", "4")
+        want = f"terminated (SIGTERM): the newest checkpoint is {out / 'checkpoint-2'}; "
+    else:
+        argv = ["eval", "--model", "tiny-bert", "--data", str(_squad_file_of(tmp_path, 2)), "--pp", "2"]
+        want = "terminated (SIGTERM): the evaluation was stopped"
+    handler = signal.getsignal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert main(argv) == 143
+    assert time.monotonic() - t0 < 4 and not sigterm_caught  # our handler ran, not the test's
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "\n" not in err and err.startswith(want) and not captured.out, err
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_stopped_run_hint_without_a_checkpoint_does_not_promise_a_resume(tmp_path: Path) -> None:
+    from training.cli import stopped_run_hint
+
+    out = tmp_path / "run"
+    assert stopped_run_hint(out) == "no checkpoint was written yet"
+    out.mkdir()
+    (out / "curve.csv").write_text("step\n")  # what a run writes once its gang is up
+    assert "--overwrite" in stopped_run_hint(out) and "--resume" not in stopped_run_hint(out)

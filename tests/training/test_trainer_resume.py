@@ -6,7 +6,9 @@
 - a LoRA run's ``overlay.safetensors`` loads onto the base model (``load_weights`` merges the
   factors, slice-aware) equal to the merged checkpoint, single-process and in a tp=2 gang;
 - ``shardserve train`` / ``shardserve eval`` work end to end, and a checkpoint trained at one
-  (pp, tp) scores the same at another.
+  (pp, tp) scores the same at another;
+- ``--resume`` past a truncated newest checkpoint warns, continues from the older intact one, and
+  its pruning neither deletes the damaged one nor lets it push out the new intact one.
 
     python -m pytest tests/training/test_trainer_resume.py -q
 """
@@ -200,3 +202,36 @@ def test_cli_resume_summary_counts_only_this_runs_steps(tmp_path, capsys):
     assert summary.startswith("trained 1 step (resumed at step 2 of 3) in "), summary
     rate = float(summary.split("(")[2].split(" examples/s")[0])
     assert rate > 0, summary
+
+
+def test_cli_resume_falls_back_past_a_truncated_checkpoint(tmp_path, capsys, caplog):
+    """The newest checkpoint's rank file truncated (a disk filled up, a copy cut short): --resume
+    failed on it although checkpoint-2 was intact. Now it warns, naming the damaged one, resumes from
+    checkpoint-2, and its pruning (--keep-checkpoints 1) spares the damaged checkpoint-4 without
+    letting it push out the new intact checkpoint-3."""
+    import logging
+
+    data = write_tiny_squad(tmp_path / "train.json")
+    out = tmp_path / "run"
+    argv = [
+        "train", "--model", "tiny-bert", "--train-file", str(data), "--output", str(out),
+        "--batch-size", "8", "--micro-batch-size", "4", "--max-steps", "6", "--save-every", "2",
+        "--max-seq-len", "64", "--doc-stride", "24", "--max-question-len", "16", "--no-progress",
+        "--precision", "fp32", "--log-every", "0",
+    ]  # fmt: skip
+    assert shardserve_main([*argv, "--fail-at-step", "4"]) == 1  # crashes after checkpoint-4
+    assert [step for step, _ in list_checkpoints(out)] == [2, 4]
+    damaged = out / "checkpoint-4" / "training_state" / "rank0.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        assert shardserve_main([*argv, "--resume", "--save-every", "3", "--keep-checkpoints", "1"]) == 0
+    summary = capsys.readouterr().out.splitlines()[0]
+    assert summary.startswith("trained 4 steps (resumed at step 2 of 6) in "), summary
+    warnings = [r.getMessage() for r in caplog.records if r.name == "training.checkpoint"]
+    assert len(warnings) == 1, warnings
+    (line,) = warnings
+    assert line.startswith(f"--resume: {out / 'checkpoint-4'} is damaged ({damaged}: unreadable ("), line
+    assert f"resuming from {out / 'checkpoint-2'}," in line, line
+    assert [step for step, _ in list_checkpoints(out)] == [3, 4] and (out / "final").is_dir()
+    assert damaged.stat().st_size > 0  # left as it was

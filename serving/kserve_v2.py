@@ -445,7 +445,8 @@ def _requested_outputs(body: V2InferenceRequest) -> list[tuple[str, bool]]:
         if name in out:
             raise V2InputError(f"output {name!r} is requested twice")
         flag = params.pop("binary_data", None)
-        for key, value in params.items():
+        if params:
+            key, value = next(iter(params.items()))
             raise V2InputError(f"output {name!r}: parameter {key}={value!r} is not supported")
         out[name] = binary if flag is None else _flag(f"output {name!r} binary_data", flag)
     return list(out.items())

@@ -15,6 +15,10 @@ writes the access log; routes under /v1 and /v2/models (but model readiness, a h
 ``Content-Length`` / streamed size over ``max_body_bytes`` -> 413, invalid UTF-8 -> 400; a gzip or
 deflate ``Content-Encoding`` is inflated (within ``max_body_bytes``), another is a 415.
 
+Paths match exactly: Starlette's ``redirect_slashes`` is off here and in the mounted ``/ui`` app
+(``no_slash_redirects``), so ``/v1/qa/`` is a 404, not a 307 to a ``Location`` built from the
+request's ``Host`` header (an open redirect).
+
     uvicorn.run(build_app(ServeSettings(model="tiny-bert")))        # or: shardserve serve
     build_app(settings, backend_factory=fake)                        # tests: fake gangs in-process
 
@@ -38,7 +42,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Mount
 
 from partitioner.precision import DtypeChoice, resolve_dtype
 from serving import content_encoding, kserve_v2, v2_binary
@@ -129,8 +135,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.stop(timeout_s=settings.drain_timeout_s)
         await supervisor.stop()
         await app.state.status.stop()
-        # the gangs get what is left of it; stopping now (a second signal): none, their ranks are killed
-        await manager.close(timeout_s=0.0 if engine.aborting else engine.drain_left_s() or 0.0)
+        # the gangs get what is left of it; none, their ranks killed, when stopping now (a second
+        # signal) or when no gang was ever ready (a signal during start-up or while the first gang
+        # starts: nothing needs it any more, and its start could take minutes)
+        stop_now = engine.aborting or not manager.ever_ready
+        await manager.close(timeout_s=0.0 if stop_now else engine.drain_left_s() or 0.0)
         logger.info("shut down")
 
 
@@ -289,6 +298,7 @@ def build_app(
         lifespan=lifespan,
         docs_url=None,  # /docs and /redoc: serving/pages.py, with local assets (no CDN)
         redoc_url=None,
+        redirect_slashes=False,  # (module doc) and the mounted /ui app: no_slash_redirects below
     )
     app.state.settings = settings
     app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device
@@ -310,4 +320,15 @@ def build_app(
     include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
     install_pages(app)  # status page at /, GET /ui/status, offline /docs and /redoc
     install_openapi(app, settings)  # the document with the settings' limits (question length, ...)
+    no_slash_redirects(app)
     return app
+
+
+def no_slash_redirects(app: Starlette) -> None:
+    """Turn Starlette's ``redirect_slashes`` off in ``app`` and in every application mounted in it
+    (``/ui``): an unknown path with or without its trailing slash is a 404, never a redirect to a
+    ``Location`` made of the request's ``Host`` header (module doc)."""
+    app.router.redirect_slashes = False
+    for route in app.router.routes:
+        if isinstance(route, Mount) and isinstance(route.app, Starlette):
+            no_slash_redirects(route.app)

@@ -9,6 +9,11 @@ The flags are generated from ``serving.settings.ServeSettings`` (one source of t
 on the command line wins over the environment, which wins over the default. SIGTERM/SIGINT flip
 readiness to 503 at once, let admitted requests finish (bounded by --drain-timeout-s), stop the
 gangs and exit 0; a second signal stops now (admitted requests answered 503, exit 130).
+
+A signal during start-up, before uvicorn serves (the imports, the model's checks, the app's start-up),
+stops at once: one warning line, the ranks of any gang being started killed, exit 128 + the signal
+(143 for SIGTERM, 130 for SIGINT), no traceback (``StartupSignals``). Once serving, a gang that was
+never ready is killed at shutdown rather than waited for (``serving.app``'s lifespan).
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
+from types import FrameType, TracebackType
 from typing import Any
 
 import uvicorn
@@ -29,6 +37,69 @@ from serving.redact import one_line
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # after --drain-timeout-s: time to write the 503s before uvicorn cancels requests
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StoppedDuringStartup(BaseException):
+    """A SIGTERM/SIGINT before uvicorn serves: it unwinds ``cmd_serve`` from whatever start-up is
+    doing, as KeyboardInterrupt would (a BaseException: no ``except Exception`` on the way stops it)."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.sig = sig
+
+
+class StartupSignals:
+    """``cmd_serve``'s SIGTERM/SIGINT handler, outside uvicorn's own (``DrainingServer.handle_exit``,
+    installed while uvicorn runs; uvicorn puts this one back when it is done).
+
+    Until the server has started, a signal raises ``StoppedDuringStartup`` in the main thread (the
+    model's checks take seconds; the default SIGTERM ended the process silently with 143, SIGINT with
+    a traceback); from then on (uvicorn's teardown) it is the server's, which counts it.
+
+        with StartupSignals() as signals:
+            ...                      # load: StoppedDuringStartup on a signal
+            signals.server = server  # then server.run()
+    """
+
+    def __init__(self) -> None:
+        self.server: DrainingServer | None = None
+        self.caught: int | None = None  # the signal raised as StoppedDuringStartup
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StartupSignals:
+        if threading.current_thread() is threading.main_thread():  # (signals reach the main thread only)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def check(self) -> None:
+        """Raise ``StoppedDuringStartup`` when a signal came whose exception something swallowed
+        (raised while a finalizer ran, it is only printed): the last moment before uvicorn runs."""
+        if self.caught is not None:
+            raise StoppedDuringStartup(self.caught)
+
+    def _handle(self, sig: int, frame: FrameType | None) -> None:
+        server = self.server
+        if server is not None and (server.started or server.startup_signal is not None):
+            server.handle_exit(sig, frame)
+        elif self.caught is None:  # (a second one while unwinding: already stopping)
+            self.caught = sig
+            raise StoppedDuringStartup(sig)
+
+
+def stopped_during_startup(sig: int) -> int:
+    """Kill the ranks of any gang being started, say so in one line; exit status 128 + ``sig``."""
+    from partitioner.gang import kill_live_gangs
+
+    kill_live_gangs()  # (the lifespan killed the gangs it started; atexit would too, later)
+    logger.warning("%s during start-up: stopped before serving", signal.Signals(sig).name)
+    return 128 + sig
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +122,14 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    with StartupSignals() as signals:
+        try:
+            return _serve(args, signals)
+        except StoppedDuringStartup as stop:
+            return stopped_during_startup(stop.sig)
+
+
+def _serve(args: argparse.Namespace, signals: StartupSignals) -> int:
     from models.hf_weights import CheckpointError
     from partitioner.flags import error_line, given_flags
     from serving.app import build_app
@@ -69,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem := bind_problem(settings.host, settings.port):  # before the model loads (seconds)
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    logger.info("loading %s", settings.model)
     try:  # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits
         model = load_generation(settings, settings.model, generation=0)
         device_pool(settings)
@@ -77,7 +157,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     app = build_app(settings, model=model)
     server = DrainingServer(uvicorn_config(settings, app), app)
+    signals.check()
+    signals.server = server
     server.run()
+    if server.startup_signal is not None:
+        return stopped_during_startup(server.startup_signal)
     if server.fatal_error is not None:
         print(f"error: {server.fatal_error}", file=sys.stderr)
         return 1
@@ -147,6 +231,7 @@ class DrainingServer(uvicorn.Server):
         self.fatal_error: str | None = None
         self._announced_ready = False
         self.signals = 0  # SIGTERM/SIGINT received (handle_exit)
+        self.startup_signal: int | None = None  # the first one, when it came before uvicorn served
         self._t0 = time.monotonic()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -185,10 +270,22 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """First SIGTERM/SIGINT: drain. Second: stop now (admitted requests answered 503, the gangs
-        stopped without waiting, exit 130). Third: kill the ranks and exit 130 at once."""
+        stopped without waiting, exit 130). Third: kill the ranks and exit 130 at once.
+
+        Before uvicorn serves (the app's start-up): stop without serving (nothing was admitted; the
+        lifespan kills the gangs it started, none was ever ready) and exit 128 + the signal; a third
+        signal kills the ranks and exits at once."""
         state = self._app.state
         engine = getattr(state, "engine", None)
         self.signals += 1
+        if self.startup_signal is not None or not self.started:
+            if self.startup_signal is None:
+                self.startup_signal = sig
+                state.shutting_down = True
+            elif self.signals >= 3:
+                self._kill_now(sig, 128 + self.startup_signal)
+            self.should_exit = True
+            return
         if self.signals == 1:
             if not state.shutting_down:
                 logger.warning("signal %d: readiness -> 503, draining (send it again to stop now)", sig)
@@ -200,12 +297,16 @@ class DrainingServer(uvicorn.Server):
             if engine is not None:
                 engine.abort()
         else:
-            from partitioner.gang import kill_live_gangs
-
-            logger.warning("signal %d a third time: killing the gangs' ranks and exiting now", sig)
-            kill_live_gangs()
-            os._exit(130)
+            self._kill_now(sig, 130)
         self.should_exit = True
+
+    @staticmethod
+    def _kill_now(sig: int, code: int) -> None:
+        from partitioner.gang import kill_live_gangs
+
+        logger.warning("signal %d a third time: killing the gangs' ranks and exiting now", sig)
+        kill_live_gangs()
+        os._exit(code)
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:

@@ -170,6 +170,46 @@ def test_models_health_and_openapi() -> None:
         assert {"/v1/qa", "/v1/qa/batch", "/v1/models", "/readyz", "/admin/reload"} <= set(paths)
 
 
+SLASH_MISFITS = [  # paths of the server with a slash too many (or, /ui, too few)
+    ("POST", "/v1/qa/"),
+    ("POST", "/v1/qa/batch/"),
+    ("GET", "/v1/models/"),
+    ("GET", "/readyz/"),
+    ("GET", "/metrics/"),
+    ("GET", "/openapi.json/"),
+    ("GET", "/docs/"),
+    ("GET", "/redoc/"),
+    ("GET", "/ui"),
+    ("GET", "/ui/status/"),
+    ("GET", "/v2/"),
+    ("GET", "/v2/models/tiny-bert/"),
+    ("POST", "/v2/models/tiny-bert/infer/"),
+]
+
+
+def test_a_slash_too_many_is_a_404_never_a_redirect_to_the_host_header() -> None:
+    """Starlette's ``redirect_slashes`` answered ``/v1/qa/`` 307 with ``Location:
+    http://<the request's Host>/v1/qa`` (an open redirect). Through uvicorn (its proxy headers
+    trusted from 127.0.0.1, as served), with a forged Host and X-Forwarded-*: the path's JSON 404."""
+    from tests.serving.live import live_server
+
+    app = build_app(ServeSettings(model="tiny-bert", replicas=1), backend_factory=FakeFactory())
+    forged = {"Host": "evil.example", "X-Forwarded-Host": "evil.example", "X-Forwarded-Proto": "https"}
+    with (
+        live_server(app, ready_timeout_s=30) as base,
+        httpx.Client(base_url=base, headers=forged, follow_redirects=False) as http,
+    ):
+        for method, path in SLASH_MISFITS:
+            r = http.request(method, path, json={} if method == "POST" else None)
+            assert r.status_code == 404 and "location" not in r.headers, (method, path, r.headers)
+            if path.startswith("/v2"):  # the Open Inference Protocol's error object
+                assert r.json() == {"error": "http_error: Not Found"}, path
+            else:
+                assert (r.json()["error"], r.json()["detail"]) == ("http_error", "Not Found"), path
+        for path in ("/", "/docs", "/redoc", "/openapi.json", "/ui/status", "/ui/static/app.js"):
+            assert http.get(path).status_code == 200, path  # the pages, where they are
+
+
 def test_readyz_is_503_until_a_gang_is_warm() -> None:
     factory = FakeFactory(start_s=0.5)
     app = build_app(ServeSettings(model="tiny-bert"), backend_factory=factory)

@@ -8,7 +8,7 @@ weights and fp32 optimizer state). ``auto`` asks torch what the device can do:
 - CUDA: bf16 when ``torch.cuda.is_bf16_supported()`` (Ampere and newer), else fp32 (fp16 has too
   little range to be a safe default); ``float16`` stays available explicitly.
 - CPU: bf16 when the CPU has bf16 units (Intel AMX or AVX512-BF16, as torch and oneDNN report
-  them), else fp32. A CPU without them still *runs* bf16 (emulated, slower than fp32), so an
+  them), else fp32. A CPU without them still *runs* bf16 (emulated, several times slower than fp32), so an
   explicit ``bfloat16`` is allowed with a warning; ``float16`` on a CPU without native fp16 units
   (AMX-FP16 / oneDNN fp16) is refused with an error naming the CPU.
 
@@ -174,7 +174,9 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeCh
             + use("bfloat16", "float32")
         )
     if requested == "bfloat16" and not caps.bf16:
-        logger.warning("bfloat16 on cpu %s without bf16 units: emulated, slower than float32", caps.model)
+        logger.warning(
+            "bfloat16 on cpu %s without bf16 units: emulated, several times slower than float32", caps.model
+        )
         return DtypeChoice(requested, f"requested; emulated on {caps.describe()}")
     return DtypeChoice(requested, f"requested on cpu {caps.model}")
 

@@ -16,6 +16,7 @@ Variants (--variants, comma-separated):
   bf16-compile-dyn  the same with dynamic=True (one graph for every batch size / bucket; what a
                   serving rank would need, since its batch shapes vary)
   fp32-compile    fp32 + torch.compile (freezing, static shapes)
+  fp32-compile-dyn  fp32 + torch.compile (dynamic shapes: the candidate on a CPU without bf16 units)
   int8            torch.ao dynamic quantization of the encoder's nn.Linear layers (qint8 weights,
                   activations quantized per batch; fbgemm/VNNI), fp32 elsewhere, QA head fp32
   int8-torchao    torchao Int8DynamicActivationInt8Weight on the encoder's Linear layers + compile
@@ -54,6 +55,7 @@ VARIANTS = (
     "bf16-compile",
     "bf16-compile-dyn",
     "fp32-compile",
+    "fp32-compile-dyn",
     "int8",
     "int8-torchao",
     "ort-fp32",

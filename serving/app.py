@@ -298,7 +298,6 @@ def build_app(
         lifespan=lifespan,
         docs_url=None,  # /docs and /redoc: serving/pages.py, with local assets (no CDN)
         redoc_url=None,
-        redirect_slashes=False,  # (module doc) and the mounted /ui app: no_slash_redirects below
     )
     app.state.settings = settings
     app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device

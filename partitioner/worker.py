@@ -17,7 +17,8 @@ by its qualified name), under one of two modes the driver handles differently:
 Every rank reports ``RankReady`` / ``RankStopped``, or ``RankFailed`` with its traceback before
 the process exits (``partitioner/messages.py``), and beats every ``HEARTBEAT_S`` with its
 progress; a rank whose driver disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when spawned
-locally, its parent process gone) exits on its own.
+locally, its parent process gone) exits on its own, after the hooks given to ``before_hard_exit``
+(a remote training rank removes its scratch directory there).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -242,11 +243,30 @@ class GangSpec:
         return "gloo"
 
 
+_HARD_EXIT_HOOKS: list[Callable[[], None]] = []
+
+
+def before_hard_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` if this rank ends in ``hard_exit`` (its driver or parent gone), where neither
+    ``finally`` blocks nor ``atexit`` run: e.g. removing a scratch directory."""
+    _HARD_EXIT_HOOKS.append(hook)
+
+
+def hard_exit(code: int) -> NoReturn:
+    """End the rank at once from any thread (``os._exit``), after the ``before_hard_exit`` hooks."""
+    for hook in _HARD_EXIT_HOOKS:
+        try:
+            hook()
+        except Exception:
+            logger.exception("a hook before the rank's exit failed")
+    os._exit(code)
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exit when the driver process is gone (so no orphan ranks hold ports or memory)."""
     while True:
         if os.getppid() != parent_pid:
-            os._exit(4)
+            hard_exit(4)
         time.sleep(0.5)
 
 
@@ -321,7 +341,7 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
     )
     if "SHARDSERVE_PARENT_PID" in env:  # spawned by a local driver: leave with it at once
         threading.Thread(target=_watch_parent, args=(int(env["SHARDSERVE_PARENT_PID"]),), daemon=True).start()
-    link = RankChannel.from_env(rank)  # heartbeats start now, before the slow part
+    link = RankChannel.from_env(rank, on_driver_lost=lambda: hard_exit(4))  # heartbeats start now
     code = 0
     try:
         torch.set_num_threads(spec.threads_per_rank)

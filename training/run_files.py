@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from partitioner.file_transfer import recv_files, send_files
-from partitioner.worker import RankContext
+from partitioner.worker import RankContext, before_hard_exit
 from training.config import RunInfo
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class RunFiles:
             Path(tempfile.mkdtemp(prefix=f"shardserve-rank{ctx.rank}-")) if self.is_remote else None
         )
         self._fetched = 0
+        if self.scratch is not None:
+            before_hard_exit(self.close)  # a rank whose driver is lost exits without its finally
 
     def fetch(self, root: Path, names_for: Callable[[int], list[str]]) -> Path:
         """Where this rank reads files of ``root`` (a directory of the run): ``root`` itself, or on

@@ -12,7 +12,7 @@ checkpoint parts back over torch.distributed (``training/run_files.py``).
   ``error:`` line naming rank 1; ``--resume`` with a new worker finishes, equal to the
   uninterrupted run within 1e-5;
 - host A lost (its link cut, so no connection is closed, only heartbeats stop): the worker on B exits
-  by itself (code 4) within the channel's driver timeout.
+  by itself (code 4) within the channel's driver timeout, and removes its scratch copy of the features.
 
 Skips, saying why, where network namespaces are not permitted.
 
@@ -73,6 +73,8 @@ class TwoHosts:
         self.a, self.b, self.logs = a, b, logs
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "SHARDSERVE_GANG_KEY": new_key().hex()}
         self._n = 0
+        self.worker_tmp = logs / "host-b-tmp"  # the workers' TMPDIR: their scratch directories
+        self.worker_tmp.mkdir()
 
     def _log(self, name: str) -> tuple[Path, object]:
         self._n += 1
@@ -90,7 +92,7 @@ class TwoHosts:
     def worker(self, **env: str) -> tuple[subprocess.Popen, Path]:
         path, out = self._log("worker")
         env = {**self.env, "MASTER_ADDR": self.a.addr, "MASTER_PORT": str(PORT), "RANK": "1",
-               "GLOO_SOCKET_IFNAME": self.b.ifname, **env}  # fmt: skip
+               "GLOO_SOCKET_IFNAME": self.b.ifname, "TMPDIR": str(self.worker_tmp), **env}  # fmt: skip
         argv = [sys.executable, "-m", "shardserve", "--log-level", "INFO", "worker"]
         return self.b.popen(argv, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT), path
 
@@ -125,6 +127,7 @@ def test_two_host_training_equals_single_process(tmp_path: Path) -> None:
         _finished(driver, driver_log)
         _finished(worker, worker_log)
     assert "joins the train_rank gang" in worker_log.read_text()
+    assert not list(hosts.worker_tmp.iterdir())  # the worker removed its scratch
     worst, where = max_diff(_final_weights(cfg), want)
     assert worst <= TOL, (worst, where)
 
@@ -174,3 +177,4 @@ def test_worker_exits_by_itself_when_its_driver_host_is_lost(tmp_path: Path) -> 
     assert code == 4, (code, worker_log.read_text()[-3000:])  # the channel's "driver is gone" exit
     assert waited <= DRIVER_TIMEOUT_S + 10, waited
     assert "nothing from the driver" in worker_log.read_text()
+    assert not list(hosts.worker_tmp.iterdir())  # its scratch copy of the features went with it

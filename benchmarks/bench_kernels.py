@@ -171,8 +171,9 @@ def make_forward(variant: str, source, *, onnx_dir: Path) -> tuple[Forward | Non
     from torch import nn
 
     from models.build import build_model
+    from partitioner.compiled import compile_stage  # what `shardserve serve --compile on` runs
 
-    types = source.config.type_vocab_size >= 2
+    types = source.config.uses_token_types
     if variant.startswith("ort-"):
         try:
             import onnxruntime  # noqa: F401
@@ -194,26 +195,19 @@ def make_forward(variant: str, source, *, onnx_dir: Path) -> tuple[Forward | Non
         except ImportError:
             return None, "torchao not installed"
         quantize_(model.layers, Int8DynamicActivationInt8WeightConfig())
-        model = _compile(model, dynamic=False)
+        model = compile_stage(model, dynamic=False)
         note = "torchao int8 dynamic act + int8 weight, compiled"
     if variant.endswith("-compile"):
-        model = _compile(model, dynamic=False)
+        model = compile_stage(model, dynamic=False)
         note += " + torch.compile (static)"
     elif variant.endswith("-compile-dyn"):
-        model = _compile(model, dynamic=True)
+        model = compile_stage(model, dynamic=True)
         note += " + torch.compile (dynamic)"
 
     def forward(ids, mask, tt):
         return model(ids, mask, tt if types else None)
 
     return forward, note
-
-
-def _compile(model, *, dynamic: bool):
-    import torch._inductor.config as inductor_config
-
-    inductor_config.freezing = True  # constant-fold weights, prepack them for oneDNN (inference)
-    return torch.compile(model, dynamic=dynamic)
 
 
 def export_onnx(source, path: Path) -> Path:

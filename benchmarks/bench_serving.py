@@ -160,7 +160,7 @@ def bench_raw(
     )
     # batch 1 keeps arrival order (what a one-at-a-time server computes); batches are length-sorted
     windows = enc.windows if batch_size == 1 else sorted(enc.windows, key=lambda w: w.num_tokens)
-    types = source.config.type_vocab_size >= 2
+    types = source.config.uses_token_types
     batches = []  # (input ids, attention mask, token types or None), each (B, S), on the device
     for i in range(0, len(windows), batch_size):
         b = pad_windows(windows[i : i + batch_size], pad_token_id=enc.pad_token_id)
@@ -289,7 +289,7 @@ def run_naive_server(args: argparse.Namespace) -> None:
     source = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
     model = build_model(source, dtype=DTYPES[args.naive_dtype], device=args.device)
-    types = source.config.type_vocab_size >= 2
+    types = source.config.uses_token_types
     lock = threading.Lock()
     app = FastAPI()
 

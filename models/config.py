@@ -72,6 +72,11 @@ class EncoderConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def uses_token_types(self) -> bool:
+        """Whether segment ids mean anything to the model (BERT: two types; RoBERTa's one row: no)."""
+        return self.type_vocab_size >= 2
+
+    @property
     def max_seq_len(self) -> int:
         """Longest input the position table allows (RoBERTa reserves pad_token_id+1 slots)."""
         if self.arch == "roberta":

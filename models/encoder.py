@@ -70,7 +70,7 @@ class Embeddings(nn.Module):
         x = self.word_embeddings(input_ids) + self.position_embeddings(self.position_ids(input_ids))
         if self.token_type_embeddings is not None:
             # one type row (RoBERTa): the segment ids a BERT-style tokenizer emits mean nothing to it
-            if token_type_ids is None or self.config.type_vocab_size < 2:
+            if token_type_ids is None or not self.config.uses_token_types:
                 token_type_ids = torch.zeros_like(input_ids)
             x = x + self.token_type_embeddings(token_type_ids)
         return self.dropout(self.LayerNorm(x))

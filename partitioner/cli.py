@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
 from models.registry import MODEL_NAMES, resolve_model
+from partitioner.compiled import COMPILE_CHOICES, resolve_compile
 from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
 from partitioner.plan import ParallelDims, default_devices, make_plan
 from partitioner.precision import DTYPE_CHOICES, PrecisionError, resolve_dtype
@@ -162,6 +163,13 @@ def add_subcommands(
         type=_at_least(1),
         default=1,
         help="torch threads per worker rank, >= 1 (default: %(default)s)",
+    )
+    v.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="off",
+        help="on: torch.compile the ranks' stages as `shardserve serve --compile on` does and check the "
+        "compiled gang (default: %(default)s)",
     )
     v.set_defaults(func=cmd_verify)
 
@@ -334,7 +342,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     source = resolve_model(args.model)
     choice = resolve_dtype(args.dtype, args.device)
-    logger.info("dtype %s (%s)", choice.name, choice.reason)
+    compiled = resolve_compile(args.compile, device=args.device, tp=args.tp)
+    logger.info("dtype %s (%s), compile %s", choice.name, choice.reason, args.compile)
     result = verify_partitioned(
         source,
         ParallelDims(pp=args.pp, tp=args.tp),
@@ -343,10 +352,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         boundaries=args.boundaries,
         device=args.device,
         dtype=choice.name,
+        compile=compiled,
     )
     verdict = "PASS" if result.passed else "FAIL"
     print(
-        f"{verdict} model={source.name} pp={args.pp} tp={args.tp} dtype={result.dtype} "
+        f"{verdict} model={source.name} pp={args.pp} tp={args.tp} dtype={result.dtype}"
+        f"{' compiled' if compiled else ''} "
         f"batches={result.batch_shapes} max|d start|={result.max_abs_start:.3g} "
         f"max|d end|={result.max_abs_end:.3g} tolerance={result.tolerance:g} "
         f"best span changed in {result.span_changes}/{result.windows} windows "

@@ -158,6 +158,8 @@ def publish_spec(
         "backend": spec.backend,
         "collective_timeout_s": spec.collective_timeout_s,
         "head_seed": spec.head_seed,
+        "compile": spec.compile,
+        "warmup_lengths": list(spec.warmup_lengths),
         "endpoints": endpoints,
     }
     payload = json.dumps(body, sort_keys=True).encode()
@@ -217,6 +219,8 @@ def read_spec(
         backend=body["backend"],
         collective_timeout_s=body["collective_timeout_s"],
         head_seed=body["head_seed"],
+        compile=bool(body.get("compile", False)),
+        warmup_lengths=tuple(body.get("warmup_lengths", (128,))),
         program=prog.program,
         mode=prog.mode,
         extra=extra,

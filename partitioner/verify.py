@@ -102,7 +102,7 @@ def sample_batches(source: ModelSource, *, max_seq_len: int = 256) -> list[dict[
             return_tensors="pt",
         )
         batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-        if source.config.type_vocab_size >= 2 and "token_type_ids" in enc:
+        if source.config.uses_token_types and "token_type_ids" in enc:
             batch["token_type_ids"] = enc["token_type_ids"]
         return batch
 
@@ -189,8 +189,10 @@ def verify_partitioned(
     boundaries: list[int] | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    compile: bool = False,
 ) -> VerifyResult:
-    """Run the gang (ranks on ``device``, computing in ``dtype``) and the fp32 CPU reference on the
+    """Run the gang (ranks on ``device``, computing in ``dtype``, their stages compiled with ``compile``
+    as ``shardserve serve --compile on`` does) and the fp32 CPU reference on the
     sample batches and compare (``tolerance`` defaults to the dtype's entry in ``TOLERANCES``; given,
     it must be > 0; ``threads_per_rank`` >= 1): ``ValueError`` before any rank starts otherwise."""
     if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
@@ -204,7 +206,7 @@ def verify_partitioned(
     with tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp:
         want = reference_logits(reference_dir(source, Path(tmp)), batches)
     with Gang(
-        GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype),
+        GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype, compile=compile),
         name=f"verify-pp{dims.pp}-tp{dims.tp}",
     ) as gang:
         got = gang.run(

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from models.registry import ModelSource
 from partitioner.channel import ENV_ENDPOINTS, RankChannel
+from partitioner.compiled import compile_stage, warm_up
 from partitioner.messages import Batch, RankFailed, RankReady, RankStopped, Result, Stop
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
@@ -174,12 +175,18 @@ def serve_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> 
         dtype=DTYPES[ctx.spec.dtype],
         head_seed=ctx.spec.head_seed,
     )
+    info: dict[str, Any] = {"load_s": time.perf_counter() - t0}
+    if ctx.spec.compile:
+        compile_stage(stage)
+        info["compile_s"] = warm_up(
+            stage, lengths=ctx.spec.warmup_lengths, dtype=DTYPES[ctx.spec.dtype], device=ctx.device
+        )
     ready(
         {
+            **info,
             "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),
             "layer_param_bytes": sum(p.numel() * p.element_size() for p in stage.layers.parameters()),
             "checkpoint_bytes_read": stage.load_report.bytes_read,
-            "load_s": time.perf_counter() - t0,
             "layers": [int(k) for k in stage.layers],
         }
     )
@@ -217,6 +224,9 @@ class GangSpec:
     backend: str = "auto"  # "gloo", "nccl" or "auto"
     collective_timeout_s: float = 120.0
     head_seed: int = 0
+    # serving: compile the stage and run these lengths at batch 1 and 2 before ready (partitioner/compiled.py)
+    compile: bool = False
+    warmup_lengths: tuple[int, ...] = (128,)
     fault: FaultSpec | None = None
     # What every rank runs after joining the group, and how the driver talks to it: serving by
     # default; training passes its own program (training/trainer.py) with GangMode.RUN and ``extra``.

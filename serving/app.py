@@ -46,6 +46,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Mount
 
+from partitioner.compiled import resolve_compile
 from partitioner.precision import DtypeChoice, resolve_dtype
 from serving import content_encoding, kserve_v2, v2_binary
 from serving.access import AccessMiddleware, include_protected
@@ -75,6 +76,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     factory: BackendFactory = app.state.backend_factory or gang_factory(
         threads_per_rank=settings.rank_threads,
         dtype=precision.name,
+        compile=app.state.compile,
+        warmup_lengths=tuple(settings.length_buckets),
         stall_timeout_s=settings.stall_after_s,
         start_timeout_s=settings.gang_start_timeout_s,
         network=settings.network(),
@@ -114,12 +117,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await supervisor.start()
     await app.state.status.start()  # samples the metrics registry for the status page
     logger.info(
-        "serving %s (pp=%d, tp=%d) in %s (%s), replicas %s%s x %d thread(s) per rank, pool %d slots",
+        "serving %s (pp=%d, tp=%d) in %s (%s), compile %s, replicas %s%s x %d thread(s) per rank, pool %d slots",
         model.source.name,
         settings.pp,
         settings.tp,
         precision.name,
         precision.reason,
+        "on" if app.state.compile else "off",
         settings.replica_bounds,
         " (auto-sized to the machine)" if settings.auto_sized else "",
         settings.rank_threads,
@@ -301,6 +305,7 @@ def build_app(
     )
     app.state.settings = settings
     app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device
+    app.state.compile = resolve_compile(settings.compile, device=settings.device, tp=settings.tp)
     app.state.metrics = ServingMetrics()
     app.state.status = StatusBoard(app.state.metrics)  # registry history for GET /ui/status
     app.state.backend_factory = backend_factory

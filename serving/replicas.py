@@ -91,15 +91,25 @@ def gang_factory(
     stall_timeout_s: float,
     start_timeout_s: float,
     dtype: str = "float32",
+    compile: bool = False,
+    warmup_lengths: tuple[int, ...] = (128,),
     network: GangNetwork | None = None,
 ) -> BackendFactory:
-    """A factory of real gangs (worker processes) with these settings; ``network``: where the gang
-    listens and which ranks run elsewhere (default: all here, on loopback)."""
+    """A factory of real gangs (worker processes) with these settings; ``compile``: each rank compiles
+    its stage and runs ``warmup_lengths`` before ready; ``network``: where the gang listens and which
+    ranks run elsewhere (default: all here, on loopback)."""
     from partitioner.gang import Gang
     from partitioner.worker import GangSpec
 
     def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
-        spec = GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype)
+        spec = GangSpec(
+            source,
+            plan,
+            threads_per_rank=threads_per_rank,
+            dtype=dtype,
+            compile=compile,
+            warmup_lengths=warmup_lengths,
+        )
         return Gang(
             spec, name=name, stall_timeout_s=stall_timeout_s, start_timeout_s=start_timeout_s, network=network
         )
@@ -199,7 +209,7 @@ class ModelGeneration:
 
     @property
     def pass_token_types(self) -> bool:
-        return self.source.config.type_vocab_size >= 2
+        return self.source.config.uses_token_types
 
     def plan(self, devices: tuple[str, ...] | None = None) -> PartitionPlan:
         return make_plan(self.source.config, self.dims, devices=devices)

@@ -207,14 +207,16 @@ def bind_problem(host: str, port: int) -> str | None:
     return None
 
 
-def startup_line(settings: Any, model: Any, url: str, precision: Any) -> str:
-    """``shardserve: serving MODEL at URL (precision ..., plan ..., replicas ...)``."""
+def startup_line(state: Any, url: str) -> str:
+    """``shardserve: serving MODEL at URL (precision ..., compile ..., plan ..., replicas ...)``."""
+    settings, model, precision = state.settings, state.manager.model, state.precision
     plan = model.plan()
     stages = ", ".join(f"stage {st.index}: layers {st.layer_start}-{st.layer_end - 1}" for st in plan.stages)
     lo, hi = settings.replica_bounds
     replicas = str(lo) if lo == hi else f"{lo}..{hi} (autoscaling)"
     return (
         f"shardserve: serving {model.source.name} at {url} (precision {precision.name}: {precision.reason}; "
+        f"{'compiled stages; ' if state.compile else ''}"
         f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas} x "
         f"{settings.rank_threads} thread(s) per rank, device {settings.device})"
     )
@@ -249,7 +251,7 @@ class DrainingServer(uvicorn.Server):
         shown = f"[{host}]" if ":" in str(host) else host
         self.url = f"http://{shown}:{port}"
         state = self._app.state
-        print(startup_line(state.settings, state.manager.model, self.url, state.precision), flush=True)
+        print(startup_line(state, self.url), flush=True)
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's 0.1 s tick: print "ready" once, and stop when the first gang cannot start."""

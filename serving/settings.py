@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from models.qa_processing import WindowConfig
+from partitioner.compiled import COMPILE_CHOICES
 from partitioner.flags import split_list
 from partitioner.gang_flags import GangFlags, secret_from_file
 from partitioner.precision import DTYPE_CHOICES
@@ -73,6 +74,12 @@ class ServeSettings(GangFlags):
         "auto",
         description="compute dtype of the ranks: auto (bfloat16 on GPUs and on CPUs with bf16 units, "
         "AMX or AVX512-BF16; else float32), float32, bfloat16, float16 (span logits stay float32)",
+    )
+    compile: str = Field(
+        "off",
+        description="on: torch.compile each rank's stage (inductor, dynamic shapes), warmed up over the length "
+        "buckets before the replica turns ready (~30 s per gang start). Off by default: faster in isolation "
+        "on AMX CPUs, it served 2-8 % fewer questions/s there (docs/benchmarks.md)",
     )
 
     # ---- replicas, device pool, autoscaling (Ray Serve names)
@@ -257,6 +264,8 @@ class ServeSettings(GangFlags):
             )
         if self.dtype not in DTYPE_CHOICES:
             problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
+        if self.compile not in COMPILE_CHOICES:
+            problems.append(f"compile={self.compile!r} must be one of {', '.join(COMPILE_CHOICES)}")
         problems += self._gang_problems()
         if problems:
             raise ValueError("invalid settings: " + "; ".join(problems))

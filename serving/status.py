@@ -392,6 +392,7 @@ def collect_status(app: FastAPI) -> StatusResponse:
             "dtype": state.precision.name,
             "reason": state.precision.reason,
             "device": settings.device,
+            "compile": "on" if state.compile else "off",
         },
         plan=plan,
         api_key_required=bool(settings.api_key),

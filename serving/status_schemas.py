@@ -129,7 +129,7 @@ class StatusResponse(BaseModel):
     state: Literal["starting", "ready", "not_ready", "failed", "shutting_down"]
     uptime_s: float
     model: dict[str, Any] = Field(description="name, checkpoint file name, architecture, generation")
-    precision: dict[str, str] = Field(description="compute dtype, why it was chosen, device")
+    precision: dict[str, str] = Field(description="compute dtype, why it was chosen, device, compile (on/off)")
     plan: dict[str, Any] | None = Field(
         description="the partition plan (stages, ranks, layers); null: starting"
     )

@@ -60,6 +60,12 @@ def test_dtype_is_validated_with_the_choices():
         ServeSettings(dtype="int8")
 
 
+def test_compile_is_validated_with_the_choices():
+    assert ServeSettings().compile == "off" and ServeSettings(compile="on").compile == "on"
+    with pytest.raises(ValidationError, match="compile='yes' must be one of off, on"):
+        ServeSettings(compile="yes")
+
+
 def test_window_is_the_flags_windowing():
     """The one place the server's windows come from (the engine and the eval parity test use it)."""
     got = ServeSettings(max_seq_len=256, doc_stride=64, max_question_len=32).window()

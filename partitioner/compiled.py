@@ -9,7 +9,8 @@ compiles; dynamo specialises batch 1, so there are two graphs. No request waits 
 It is off by default because it measured slower where it counts. On a 2-core Intel AMX CPU in bf16
 (docs/benchmarks.md, "Precision and kernels"), the compiled forward is 15-30 % faster in isolation.
 Yet the same server with compiled ranks answered 2-8 % fewer questions per second than eager ranks,
-in alternating runs, and each gang takes ~30 s instead of 2 s to turn ready. On AVX512-BF16 without
+in alternating runs, and each gang takes ~30 s instead of 2 s to turn ready. Its edge comes mostly
+from shapes it has already run, and a server sees ~100 (batch, bucket) shapes. On AVX512-BF16 without
 AMX and in fp32 it was no faster even in isolation. CUDA has not been measured. Tensor-parallel
 stages cannot be compiled, because their layers all-reduce inside the region that would be
 compiled. Inductor's CPU backend needs a C++ compiler.

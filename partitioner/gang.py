@@ -211,6 +211,12 @@ class Gang:
             logger.info("%s: waiting for ranks %s to join at %s:%d", self.name, list(net.external_ranks),
                         net.host, self._store.port)  # fmt: skip
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo" if net.host == "127.0.0.1" else None)
+        # A rank's OpenMP threads sleep when a parallel region ends instead of spinning: ranks share the
+        # cores with the server's tokenizer and HTTP threads, and a spinning team whose thread was
+        # descheduled ran 6-8x slower under a burst (docs/benchmarks.md, issue 11's overload run).
+        # OpenMP reads it when the rank loads torch, so it must be in the environment the spawned
+        # rank inherits (``base_env`` is applied later); a value the user set wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         base_env = {
             ENV_ENDPOINTS: self._channel.endpoints,
             ENV_KEY: key.hex(),

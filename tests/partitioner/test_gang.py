@@ -93,6 +93,12 @@ def test_streams_many_micro_batches_in_order():
         batches = [_batch(n=1 + k % 3, s=8 + k) for k in range(12)]
         outs = gang.run(batches, timeout_s=60)
         assert gang.stats.completed == 12 and gang.inflight == 0
+        # the ranks' OpenMP threads wait passively (partitioner/gang.py): the variable was in the
+        # environment they started with, where OpenMP reads it, unless the user chose another
+        want = os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
+        for pid in gang.pids():
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert b"OMP_WAIT_POLICY=" + want in f.read().split(b"\0")
     assert [tuple(o.shape) for o in outs] == [(b[0].shape[0], b[0].shape[1], 2) for b in batches]
 
 

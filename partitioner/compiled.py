@@ -92,11 +92,12 @@ def warm_up(
     ``dtype`` for later stages.
     """
     t0 = time.perf_counter()
+    seqs = sorted(set(lengths))
     hidden = stage.config.hidden_size
     first = stage.embeddings is not None
     with torch.inference_mode():
         for batch in (1, 2):
-            for seq in sorted(set(lengths)):
+            for seq in seqs:
                 mask = torch.ones(batch, seq, dtype=torch.long, device=device)  # (B, S)
                 if first:
                     x = torch.zeros(batch, seq, dtype=torch.long, device=device)  # (B, S) ids
@@ -105,5 +106,5 @@ def warm_up(
                 types = torch.zeros_like(mask) if first and stage.config.uses_token_types else None
                 stage(x, mask, types)
     seconds = time.perf_counter() - t0
-    logger.info("compiled stage warmed up over %d lengths in %.1f s", len(set(lengths)), seconds)
+    logger.info("compiled stage warmed up over %d lengths in %.1f s", len(seqs), seconds)
     return seconds

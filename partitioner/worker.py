@@ -167,20 +167,19 @@ def serve_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> 
     Stage 0 takes ``Batch`` messages from the driver (``Stop`` ends the stream); the last stage's
     tp rank 0 sends a ``Result`` with (B, S, 2) float32 logits back."""
     t0 = time.perf_counter()
+    dtype = DTYPES[ctx.spec.dtype]
     stage = build_stage(
         ctx.spec.source,
         ctx.plan,
         rank=ctx.rank,
         tp_group=ctx.tp_group,
-        dtype=DTYPES[ctx.spec.dtype],
+        dtype=dtype,
         head_seed=ctx.spec.head_seed,
     )
     info: dict[str, Any] = {"load_s": time.perf_counter() - t0}
     if ctx.spec.compile:
         compile_stage(stage)
-        info["compile_s"] = warm_up(
-            stage, lengths=ctx.spec.warmup_lengths, dtype=DTYPES[ctx.spec.dtype], device=ctx.device
-        )
+        info["compile_s"] = warm_up(stage, lengths=ctx.spec.warmup_lengths, dtype=dtype, device=ctx.device)
     ready(
         {
             **info,

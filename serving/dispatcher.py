@@ -61,7 +61,7 @@ class Dispatcher:
         replica = self.manager.replicas[d.replica_id]
         windows, pad_id = self.outputs.take_windows(d.items, now=self.clock())
         batch = pad_windows(windows, pad_token_id=pad_id)
-        types = batch.token_type_ids if replica.model.pass_token_types else None
+        types = batch.token_type_ids if replica.model.source.config.uses_token_types else None
         self.metrics.batch_size.observe(len(windows))
         self.metrics.batch_tokens.observe(len(windows) * d.padded_len)
         self.metrics.batches.labels(reason=d.reason).inc()

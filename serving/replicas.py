@@ -207,10 +207,6 @@ class ModelGeneration:
     dims: ParallelDims
     tokenizer: Any
 
-    @property
-    def pass_token_types(self) -> bool:
-        return self.source.config.uses_token_types
-
     def plan(self, devices: tuple[str, ...] | None = None) -> PartitionPlan:
         return make_plan(self.source.config, self.dims, devices=devices)
 
@@ -697,7 +693,7 @@ def warm_up(backend: Backend, model: ModelGeneration, *, timeout_s: float) -> No
         window=WindowConfig(max_seq_len=64, doc_stride=8, max_question_len=16),
     )
     batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
-    types = batch.token_type_ids if model.pass_token_types else None
+    types = batch.token_type_ids if model.source.config.uses_token_types else None
     out = backend.submit(batch.input_ids, batch.attention_mask, types).result(timeout=timeout_s)
     if tuple(out.shape[:2]) != tuple(batch.input_ids.shape):
         raise RuntimeError(

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from models.registry import resolve_model
-    from partitioner.gang import Gang
     from partitioner.plan import ParallelDims, make_plan
     from partitioner.precision import cpu_capabilities
-    from partitioner.worker import GangSpec
+    from partitioner.runtime.gang import Gang
+    from partitioner.runtime.rank import GangSpec
 
     source = resolve_model(args.model)
     plan = make_plan(source.config, ParallelDims(pp=args.pp, tp=1))

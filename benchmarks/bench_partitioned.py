@@ -26,10 +26,10 @@ import torch
 
 from models.build import build_model
 from models.registry import MODEL_NAMES, resolve_model
-from partitioner.gang import Gang
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.precision import DTYPE_CHOICES, cpu_capabilities, resolve_dtype
-from partitioner.worker import GangSpec
+from partitioner.runtime.gang import Gang
+from partitioner.runtime.rank import GangSpec
 
 
 def _inputs(vocab: int, *, batch_size: int, seq_len: int, n: int, seed: int = 0) -> list[tuple]:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from transformers import AutoModelForQuestionAnswering
 
-        from partitioner.verify import reference_dir
+        from serving.fleet.verify import reference_dir
 
         with tempfile.TemporaryDirectory() as tmp:
             ref = AutoModelForQuestionAnswering.from_pretrained(reference_dir(source, Path(tmp))).eval()

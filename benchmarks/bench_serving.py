@@ -766,7 +766,7 @@ def _default_placement(device: str) -> str:
     """What `shardserve serve --device DEVICE` with no other flags picks on this machine (its own settings)."""
     try:
         from partitioner.precision import resolve_dtype
-        from serving.settings import ServeSettings
+        from serving.frontend.settings import ServeSettings
 
         s = ServeSettings(device=device)
         lo, _ = s.replica_bounds

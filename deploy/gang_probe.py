@@ -1,6 +1,6 @@
 """Rendezvous probe for a gang that spans hosts: each rank joins with torchrun-style environment
 variables (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK; ``init_method="env://"``, the
-same path ``partitioner/worker.py`` takes when launched by torchrun), then checks an all-reduce and
+same path ``partitioner/runtime/rank.py`` takes when launched by torchrun), then checks an all-reduce and
 a pipeline-style p2p ring (rank r sends to r+1, as stage r hands activations to stage r+1).
 
 Run by ``deploy/gang-two-hosts.yaml`` (one rank per host). Locally, on loopback::

@@ -24,8 +24,8 @@ from partitioner.compiled import COMPILE_CHOICES, resolve_compile
 from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
 from partitioner.plan import ParallelDims, default_devices, make_plan
 from partitioner.precision import DTYPE_CHOICES, PrecisionError, resolve_dtype
-from partitioner.remote import SERVE, JoinError, RemoteProgram, join_gang, read_gang_key
-from partitioner.verify import TOLERANCES
+from partitioner.runtime.remote import SERVE, JoinError, RemoteProgram, join_gang, read_gang_key
+from serving.fleet.verify import TOLERANCES
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from partitioner.verify import verify_partitioned
+    from serving.fleet.verify import verify_partitioned
 
     source = resolve_model(args.model)
     choice = resolve_dtype(args.dtype, args.device)

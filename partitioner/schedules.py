@@ -33,7 +33,7 @@ Schedules (``n`` micro-batches, ``p`` stages, this is stage ``s``):
   ``p - s`` micro-batches' activations are alive on stage ``s``.
 
 Gradients accumulate in ``.grad`` over the micro-batches; the optimizer step is the caller's.
-The rank programs that build a stage and run these are ``partitioner/worker.py``'s
+The rank programs that build a stage and run these are ``partitioner/runtime/rank.py``'s
 ``serve_rank`` and ``training/trainer.py``'s ``train_rank``.
 
     ex = StageExecutor(stage, comm, is_first=..., is_last=..., prev_rank=..., next_rank=...,

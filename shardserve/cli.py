@@ -15,8 +15,8 @@ import typing
 
 from loadtest import cli as loadtest_cli
 from partitioner import cli as partitioner_cli
-from partitioner.remote import SERVE
-from serving import serve_cli
+from partitioner.runtime.remote import SERVE
+from serving.frontend import cli as serve_cli
 from training import cli as training_cli
 from training.remote_program import REMOTE_PROGRAM as TRAIN
 

@@ -63,8 +63,8 @@ from torch import nn
 
 from models.hf_weights import save_hf_checkpoint
 from partitioner.lora import merged_state_dict
+from partitioner.runtime.rank import RankContext
 from partitioner.shard_loading import ShardSlice, shard_specs_of
-from partitioner.worker import RankContext
 from training.config import RunInfo, TrainConfig
 from training.run_files import RunFiles
 

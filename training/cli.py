@@ -20,14 +20,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partitioner.flags import DefaultsHelpFormatter
-from partitioner.gang_flags import add_gang_arguments, gang_flags_from_args
 from partitioner.precision import DTYPE_CHOICES, PRECISION_CHOICES, PrecisionError
+from partitioner.runtime.gang_flags import add_gang_arguments, gang_flags_from_args
 from partitioner.schedules import SCHEDULES
+from shardserve.flags import DefaultsHelpFormatter
 
 if TYPE_CHECKING:
     from models.qa_processing import WindowConfig
-    from partitioner.remote import GangNetwork
+    from partitioner.runtime.remote import GangNetwork
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from partitioner.gang import GangError
+    from partitioner.runtime.gang import GangError
     from training.checkpoint import ResumeError
     from training.squad_data import SquadFormatError
     from training.trainer import TrainConfig, TrainConfigError, train
@@ -446,7 +446,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from partitioner.gang import GangError
+    from partitioner.runtime.gang import GangError
     from training.evaluate import EvalConfig, EvalConfigError, evaluate_model
     from training.squad_data import SquadFormatError
 

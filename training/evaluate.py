@@ -118,10 +118,10 @@ def predict_answers(
 
     from models.build import build_model
     from models.registry import resolve_model
-    from partitioner.gang import Gang
     from partitioner.plan import ParallelDims, make_plan
     from partitioner.precision import resolve_dtype
-    from partitioner.worker import GangSpec
+    from partitioner.runtime.gang import Gang
+    from partitioner.runtime.rank import GangSpec
     from training.squad_data import build_eval_features, postprocess_eval_predictions, prediction_texts
 
     # Everything that can be refused is checked before any slow work and before the progress bar,

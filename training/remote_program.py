@@ -1,6 +1,6 @@
 """The training rank program as ranks on other hosts run it (``shardserve worker``).
 
-``partitioner/remote.py`` publishes a gang's spec for remote workers as signed JSON, naming its
+``partitioner/runtime/remote.py`` publishes a gang's spec for remote workers as signed JSON, naming its
 program; this module is what the name ``train`` stands for: ``train_rank`` in ``GangMode.RUN``, its
 ``GangSpec.extra`` (the ``TrainConfig`` and the driver's ``RunInfo``) written as JSON and read back,
 and the model source given the run's dropout, as the driver gave it to its own ranks.
@@ -15,8 +15,8 @@ import dataclasses
 from typing import Any
 
 from models.registry import ModelSource
-from partitioner.remote import RemoteProgram
-from partitioner.worker import GangMode
+from partitioner.runtime.rank import GangMode
+from partitioner.runtime.remote import RemoteProgram
 from training.config import RunInfo, TrainConfig
 from training.trainer import train_rank, with_dropout
 

@@ -4,7 +4,7 @@ A run's directory (``TrainConfig.output``: the feature file, ``checkpoint-*``, `
 the driver's host, where rank 0 runs (a training gang's rank 0 is never external). Ranks spawned by
 the driver read and write it directly. A rank joined with ``shardserve worker`` on another host
 (``RunInfo.remote_ranks``) assumes no shared filesystem and works in a scratch directory of its
-own, exchanging files with rank 0 over torch.distributed (``partitioner/file_transfer.py``):
+own, exchanging files with rank 0 over torch.distributed (``partitioner/runtime/file_transfer.py``):
 
 - ``fetch``: rank 0 sends each remote rank the files it needs (the feature file at start, the
   checkpoint files on ``--resume``); the others return the path they read them from;
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from partitioner.file_transfer import recv_files, send_files
-from partitioner.worker import RankContext, before_hard_exit
+from partitioner.runtime.file_transfer import recv_files, send_files
+from partitioner.runtime.rank import RankContext, before_hard_exit
 from training.config import RunInfo
 
 logger = logging.getLogger(__name__)

@@ -62,17 +62,17 @@ from torch import nn
 
 from models.registry import ModelSource, resolve_model
 from partitioner.data_parallel import GradReducer
-from partitioner.gang import Gang
 from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
-from partitioner.messages import CheckpointSaved, ControlMessage, EvalLogits, StepReport
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
 from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
-from partitioner.remote import GangNetwork
+from partitioner.runtime.gang import Gang
+from partitioner.runtime.messages import CheckpointSaved, ControlMessage, EvalLogits, StepReport
+from partitioner.runtime.rank import GangMode, GangSpec, RankContext
+from partitioner.runtime.remote import GangNetwork
 from partitioner.schedules import MicroBatch, run_gpipe, run_schedule
 from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import build_stage
-from partitioner.worker import GangMode, GangSpec, RankContext
 from training import checkpoint as ckpt
 from training.config import RunInfo, TrainConfig, TrainConfigError
 from training.curve import Curve
@@ -518,7 +518,7 @@ def train(
 
     ``network``: where the gang's store and channel listen and which ranks run on other hosts
     (``shardserve worker`` there, running ``training/remote_program.py``'s program; flags:
-    ``partitioner/gang_flags.py``); default: every rank on this one.
+    ``partitioner/runtime/gang_flags.py``); default: every rank on this one.
     Rank 0 writes the run directory, so it is never external."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm

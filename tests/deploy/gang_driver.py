@@ -18,10 +18,10 @@ import sys
 import torch
 
 from models.registry import resolve_model
-from partitioner.gang import Gang, GangError
 from partitioner.plan import ParallelDims, make_plan
-from partitioner.remote import GangNetwork
-from partitioner.worker import GangSpec
+from partitioner.runtime.gang import Gang, GangError
+from partitioner.runtime.rank import GangSpec
+from partitioner.runtime.remote import GangNetwork
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from partitioner.gang import Gang
-from partitioner.wire import new_key
+from partitioner.runtime.gang import Gang
+from partitioner.runtime.wire import new_key
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 from tests.netns import netns_available, virtual_hosts
 

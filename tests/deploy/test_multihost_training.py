@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from partitioner.channel import DRIVER_TIMEOUT_S
-from partitioner.wire import new_key
+from partitioner.runtime.channel import DRIVER_TIMEOUT_S
+from partitioner.runtime.wire import new_key
 from tests.netns import REPO_ROOT, VirtualHost, netns_available, virtual_hosts
 from tests.training.test_trainer_parity import TOL, base_config, max_diff, reference_weights
 from training.checkpoint import list_checkpoints

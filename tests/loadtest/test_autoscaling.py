@@ -27,7 +27,9 @@ from loadtest.scenarios import ScenarioConfig
 # locust is never imported here: it monkey-patches the process with gevent on import
 if importlib.util.find_spec("locust") is None:
     pytest.skip("locust is in the test extra: pip install -e '.[test]'", allow_module_level=True)
-pytest.importorskip("serving.app", reason="needs the HTTP server (serving/app.py: shardserve serve)")
+pytest.importorskip(
+    "serving.frontend.app", reason="needs the HTTP server (serving/frontend/app.py: shardserve serve)"
+)
 
 SLO_MS = 1000.0  # generous on purpose: the test checks the scaling behaviour, not the speed
 # step: 1 user for 6 s, 6 users until 30 s (room for the decision, ~4 s, and a replica start under

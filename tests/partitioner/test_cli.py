@@ -9,7 +9,7 @@ import time
 import pytest
 
 from loadtest.local_server import free_port
-from partitioner.verify import verify_partitioned
+from serving.fleet.verify import verify_partitioned
 from shardserve.cli import main
 
 

@@ -3,7 +3,7 @@
 
 The numerical equivalence of the training schedules with single-process training over real gloo
 ranks is ``tests/training/test_trainer_parity.py``; of the serving stream with ``transformers``,
-``tests/partitioner/test_gang.py``.
+``tests/partitioner/runtime/test_gang.py``.
 
     python -m pytest tests/partitioner/test_schedules.py -q
 """

@@ -16,7 +16,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from tests.serving.test_api import wait_until
+from tests.serving.frontend.test_api import wait_until
 
 
 def free_port() -> int:

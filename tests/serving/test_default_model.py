@@ -26,9 +26,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from models.registry import DEFAULT_OVERLAY_DIR
-from serving.app import build_app
-from serving.settings import ServeSettings
-from tests.serving.test_api import wait_until
+from serving.frontend.app import build_app
+from serving.frontend.settings import ServeSettings
+from tests.serving.frontend.test_api import wait_until
 from training.evaluate import EvalConfig, predict_answers
 
 EVERY = 150  # sample stride over the pool's 8,727 questions

@@ -25,10 +25,10 @@ from fastapi.testclient import TestClient
 from loadtest.local_server import local_server
 from models.build import build_model
 from models.qa_processing import WindowConfig, decode_spans, encode_qa, pad_windows
-from serving.app import build_app
-from serving.replicas import ReplicaState
-from serving.settings import ServeSettings
-from tests.serving.test_api import CONTEXT, TOKEN, wait_until
+from serving.fleet.replicas import ReplicaState
+from serving.frontend.app import build_app
+from serving.frontend.settings import ServeSettings
+from tests.serving.frontend.test_api import CONTEXT, TOKEN, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PAIRS = [
@@ -284,8 +284,8 @@ def test_a_second_signal_stops_now_answering_503_and_exits_130(tmp_path: Any) ->
 def test_stalled_rank_is_failed_and_its_requests_retried() -> None:
     """The first gang's last stage hangs at its 3rd micro-batch: after stall_timeout_s the gang is
     failed, its in-flight requests are answered by the other gang, and a fresh gang replaces it."""
-    from partitioner.gang import Gang
-    from partitioner.worker import FaultSpec, GangSpec
+    from partitioner.runtime.gang import Gang
+    from partitioner.runtime.rank import FaultSpec, GangSpec
 
     made: list[Gang] = []
 

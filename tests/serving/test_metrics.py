@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import re
 
+from serving.frontend.status import read_registry
 from serving.metrics import ServingMetrics
-from serving.status import read_registry
-from tests.serving.test_api import ask, serving, wait_until
+from tests.serving.frontend.test_api import ask, serving, wait_until
 
 BUSY = "shardserve_stage_busy_seconds_total"
 BUBBLE = "shardserve_pipeline_bubble_fraction"

@@ -7,14 +7,14 @@ tokenizer's backlog and the measured rate, so what it admits finishes in time), 
 256 were admitted and 252 answered 504 after a minute (docs/benchmarks.md).
 
 The 99th percentile of the 429s must take under 100 ms inside the server, measured by its access
-log (``serving/access.py``: from the request entering the app, before its body is read, to the
+log (``serving/frontend/access.py``: from the request entering the app, before its body is read, to the
 response; ``--log-level INFO``). A refusal is decided before tokenizing. The start-up tail it used
 to have (p99 1.5-3.7 s in this 10 s run on a quiet machine) came from requests admitted on their
 reservation and refused only after waiting for the tokenizer behind the burst (fixed: the check
 after tokenizing no longer counts later reservations, and reservations must fit 35 % of the time
-left, ``serving/scheduler.py``), and from a ~200-300 ms full garbage collection of the start-up
+left, ``serving/engine/scheduler.py``), and from a ~200-300 ms full garbage collection of the start-up
 heap that the first burst triggered on the event loop (``gc.freeze()`` after start-up,
-``serving/app.py``). The client-side figures are reported, with a median bound that has headroom
+``serving/frontend/app.py``). The client-side figures are reported, with a median bound that has headroom
 for a busy CI machine: the load generator shares the 2 CPU cores with the server and its rank, and
 the 256 first requests arrive at once (the event loop's accept backlog is not in the server's
 figure). The measured figures (429 latency server- and client-side, RSS growth) are in

@@ -92,5 +92,5 @@ def test_the_walk_sees_imports() -> None:
     """The checks above would pass on an empty graph: make sure the walk finds known edges."""
     graph = import_graph()
     assert "models.qa_processing" in graph["training.squad_data"]
-    assert "serving.serve_cli" in graph["shardserve.cli"]
+    assert "serving.frontend.cli" in graph["shardserve.cli"]
     assert "models.config" in graph["partitioner.plan"]

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.gang import bound_store
-from partitioner.remote import SERVE, SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
-from partitioner.wire import new_key
-from partitioner.worker import GangMode, GangSpec
+from partitioner.runtime.gang import bound_store
+from partitioner.runtime.rank import GangMode, GangSpec
+from partitioner.runtime.remote import SERVE, SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
+from partitioner.runtime.wire import new_key
 from tests.training.test_cli import _one_line_error
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
 from training.config import RunInfo, TrainConfigError

@@ -25,10 +25,10 @@ from safetensors.torch import load_file
 from models.build import build_model
 from models.hf_weights import to_hf_state_dict
 from models.registry import resolve_model
-from partitioner.gang import Gang, GangError
 from partitioner.lora import merged_state_dict
 from partitioner.plan import ParallelDims, make_plan
-from partitioner.worker import GangSpec
+from partitioner.runtime.gang import Gang, GangError
+from partitioner.runtime.rank import GangSpec
 from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
 from training.checkpoint import list_checkpoints

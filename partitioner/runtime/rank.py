@@ -1,0 +1,400 @@
+"""One rank of a gang: join the process group, build and load this rank's stage, run its program.
+
+Started by ``partitioner/runtime/gang.py`` (one spawned process per rank), with torchrun-style
+environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
+It talks to the driver through ``ctx.link`` (``partitioner/runtime/channel.py``: ZeroMQ over TCP, named
+by ``SHARDSERVE_DRIVER`` and keyed by ``SHARDSERVE_GANG_KEY``, so a rank may run on another host).
+Each rank then runs ``spec.program(ctx, ready=...)``, a module-level function (spawn pickles it
+by its qualified name), under one of two modes the driver handles differently:
+
+- ``GangMode.STREAM`` (serving, the default): ``serve_rank`` builds the stage and streams
+  micro-batches (``partitioner/schedules.py``'s ``run_stream``) from the driver's ``Batch``
+  messages until a ``Stop`` flows through the pipeline; the last stage answers with ``Result``.
+  The driver talks through ``Gang.submit()`` and a monitor thread.
+- ``GangMode.RUN`` (training): the program runs to completion (``training/trainer.py``'s
+  ``train_rank``, passed in by training); the driver waits in ``Gang.join()``.
+
+Every rank reports ``RankReady`` / ``RankStopped``, or ``RankFailed`` with its traceback before
+the process exits (``partitioner/runtime/messages.py``), and beats every ``HEARTBEAT_S`` with its
+progress; a rank whose driver disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when spawned
+locally, its parent process gone) exits on its own, after the hooks given to ``before_hard_exit``
+(a remote training rank removes its scratch directory there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, NoReturn, Protocol
+
+import torch
+import torch.distributed as dist
+
+from models.registry import ModelSource
+from partitioner.compiled import compile_stage, warm_up
+from partitioner.p2p import P2PCommunicator
+from partitioner.plan import PartitionPlan
+from partitioner.precision import DTYPES
+from partitioner.runtime.channel import ENV_ENDPOINTS, RankChannel
+from partitioner.runtime.messages import Batch, RankFailed, RankReady, RankStopped, Result, Stop
+from partitioner.schedules import InputsFn, LogitsFn, LossFn, MicroBatch, StageExecutor, run_stream
+from partitioner.stages import build_stage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Deliberate failure for tests: ``mode`` in {"raise", "hang", "exit"} on ``rank`` when it
+    reaches micro-batch number ``at_batch`` (-1: while loading)."""
+
+    rank: int
+    mode: str
+    at_batch: int = 0
+
+
+class GangMode(enum.Enum):
+    """How the driver talks to a gang's program."""
+
+    STREAM = "stream"  # serves until stopped: Batch in, Result out, through Gang.submit()
+    RUN = "run"  # runs to completion (training): the driver waits in Gang.join()
+
+
+class Program(Protocol):
+    """What every rank of a gang runs after joining the group; calls ``ready(info)`` once its
+    stage is built. Must be a module-level function (spawned ranks import it by name)."""
+
+    def __call__(self, ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None: ...
+
+
+@dataclass
+class RankContext:
+    """A rank's place in the gang, handed to the program."""
+
+    rank: int
+    stage: int
+    tp_rank: int
+    spec: GangSpec
+    device: torch.device
+    backend: str
+    tp_group: dist.ProcessGroup | None
+    link: RankChannel  # to the driver: get() its Batch / Stop, send() results and reports
+    dp_rank: int = 0  # which data-parallel replica (training with dp > 1)
+    dp_group: dist.ProcessGroup | None = None  # ranks holding the same shard (None: dp == 1)
+    mp_group: dist.ProcessGroup | None = None  # this replica's pp * tp ranks (None: the world)
+
+    @property
+    def plan(self) -> PartitionPlan:
+        return self.spec.plan
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.plan.dims.pp - 1
+
+    def prev_rank(self) -> int:
+        return self.plan.dims.rank_of(self.stage - 1, self.tp_rank, self.dp_rank)
+
+    def next_rank(self) -> int:
+        return self.plan.dims.rank_of(self.stage + 1, self.tp_rank, self.dp_rank)
+
+    def maybe_fault(self, batch_number: int) -> None:
+        fault = self.spec.fault
+        if fault is None or fault.rank != self.rank or fault.at_batch != batch_number:
+            return
+        if fault.mode == "raise":
+            raise RuntimeError(f"injected fault on rank {self.rank} at micro-batch {batch_number}")
+        if fault.mode == "exit":
+            os._exit(3)
+        if fault.mode == "hang":
+            while True:
+                time.sleep(3600)
+
+    def stage_executor(
+        self,
+        module: torch.nn.Module,
+        comm: P2PCommunicator | None,
+        *,
+        get_inputs: InputsFn | None = None,
+        compute_loss: LossFn | None = None,
+        on_logits: LogitsFn | None = None,
+        **flags: Any,
+    ) -> StageExecutor:
+        """This rank's ``StageExecutor``: its neighbours filled in, stage 0's ``get_inputs`` and the
+        last stage's ``compute_loss`` / ``on_logits`` kept where they apply; ``flags``: the rest."""
+        return StageExecutor(
+            module=module,
+            comm=comm,
+            is_first=self.is_first,
+            is_last=self.is_last,
+            prev_rank=None if self.is_first else self.prev_rank(),
+            next_rank=None if self.is_last else self.next_rank(),
+            get_inputs=get_inputs if self.is_first else None,
+            compute_loss=compute_loss if self.is_last else None,
+            on_logits=on_logits if self.is_last else None,
+            **flags,
+        )
+
+    @contextlib.contextmanager
+    def micro_batch(self, n: int) -> Iterator[None]:
+        """Around the computation of this rank's ``n``-th micro-batch (0-based): busy while inside
+        (the driver's stall diagnosis), the injected fault if any, progress counted after."""
+        t0 = time.perf_counter()
+        self.link.busy_since = time.time()
+        self.maybe_fault(n)
+        yield
+        self.link.busy_s += time.perf_counter() - t0
+        self.link.progress = n + 1
+        self.link.busy_since = 0.0
+
+
+def serve_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None:
+    """The serving program (``GangMode.STREAM``): build the stage, then stream micro-batches.
+
+    Stage 0 takes ``Batch`` messages from the driver (``Stop`` ends the stream); the last stage's
+    tp rank 0 sends a ``Result`` with (B, S, 2) float32 logits back."""
+    t0 = time.perf_counter()
+    dtype = DTYPES[ctx.spec.dtype]
+    stage = build_stage(
+        ctx.spec.source,
+        ctx.plan,
+        rank=ctx.rank,
+        tp_group=ctx.tp_group,
+        dtype=dtype,
+        head_seed=ctx.spec.head_seed,
+    )
+    info: dict[str, Any] = {"load_s": time.perf_counter() - t0}
+    if ctx.spec.compile:
+        compile_stage(stage)
+        info["compile_s"] = warm_up(stage, lengths=ctx.spec.warmup_lengths, dtype=dtype, device=ctx.device)
+    ready(
+        {
+            **info,
+            "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),
+            "layer_param_bytes": sum(p.numel() * p.element_size() for p in stage.layers.parameters()),
+            "checkpoint_bytes_read": stage.load_report.bytes_read,
+            "layers": [int(k) for k in stage.layers],
+        }
+    )
+
+    def from_driver(_mb: int | None) -> MicroBatch | None:
+        item: Batch | Stop = ctx.link.get()
+        if isinstance(item, Stop):
+            return None
+        types = item.token_type_ids
+        return MicroBatch(
+            item.mb_id,
+            torch.from_numpy(item.input_ids).to(ctx.device),  # (B, S) int64
+            torch.from_numpy(item.attention_mask).to(ctx.device),  # (B, S)
+            torch.from_numpy(types).to(ctx.device) if types is not None else None,
+        )
+
+    def to_driver(mb: int, logits: torch.Tensor) -> None:
+        if ctx.tp_rank == 0:
+            ctx.link.send(Result(mb, logits.cpu().numpy()))  # (B, S, 2) float32
+
+    comm = P2PCommunicator(device=ctx.device, backend=ctx.backend)
+    ex = ctx.stage_executor(stage, comm, get_inputs=from_driver, on_logits=to_driver, forward_only=True)
+    with torch.inference_mode():
+        run_stream(ex, around_step=ctx.micro_batch)
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """What every rank of a gang needs (picklable)."""
+
+    source: ModelSource
+    plan: PartitionPlan
+    threads_per_rank: int = 1
+    dtype: str = "float32"
+    backend: str = "auto"  # "gloo", "nccl" or "auto"
+    collective_timeout_s: float = 120.0
+    head_seed: int = 0
+    # serving: compile the stage and run these lengths at batch 1 and 2 before ready (partitioner/compiled.py)
+    compile: bool = False
+    warmup_lengths: tuple[int, ...] = (128,)
+    fault: FaultSpec | None = None
+    # What every rank runs after joining the group, and how the driver talks to it: serving by
+    # default; training passes its own program (training/trainer.py) with GangMode.RUN and ``extra``.
+    program: Program = serve_rank
+    mode: GangMode = GangMode.STREAM
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, GangMode):
+            raise TypeError(f"GangSpec.mode must be a GangMode, got {self.mode!r}")
+        name = getattr(self.program, "__qualname__", "<not a function>")
+        if not callable(self.program) or "<" in name:
+            raise TypeError(
+                f"GangSpec.program must be a module-level function (ranks import it by name), got {name}"
+            )
+
+    def resolved_backend(self) -> str:
+        """NCCL when every rank has its own CUDA device, gloo otherwise (CPU, or ranks sharing a GPU)."""
+        if self.backend != "auto":
+            return self.backend
+        devs = self.plan.devices
+        if all(d.startswith("cuda") for d in devs) and len(set(devs)) == len(devs):
+            return "nccl"
+        return "gloo"
+
+
+_HARD_EXIT_HOOKS: list[Callable[[], None]] = []
+
+
+def before_hard_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` if this rank ends in ``hard_exit`` (its driver or parent gone), where neither
+    ``finally`` blocks nor ``atexit`` run: e.g. removing a scratch directory."""
+    _HARD_EXIT_HOOKS.append(hook)
+
+
+def hard_exit(code: int) -> NoReturn:
+    """End the rank at once from any thread (``os._exit``), after the ``before_hard_exit`` hooks."""
+    for hook in _HARD_EXIT_HOOKS:
+        try:
+            hook()
+        except Exception:
+            logger.exception("a hook before the rank's exit failed")
+    os._exit(code)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the driver process is gone (so no orphan ranks hold ports or memory)."""
+    while True:
+        if os.getppid() != parent_pid:
+            hard_exit(4)
+        time.sleep(0.5)
+
+
+def init_distributed(spec: GangSpec, rank: int, world_size: int) -> str:
+    """Join the gang's process group from torchrun-style environment variables."""
+    backend = spec.resolved_backend()
+    timeout = timedelta(seconds=spec.collective_timeout_s)
+    if os.environ.get("SHARDSERVE_DRIVER_STORE") == "1":
+        # The local driver hosts the rendezvous store (no free-port race, nothing left on stop).
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:  # launched by torchrun (possibly across hosts): rank 0 hosts the store
+        spec.plan.dims.validate_world(int(os.environ.get("WORLD_SIZE", world_size)))
+        dist.init_process_group(
+            backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+        )
+    return backend
+
+
+def tp_group_for(plan: PartitionPlan, stage: int, dp_rank: int = 0) -> dist.ProcessGroup | None:
+    """Create every stage's tensor-parallel group in every replica (all ranks must take part) and
+    return ours."""
+    dims = plan.dims
+    if dims.tp == 1:
+        return None
+    mine = None
+    for d in range(dims.dp):
+        for spec in plan.stages:
+            group = dist.new_group([dims.rank_of(spec.index, t, d) for t in range(dims.tp)])
+            if spec.index == stage and d == dp_rank:
+                mine = group
+    return mine
+
+
+def dp_groups_for(
+    plan: PartitionPlan, rank: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(data-parallel group of this rank's shard, model-parallel group of its replica); both None
+    when dp == 1 (the world is the one replica). Every rank creates every group, in one order."""
+    dims = plan.dims
+    if dims.dp == 1:
+        return None, None
+    dp_mine = mp_mine = None
+    for ranks in dims.dp_groups():
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            dp_mine = group
+    for ranks in dims.model_parallel_groups():
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mp_mine = group
+    return dp_mine, mp_mine
+
+
+def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
+    """Process entry point of one rank (``env``: the rendezvous and the driver's channel)."""
+    os.environ.update(env)
+    # Ctrl-C in a terminal (or `timeout`, or `kill -- -PGID`) signals the whole process group: let
+    # the driver drain and stop the gang rather than every rank dying mid-micro-batch. Ranks still
+    # exit on a stop message, on SIGKILL from the driver, or on their own when the driver is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+    )
+    if "SHARDSERVE_PARENT_PID" in env:  # spawned by a local driver: leave with it at once
+        threading.Thread(target=_watch_parent, args=(int(env["SHARDSERVE_PARENT_PID"]),), daemon=True).start()
+    link = RankChannel.from_env(rank, on_driver_lost=lambda: hard_exit(4))  # heartbeats start now
+    code = 0
+    try:
+        torch.set_num_threads(spec.threads_per_rank)
+        plan = spec.plan
+        stage, tp_rank = plan.dims.coords(rank)
+        device = torch.device(plan.devices[rank])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        t0 = time.perf_counter()
+        backend = init_distributed(spec, rank, plan.dims.world_size)
+        dp_rank = plan.dims.dp_rank(rank)
+        tp_group = tp_group_for(plan, stage, dp_rank)
+        dp_group, mp_group = dp_groups_for(plan, rank)
+        ctx = RankContext(
+            rank,
+            stage,
+            tp_rank,
+            spec,
+            device,
+            backend,
+            tp_group,
+            link,
+            dp_rank=dp_rank,
+            dp_group=dp_group,
+            mp_group=mp_group,
+        )
+        ctx.maybe_fault(-1)
+        if not link.wait_connected(spec.collective_timeout_s):
+            raise RuntimeError(f"rank {rank}: the driver at {env.get(ENV_ENDPOINTS)} never reached this rank")
+
+        def ready(info: dict[str, Any]) -> None:
+            info = {**info, "setup_s": time.perf_counter() - t0, "host": socket.gethostname()}
+            link.send(RankReady(rank, info))
+
+        spec.program(ctx, ready=ready)
+        link.send(RankStopped(rank))
+    except BaseException:
+        link.send(RankFailed(rank, traceback.format_exc()))
+        code = 1
+    finally:
+        link.close()  # delivers the last report
+        if code == 0 and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        os._exit(code)

@@ -1,0 +1,116 @@
+"""Driver <-> rank messages on the wire: ``partitioner/runtime/messages.py`` dataclasses as signed frames.
+
+A message becomes ZeroMQ multipart frames, no pickle (a peer that reaches the port must not be
+able to run code in the server):
+
+    frame 0        JSON header: {"t": type name, "f": plain fields, "a": [[field, dtype, shape], ...]}
+    frames 1..n    the numpy arrays' bytes (C order), in the header's order
+    last frame     HMAC-SHA256 over every frame before it (length-prefixed) with the gang's key
+
+``decode`` checks the signature (constant-time) before it parses anything and only builds the
+message types listed in ``MESSAGE_TYPES``; anything else is a ``WireError``.
+
+    frames = encode(Batch(3, ids, mask), key)      # list[bytes]
+    msg = decode(frames, key)                      # Batch(mb_id=3, ...), arrays writable copies
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import secrets
+from typing import Any
+
+import numpy as np
+
+from partitioner.runtime.messages import (
+    Batch,
+    CheckpointSaved,
+    EvalLogits,
+    Heartbeat,
+    RankFailed,
+    RankReady,
+    RankStopped,
+    Result,
+    StepReport,
+    Stop,
+)
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Batch,
+        Stop,
+        Result,
+        RankReady,
+        RankStopped,
+        RankFailed,
+        StepReport,
+        EvalLogits,
+        CheckpointSaved,
+        Heartbeat,
+    )
+}
+KEY_BYTES = 32
+
+
+class WireError(ValueError):
+    """Frames that are not a signed message of a known type (tampered, foreign, or corrupt)."""
+
+
+def new_key() -> bytes:
+    """A fresh random gang key."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _signature(frames: list[bytes], key: bytes) -> bytes:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for frame in frames:
+        mac.update(len(frame).to_bytes(8, "little"))
+        mac.update(frame)
+    return mac.digest()
+
+
+def encode(msg: Any, key: bytes) -> list[bytes]:
+    """``msg`` (one of ``MESSAGE_TYPES``) as signed frames."""
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise WireError(f"{name} is not a wire message type")
+    plain: dict[str, Any] = {}
+    arrays: list[list[Any]] = []
+    frames: list[bytes] = [b""]
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, np.ndarray):
+            value = np.ascontiguousarray(value)
+            arrays.append([f.name, value.dtype.str, list(value.shape)])
+            frames.append(value.tobytes())
+        else:
+            plain[f.name] = value
+    frames[0] = json.dumps({"t": name, "f": plain, "a": arrays}, separators=(",", ":")).encode()
+    frames.append(_signature(frames, key))
+    return frames
+
+
+def decode(frames: list[bytes], key: bytes) -> Any:
+    """The message in ``frames``; ``WireError`` unless correctly signed and well-formed."""
+    if len(frames) < 2:
+        raise WireError(f"a message has a header and a signature, got {len(frames)} frame(s)")
+    body, signature = [bytes(f) for f in frames[:-1]], bytes(frames[-1])
+    if not hmac.compare_digest(_signature(body, key), signature):
+        raise WireError("bad signature (another gang's key, or a foreign sender)")
+    try:
+        header = json.loads(body[0])
+        cls = MESSAGE_TYPES[header["t"]]
+        kwargs = dict(header["f"])
+        if len(header["a"]) != len(body) - 1:
+            raise WireError(f"{len(header['a'])} arrays announced, {len(body) - 1} sent")
+        for (name, dtype, shape), data in zip(header["a"], body[1:], strict=True):
+            kwargs[name] = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+        return cls(**kwargs)
+    except WireError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"malformed message: {exc}") from None

@@ -1,0 +1,137 @@
+"""Input processing: QA pairs -> tokenized, windowed ``EncodedBatch`` (the engine's first part).
+
+Owns tokenization for serving: the windowing settings (``WindowConfig``) and the one tokenizer
+thread. ``encode`` runs on the calling thread; ``encode_async`` runs it on the tokenizer thread so
+that long contexts never stall the event loop. Admission (queue places, limits) is not here: it
+belongs to the scheduler, and the engine asks for a place before it asks for tokens.
+
+    inputs = InputProcessor(tokenizer=lambda: manager.model.tokenizer, window=WindowConfig())
+    encoded = await inputs.encode_async([QAPair("Who?", "Ann met Bob.")])  # QAInputError / ValueError
+    inputs.estimate_windows(pairs)   # before tokenizing: windows expected from the text length
+    inputs.min_windows(pairs, above=128)  # and the fewest it can take (413 at once when over a limit)
+    inputs.expected_wait_s(pairs)    # and seconds until they would be tokenized (queue + own)
+    inputs.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from models.qa_processing import EncodedBatch, WindowConfig, encode_qa
+from serving.engine.qa_types import QAPair
+
+logger = logging.getLogger(__name__)
+
+EWMA_ALPHA = 0.2  # weight of the newest request in the characters-per-token/-second estimates
+# the start of each whitespace-separated chunk holding a word character: BERT-family tokenizers split
+# on whitespace first and keep every word character, so each such chunk is at least one token
+_WORDY_CHUNK = re.compile(r"(?<!\S)(?=\S*\w)")
+
+
+class InputProcessor:
+    """Tokenize and window QA pairs, off the event loop when asked (see module doc)."""
+
+    def __init__(self, *, tokenizer: Callable[[], Any], window: WindowConfig) -> None:
+        # a callable: the tokenizer of the model generation being served (a reload may swap it)
+        self.tokenizer = tokenizer
+        self.window = window
+        # One thread: a fast tokenizer is not safe to call from several threads at once
+        # ("Already borrowed"); one is enough to keep tokenization off the event loop.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-tokenize")
+        # admission estimates (EWMAs over encoded requests) and the text waiting for the thread
+        self._chars_per_token: float | None = None
+        self._chars_per_s: float | None = None
+        self._pending_chars = 0
+
+    def encode(self, pairs: list[QAPair]) -> EncodedBatch:
+        """Tokenize ``pairs`` into windows on the calling thread; raises ``QAInputError`` /
+        ``ValueError`` for text the tokenizer refuses."""
+        t0 = time.perf_counter()
+        encoded = encode_qa(
+            self.tokenizer(),
+            [p.question for p in pairs],
+            [p.context for p in pairs],
+            window=self.window,
+        )
+        if tokens := _context_tokens(encoded):
+            self._chars_per_token = _ewma(self._chars_per_token, sum(len(p.context) for p in pairs) / tokens)
+        self._chars_per_s = _ewma(self._chars_per_s, _chars(pairs) / max(time.perf_counter() - t0, 1e-6))
+        return encoded
+
+    def estimate_windows(self, pairs: list[QAPair]) -> int:
+        """Windows ``pairs`` will probably need: their lengths in tokens at the characters per token
+        seen so far, windowed as ``encode`` would (one per pair before any was seen); an estimate
+        for admission only."""
+        per = self._chars_per_token
+        if per is None:
+            return len(pairs)
+        specials = self.tokenizer().num_special_tokens_to_add(pair=True)
+        return sum(
+            self.window.num_windows(
+                math.ceil(len(p.context) / per),
+                question_tokens=math.ceil(len(p.question) / per),
+                num_special_tokens=specials,
+            )
+            for p in pairs
+        )
+
+    def min_windows(self, pairs: list[QAPair], *, above: int) -> int:
+        """The fewest windows ``pairs`` can take (a lower bound, before tokenizing): each context has
+        at least as many tokens as whitespace-separated chunks holding a word character. Contexts are
+        scanned only when the bound could exceed ``above`` (a C-character context has at most
+        (C+1)/2 chunks), so ordinary requests cost nothing; otherwise one window per pair."""
+        specials = self.tokenizer().num_special_tokens_to_add(pair=True)
+
+        def bound(tokens: int) -> int:
+            return self.window.min_windows(tokens, num_special_tokens=specials)
+
+        if sum(bound((len(p.context) + 1) // 2) for p in pairs) <= above:
+            return len(pairs)
+        return sum(bound(len(_WORDY_CHUNK.findall(p.context))) for p in pairs)
+
+    def expected_wait_s(self, pairs: list[QAPair]) -> float:
+        """Seconds until ``pairs`` would be tokenized by ``encode_async``: the text already waiting
+        for the thread plus their own, at the measured speed (0 before any was measured)."""
+        if self._chars_per_s is None:
+            return 0.0
+        return (self._pending_chars + _chars(pairs)) / self._chars_per_s
+
+    async def encode_async(self, pairs: list[QAPair]) -> EncodedBatch:
+        """``encode`` on the tokenizer thread (the event loop keeps running meanwhile)."""
+        chars = _chars(pairs)
+        self._pending_chars += chars
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, self.encode, pairs)
+        finally:
+            self._pending_chars -= chars
+
+    def shutdown(self) -> None:
+        """Stop the tokenizer thread; queued tokenizations are dropped."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _context_tokens(encoded: EncodedBatch) -> int:
+    """Distinct context tokens over the pairs: a pair's windows come in order, and a token shared by
+    overlapping windows (the stride) is counted in the first only."""
+    last: dict[int, int] = {}  # pair -> char start of its last context token counted
+    n = 0
+    for w in encoded.windows:
+        starts = w.data[:, 2]  # (num_tokens,) char start of each token, -1 off the context
+        n += int((starts > last.get(w.example_index, -1)).sum())
+        last[w.example_index] = int(starts.max())
+    return n
+
+
+def _chars(pairs: list[QAPair]) -> int:
+    return sum(len(p.question) + len(p.context) for p in pairs)
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + EWMA_ALPHA * (new - old)

@@ -1,0 +1,701 @@
+"""Replica gangs: the device pool, and a manager that starts, warms, routes, drains and restarts them.
+
+A replica is ONE gang of ``pp * tp`` worker processes (``partitioner.runtime.gang.Gang``) holding one model
+generation. Its life: STARTING (processes spawn, weights load, then one warm-up micro-batch) ->
+READY (routable) -> DRAINING (no new work; in-flight micro-batches finish) -> STOPPED; or FAILED
+the moment a rank dies, raises or stalls (the engine then retries its in-flight work elsewhere)
+and, after a back-off, a fresh gang replaces it (``Replica.replaces``; it carries on the failed
+gang's ``restarts`` + 1, so the status page shows each gang's own restart count).
+
+The manager does not count in-flight work: it reads the one ledger (``InflightLedger``, which
+``serving.engine.scheduler.Scheduler`` satisfies) for ``Replica.inflight_batches`` (least-loaded drain
+choice, drain completion, stall detection, busy sampling). It tells one ``ReplicaListener`` (the
+engine, attached explicitly by whoever builds both: the app lifespan, or a test) when the replica
+set changed and the moment a replica failed, so that its in-flight work is retried elsewhere.
+
+The manager runs on the server's event loop; blocking gang calls (start, warm-up, stop) run in
+threads. ``reconcile()`` moves the set of gangs toward ``target`` (set by ``--replicas``, the
+autoscaler or POST /admin/replicas); ``reload()`` rolls every gang onto another checkpoint. The
+device pool bounds how many gangs fit: CPU slots (one per rank, ``--cpu-slots``) or CUDA devices.
+
+    pool = DevicePool.for_settings(settings)
+    scheduler = Scheduler(settings.scheduler_config())  # the in-flight ledger
+    manager = ReplicaManager(factory=gang_factory(settings), pool=pool, model=generation,
+                             ledger=scheduler, ...)
+    manager.attach(engine)         # the engine hears of replica changes and failures
+    manager.set_target(2)          # starts gangs in the background; manager.routable() lists READY ones
+
+Tests use a fake backend with the Gang's interface (``tests/serving/fakes.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from models.qa_processing import WindowConfig, encode_qa, pad_windows
+from models.registry import ModelSource
+from partitioner.plan import ParallelDims, PartitionPlan, make_plan
+from partitioner.runtime.remote import GangNetwork
+from serving.metrics import ServingMetrics
+from serving.redact import one_line, scrub_paths
+
+logger = logging.getLogger(__name__)
+
+WARMUP_QUESTION = "What does the warm-up check?"
+WARMUP_CONTEXT = "The warm-up checks that every stage of a new gang answers before traffic is routed to it."
+MAX_RESTART_BACKOFF_S = 30.0
+
+
+class Backend(Protocol):
+    """What the server needs of a gang (``partitioner.runtime.gang.Gang`` satisfies it)."""
+
+    def start(self) -> Any: ...
+    def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future: ...
+    def stop(self, *, timeout_s: float = 30.0) -> None: ...
+    def kill(self) -> None: ...  # any thread: the ranks die now, a start() waiting for them fails
+    def pids(self) -> list[int]: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+class InflightLedger(Protocol):
+    """The one count of in-flight micro-batches (``serving.engine.scheduler.Scheduler`` satisfies it)."""
+
+    def inflight(self, replica_id: str) -> int: ...
+
+
+class ReplicaListener(Protocol):
+    """What the manager tells its user (the engine): the replica set changed; a replica failed."""
+
+    def replicas_changed(self) -> None: ...
+    def replica_failed(self, replica: Replica) -> None: ...
+
+
+BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
+
+
+def gang_factory(
+    *,
+    threads_per_rank: int,
+    stall_timeout_s: float,
+    start_timeout_s: float,
+    dtype: str = "float32",
+    compile: bool = False,
+    warmup_lengths: tuple[int, ...] = (128,),
+    network: GangNetwork | None = None,
+) -> BackendFactory:
+    """A factory of real gangs (worker processes) with these settings; ``compile``: each rank compiles
+    its stage and runs ``warmup_lengths`` before ready; ``network``: where the gang listens and which
+    ranks run elsewhere (default: all here, on loopback)."""
+    from partitioner.runtime.gang import Gang
+    from partitioner.runtime.rank import GangSpec
+
+    def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
+        spec = GangSpec(
+            source,
+            plan,
+            threads_per_rank=threads_per_rank,
+            dtype=dtype,
+            compile=compile,
+            warmup_lengths=warmup_lengths,
+        )
+        return Gang(
+            spec, name=name, stall_timeout_s=stall_timeout_s, start_timeout_s=start_timeout_s, network=network
+        )
+
+    return make
+
+
+def _probe(backend: Backend, name: str) -> list | None:
+    """``backend.<name>()`` when the backend has it and can tell, else None."""
+    probe = getattr(backend, name, None)
+    if probe is None:
+        return None
+    try:
+        return probe() or None
+    except (TypeError, ValueError, OSError):
+        return None
+
+
+def rank_processes(backend: Backend) -> list[tuple[str, int] | None] | None:
+    """Per rank: (host, pid) as the rank reports them (None: not heard yet); None when the backend
+    cannot tell (``partitioner.runtime.gang.Gang.rank_processes``)."""
+    return _probe(backend, "rank_processes")
+
+
+def busy_seconds(backend: Backend) -> list[float] | None:
+    """Per rank: seconds spent inside micro-batches so far (None when the backend cannot tell)."""
+    return _probe(backend, "busy_seconds")
+
+
+# ------------------------------------------------------------------------------------------------
+# device pool
+# ------------------------------------------------------------------------------------------------
+
+
+class DevicePool:
+    """Slots a gang's ranks occupy: ``cpu`` slots (a count) or CUDA devices, ``ranks_per_gpu`` slots each.
+
+    CUDA slots are dealt round-robin (slot s is ``cuda:{s % gpus}``) and taken lowest first, so a
+    gang's ranks land on different GPUs while there are enough (NCCL), and share them beyond.
+    """
+
+    def __init__(self, labels: list[str]) -> None:
+        if not labels:
+            raise ValueError("a device pool needs at least one slot, got 0")
+        self.labels = list(labels)
+        self._free = set(range(len(labels)))
+
+    @classmethod
+    def for_device(cls, device: str, *, cpu_slots: int, ranks_per_gpu: int = 1) -> DevicePool:
+        if device == "cuda":
+            n = torch.cuda.device_count()
+            if n == 0:
+                raise ValueError("device=cuda but torch.cuda.device_count() is 0")
+            return cls([f"cuda:{s % n}" for s in range(n * ranks_per_gpu)])
+        return cls(["cpu"] * cpu_slots)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.labels)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def gangs_that_fit(self, world_size: int) -> int:
+        """Gangs of ``world_size`` ranks the whole pool holds (the autoscaler's upper bound)."""
+        return self.capacity // world_size
+
+    def acquire(self, n: int) -> list[int] | None:
+        """Take ``n`` slots (lowest first), or None when fewer are free."""
+        if n > len(self._free):
+            return None
+        got = sorted(self._free)[:n]
+        self._free.difference_update(got)
+        return got
+
+    def release(self, slots: list[int]) -> None:
+        self._free.update(slots)
+
+    def devices(self, slots: list[int]) -> tuple[str, ...]:
+        return tuple(self.labels[s] for s in slots)
+
+
+# ------------------------------------------------------------------------------------------------
+# replicas
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelGeneration:
+    """One loaded model: source, base plan, tokenizer (shared by every gang of the generation)."""
+
+    generation: int
+    source: ModelSource
+    dims: ParallelDims
+    tokenizer: Any
+
+    def plan(self, devices: tuple[str, ...] | None = None) -> PartitionPlan:
+        return make_plan(self.source.config, self.dims, devices=devices)
+
+
+class ReplicaState(str, enum.Enum):  # noqa: UP042 (str() and format() as before)
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(eq=False)
+class Replica:
+    """One gang and what the server tracks about it."""
+
+    replica_id: str
+    model: ModelGeneration
+    slots: list[int]
+    ledger: InflightLedger = field(repr=False)  # where its in-flight micro-batches are counted
+    state: ReplicaState = ReplicaState.STARTING
+    backend: Backend | None = None
+    error: str | None = None
+    created_at: float = field(default_factory=time.monotonic)
+    stage_busy_s: list[float] = field(default_factory=list)
+    busy_seen: list[float] = field(default_factory=list)  # each stage's busy seconds at the last sample
+    # seconds with work in flight (the bubble fraction's denominator): closed intervals, and the
+    # start of the open one; both kept by serving.engine.dispatcher, which sees a batch leave and return
+    active_s: float = 0.0
+    active_since: float = 0.0
+    start_task: asyncio.Task | None = None
+    # restarts of its line: a gang that replaces a failed one (or one whose start failed) carries
+    # on its count, +1 per restart after a failure; ``replaces``: the gang it took over from
+    restarts: int = 0
+    replaces: str | None = None
+    # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
+    # to an idle gang (set by serving.engine.dispatcher, which sees both)
+    last_progress: float = field(default_factory=time.monotonic)
+
+    @property
+    def inflight_batches(self) -> int:
+        """Micro-batches in flight on this gang, as the ledger counts them (a view, not a count)."""
+        return self.ledger.inflight(self.replica_id)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds with work in flight and no batch completed (0 when idle)."""
+        return max(0.0, now - self.last_progress) if self.inflight_batches > 0 else 0.0
+
+    @property
+    def routable(self) -> bool:
+        return self.state is ReplicaState.READY and self.backend is not None and self.backend.healthy
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.replica_id,
+            "state": self.state.value,
+            "model": self.model.source.name,
+            "generation": self.model.generation,
+            "inflight_batches": self.inflight_batches,
+            "restarts": self.restarts,
+            "pids": self.backend.pids()
+            if self.backend is not None and self.state is not ReplicaState.STOPPED
+            else [],
+            "error": self.error,
+        }
+
+
+class ReloadError(RuntimeError):
+    """The new checkpoint's gangs could not be started; the old ones keep serving."""
+
+
+class ReloadInProgress(ReloadError):
+    """Another reload is running (HTTP 409)."""
+
+
+class ReplicaManager:
+    """Keeps ``target`` READY gangs of the current model generation (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        factory: BackendFactory,
+        pool: DevicePool,
+        model: ModelGeneration,
+        metrics: ServingMetrics,
+        ledger: InflightLedger,
+        drain_timeout_s: float = 30.0,
+        restart_backoff_s: float = 1.0,
+        warmup_timeout_s: float = 120.0,
+        fail_fast: bool = False,
+        stall_timeout_s: float | None = None,
+    ) -> None:
+        self.factory = factory
+        self.pool = pool
+        self.model = model
+        self.metrics = metrics
+        self.ledger = ledger
+        self.drain_timeout_s = drain_timeout_s
+        self.restart_backoff_s = restart_backoff_s
+        self.warmup_timeout_s = warmup_timeout_s
+        # fail_fast: when the very first gang cannot start (nothing was ever ready), give up instead
+        # of retrying forever: ``fatal_error`` says why (one line) and the CLI exits non-zero
+        self.fail_fast = fail_fast
+        # stall_timeout_s: a replica with work in flight and no progress for half of it leaves
+        # readiness and routing (suspect); for all of it, it is failed and its work retried elsewhere
+        self.stall_timeout_s = stall_timeout_s
+        self.fatal_error: str | None = None
+        self.ever_ready = False
+        self.start_failures = 0  # gangs that failed to start, in all
+        self.last_failure: str | None = None  # one line, no paths (shown by /readyz)
+        self.next_retry_at: float | None = None  # monotonic time of the next restart after a back-off
+        self.target = 0
+        self.replicas: dict[str, Replica] = {}
+        self.listener: ReplicaListener | None = None  # set once by attach()
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._reloading = False
+        self._closed = False
+        self._consecutive_failures = 0
+        self.restarts = 0
+        self._heirs: list[tuple[str, int]] = []  # (failed gang, restarts) the next launches take over
+
+    def attach(self, listener: ReplicaListener) -> None:
+        """Tell ``listener`` (the engine) of replica changes and failures from now on (once)."""
+        if self.listener is not None and self.listener is not listener:
+            raise RuntimeError("the replica manager already has a listener")
+        self.listener = listener
+
+    # ------------------------------------------------------------------ views
+    def routable(self) -> list[Replica]:
+        """READY, healthy gangs that are not suspected of a stall (see ``stall_timeout_s``)."""
+        now = time.monotonic()
+        return [r for r in self.replicas.values() if r.routable and not self.suspect(r, now)]
+
+    def suspect(self, replica: Replica, now: float) -> bool:
+        """Work in flight and no progress for half the stall timeout: not counted as ready."""
+        return self.stall_timeout_s is not None and replica.stalled_for(now) > self.stall_timeout_s / 2
+
+    def count(self, *states: ReplicaState) -> int:
+        return sum(1 for r in self.replicas.values() if r.state in states)
+
+    @property
+    def ready(self) -> int:
+        return len(self.routable())
+
+    @property
+    def starting(self) -> int:
+        return self.count(ReplicaState.STARTING)
+
+    def pool_limit(self) -> int:
+        return self.pool.gangs_that_fit(self.model.dims.world_size)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [r.describe() for r in self.replicas.values()]
+
+    def health(self) -> dict[str, Any]:
+        """Readiness detail (safe for unauthenticated clients: counts and one path-free line)."""
+        out: dict[str, Any] = {"ready_replicas": self.ready, "starting_replicas": self.starting}
+        if self.start_failures or self.last_failure is not None:
+            out["failed_starts"] = self.start_failures
+            out["consecutive_failures"] = self._consecutive_failures
+            out["last_failure"] = self.last_failure
+        if self.next_retry_at is not None:
+            out["retry_in_s"] = round(max(0.0, self.next_retry_at - time.monotonic()), 2)
+        if self.fatal_error is not None:
+            out["fatal"] = scrub_paths(self.fatal_error)
+        return out
+
+    def _changed(self) -> None:
+        for state in ReplicaState:
+            self.metrics.replicas.labels(state=state.value).set(self.count(state))
+        if self.listener is not None:
+            self.listener.replicas_changed()
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ control
+    def set_target(self, n: int) -> int:
+        """Ask for ``n`` gangs (clamped to the device pool); returns the target applied."""
+        limit = self.pool_limit()
+        if n > limit:
+            logger.warning("asked for %d replicas, the device pool fits %d: using %d", n, limit, limit)
+        self.target = max(0, min(n, limit))
+        self.reconcile()
+        return self.target
+
+    def reconcile(self) -> None:
+        """Start or drain gangs of the current generation until target are live (non-blocking)."""
+        if self._reloading or self._closed or self.fatal_error is not None:
+            return
+        live = [
+            r
+            for r in self.replicas.values()
+            if r.state in (ReplicaState.STARTING, ReplicaState.READY) and r.model is self.model
+        ]
+        missing = self.target - len(live)
+        heirs, self._heirs = self._heirs, []  # a replacement not launched now is a fresh gang later
+        for _ in range(missing):
+            if self._launch(self.model, heir=heirs.pop(0) if heirs else None) is None:
+                break
+        for r in list(self.replicas.values()):  # gangs of an older generation (after a reload)
+            if r.model is not self.model and r.state is ReplicaState.READY:
+                self._spawn(self.drain(r))
+        if missing < 0:
+            ready = sorted(
+                (r for r in live if r.state is ReplicaState.READY),
+                key=lambda r: (r.inflight_batches, -r.created_at),
+            )
+            for r in ready[:-missing]:
+                self._spawn(self.drain(r))
+
+    def _launch(self, model: ModelGeneration, *, heir: tuple[str, int] | None = None) -> Replica | None:
+        """Take pool slots and start a gang in the background; None when the pool is full.
+        ``heir``: (id, restarts) of the failed gang this one replaces."""
+        slots = self.pool.acquire(model.dims.world_size)
+        if slots is None:
+            logger.warning(
+                "device pool full: %d of %d slots free, a gang needs %d",
+                self.pool.free,
+                self.pool.capacity,
+                model.dims.world_size,
+            )
+            return None
+        replica = Replica(f"r{next(self._ids)}", model, slots, self.ledger)
+        if heir is not None:
+            replica.replaces, replica.restarts = heir
+        self.replicas[replica.replica_id] = replica
+        self._changed()
+        replica.start_task = self._spawn(self._start(replica))
+        return replica
+
+    async def _start(self, replica: Replica) -> bool:
+        if self._closed or replica.state is not ReplicaState.STARTING:  # closing, or drained: never start it
+            await self._retire(replica, ReplicaState.STOPPED)
+            return False
+        model = replica.model
+        t0 = time.monotonic()
+        try:
+            plan = model.plan(self.pool.devices(replica.slots))
+            replica.backend = self.factory(model.source, plan, f"{model.source.name}-{replica.replica_id}")
+            replica.stage_busy_s = [0.0] * model.dims.pp
+            replica.busy_seen = [0.0] * model.dims.pp
+            await asyncio.to_thread(replica.backend.start)
+            await asyncio.to_thread(warm_up, replica.backend, model, timeout_s=self.warmup_timeout_s)
+        except Exception as err:  # a start failure: retried after a back-off by reconcile()
+            if self._closed or replica.state is not ReplicaState.STARTING:  # killed on purpose: not a failure
+                logger.info("replica %s: start ended (%s)", replica.replica_id, one_line(err, scrub=False))
+                await self._retire(replica, ReplicaState.STOPPED)
+                return False
+            self._consecutive_failures += 1
+            self.start_failures += 1
+            self.metrics.replica_failures.inc()
+            self.last_failure = one_line(err)
+            replica.error = f"start failed: {err}"
+            logger.error("replica %s failed to start: %s", replica.replica_id, one_line(err, scrub=False))
+            logger.debug("replica %s start failure in full: %s", replica.replica_id, err)
+            await self._retire(replica, ReplicaState.FAILED)
+            if replica.replaces is not None:  # a replacement that could not start: its line goes on
+                self._heirs.append((replica.replica_id, replica.restarts))
+            if self.fail_fast and not self.ever_ready and not self._closed:
+                self.fatal_error = f"the first replica gang could not start: {one_line(err, scrub=False)}"
+                if self.listener is not None:
+                    self.listener.replicas_changed()
+                return False
+            backoff = self._backoff()
+            self.next_retry_at = time.monotonic() + backoff
+            await asyncio.sleep(backoff)
+            self.next_retry_at = None
+            self.reconcile()
+            return False
+        if self._closed or replica.state is not ReplicaState.STARTING:
+            await self._retire(replica, ReplicaState.STOPPED)
+            return False
+        self._consecutive_failures = 0
+        self.ever_ready = True
+        replica.state = ReplicaState.READY
+        logger.info(
+            "replica %s ready (%s, generation %d, %.1f s, pids %s)",
+            replica.replica_id,
+            model.source.name,
+            model.generation,
+            time.monotonic() - t0,
+            replica.backend.pids(),
+        )
+        self._changed()
+        self.reconcile()
+        return True
+
+    def _backoff(self) -> float:
+        n = max(0, self._consecutive_failures - 1)
+        return min(MAX_RESTART_BACKOFF_S, self.restart_backoff_s * (2**n))
+
+    async def drain(self, replica: Replica, *, timeout_s: float | None = None) -> None:
+        """Stop routing to the replica, wait for its in-flight micro-batches, stop the gang."""
+        if replica.state is ReplicaState.STARTING:  # _start() stops it once its start returns
+            replica.state = ReplicaState.DRAINING
+            self._changed()
+            return
+        if replica.state is not ReplicaState.READY:
+            return
+        replica.state = ReplicaState.DRAINING
+        self._changed()
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while replica.inflight_batches > 0 and time.monotonic() < deadline:
+            if replica.state is not ReplicaState.DRAINING:  # it failed meanwhile
+                return
+            await asyncio.sleep(0.02)
+        if replica.state is not ReplicaState.DRAINING:
+            return
+        logger.info("replica %s drained (%d batches left)", replica.replica_id, replica.inflight_batches)
+        await self._retire(replica, ReplicaState.STOPPED)
+
+    async def _retire(self, replica: Replica, state: ReplicaState, *, timeout_s: float | None = None) -> None:
+        """Stop the gang (drains what is left in it, up to ``timeout_s``), free its slots, forget it."""
+        replica.state = state
+        self._changed()
+        if replica.backend is not None:
+            wait_s = self.drain_timeout_s if timeout_s is None else timeout_s
+            try:
+                await asyncio.to_thread(replica.backend.stop, timeout_s=wait_s)
+            except Exception as err:
+                logger.warning("stopping replica %s: %s", replica.replica_id, err)
+        self.pool.release(replica.slots)
+        replica.slots = []
+        self.replicas.pop(replica.replica_id, None)
+        self.metrics.forget_replica(replica.replica_id)  # ids are never reused: its series would stay
+        self._changed()
+
+    def mark_failed(self, replica: Replica, reason: str) -> None:
+        """A rank died / raised / stalled: unroutable at once, engine fails over, gang restarted."""
+        if replica.state not in (ReplicaState.READY, ReplicaState.DRAINING):
+            return
+        was_draining = replica.state is ReplicaState.DRAINING
+        replica.state = ReplicaState.FAILED
+        replica.error = reason
+        self.last_failure = one_line(reason)
+        logger.error("replica %s failed: %s", replica.replica_id, reason)
+        self.metrics.replica_failures.inc()
+        self._changed()
+        if self.listener is not None:
+            self.listener.replica_failed(replica)
+        self._spawn(self._restart(replica, replace=not was_draining))
+
+    async def _restart(self, replica: Replica, *, replace: bool) -> None:
+        # nothing of a failed gang is worth draining: its work was already retried elsewhere
+        await self._retire(replica, ReplicaState.FAILED, timeout_s=0.0)
+        if not replace or self._closed:
+            return
+        self._consecutive_failures += 1
+        backoff = self._backoff()
+        self.next_retry_at = time.monotonic() + backoff
+        await asyncio.sleep(backoff)
+        self.next_retry_at = None
+        self.restarts += 1
+        self.metrics.replica_restarts.inc()
+        self._heirs.append((replica.replica_id, replica.restarts + 1))
+        self.reconcile()
+
+    def check_health(self) -> None:
+        """Fail replicas whose gang reports unhealthy (a rank died while idle) or that stalled:
+        work in flight and no micro-batch completed for ``stall_timeout_s`` (a hung rank)."""
+        now = time.monotonic()
+        for r in list(self.replicas.values()):
+            if r.state in (ReplicaState.READY, ReplicaState.DRAINING) and r.backend is not None:
+                if not r.backend.healthy:
+                    err = getattr(r.backend, "error", None)
+                    self.mark_failed(r, str(err) if err else "gang unhealthy")
+                elif self.stall_timeout_s is not None and r.stalled_for(now) > self.stall_timeout_s:
+                    self.mark_failed(
+                        r,
+                        f"stalled: no micro-batch completed for {r.stalled_for(now):.1f} s with "
+                        f"{r.inflight_batches} in flight (stall_timeout_s={self.stall_timeout_s:g})",
+                    )
+
+    def sample_busy(self) -> None:
+        """Per-stage busy time from the ranks' own counters, against the time each replica had work
+        in flight: the bubble fraction (see serving.metrics); called every supervisor tick."""
+        now = time.monotonic()
+        for r in self.replicas.values():
+            if r.backend is None or r.state is not ReplicaState.READY:
+                continue
+            active_s = r.active_s + (now - r.active_since if r.inflight_batches > 0 else 0.0)
+            busy = busy_seconds(r.backend)
+            if busy is None:
+                continue
+            tp, pp = r.model.dims.tp, r.model.dims.pp
+            for stage in range(pp):
+                delta = busy[stage * tp] - r.busy_seen[stage]
+                r.busy_seen[stage] = busy[stage * tp]
+                if delta > 0:
+                    r.stage_busy_s[stage] += delta
+                    self.metrics.stage_busy.labels(replica=r.replica_id, stage=str(stage)).inc(delta)
+            if active_s > 0:
+                frac = 1.0 - sum(r.stage_busy_s) / (pp * active_s)
+                self.metrics.bubble.labels(replica=r.replica_id).set(min(1.0, max(0.0, frac)))
+
+    # ------------------------------------------------------------------ reload / shutdown
+    async def reload(self, model: ModelGeneration) -> None:
+        """Roll every gang onto ``model``: start a new gang, route to it, drain an old one; repeat.
+        Gangs still starting (a scale-up, a restart) are ended first: they would hold slots.
+
+        Raises ReloadError (old gangs keep serving) when a new gang fails to start.
+        """
+        if self._reloading:
+            raise ReloadInProgress("a reload is already in progress")
+        self._reloading = True
+        try:
+            await self._end_starts()  # gangs of the outgoing generation still starting would hold slots
+            old = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
+            want = max(1, self.target)
+            started: list[Replica] = []
+            for i in range(want):
+                if self.pool.free < model.dims.world_size and old:
+                    # no room for a new gang next to the old ones: give one old gang back first
+                    await self.drain(old.pop(0))
+                replica = self._launch(model)
+                if replica is None:
+                    raise ReloadError(
+                        f"device pool has {self.pool.free} free slots, a gang of {model.source.name} needs "
+                        f"{model.dims.world_size}"
+                    )
+                started.append(replica)
+                if replica.start_task is None or not await replica.start_task:
+                    raise ReloadError(f"gang {i} of {model.source.name} failed to start: {replica.error}")
+                if old:
+                    await self.drain(old.pop(0))
+            for r in old:
+                await self.drain(r)
+            self.model = model
+            logger.info("reloaded: %s generation %d on %d gangs", model.source.name, model.generation, want)
+        except BaseException:
+            for r in started:
+                if r.state in (ReplicaState.READY, ReplicaState.STARTING):
+                    await self.drain(r, timeout_s=self.drain_timeout_s)
+            raise
+        finally:
+            self._reloading = False
+            self.reconcile()
+
+    async def _end_starts(self) -> None:
+        """Kill the gangs being started (``_start`` then retires them) and wait until their slots are free."""
+        starting = [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
+        for r in starting:
+            await self.drain(r)  # a starting gang is only marked: its start stops it
+            if r.backend is not None:
+                await asyncio.to_thread(r.backend.kill)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while any(r.replica_id in self.replicas for r in starting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def close(self, *, timeout_s: float) -> None:
+        """Drain and stop every gang (server shutdown)."""
+        self._closed = True
+        starts = {r.start_task for r in self.replicas.values() if r.start_task is not None}
+        for task in list(self._tasks):
+            if task not in starts and not task.done():
+                task.cancel()  # restart back-offs, drains (redone below)
+        pending = [t for t in starts if not t.done()]
+        if pending and timeout_s <= 0:  # stop now: a gang being started is killed, not waited for
+            for r in list(self.replicas.values()):
+                if r.start_task in pending and r.backend is not None:
+                    await asyncio.to_thread(r.backend.kill)
+        if pending:  # a gang being started finishes (or fails), then stops itself
+            await asyncio.wait(pending, timeout=timeout_s + (10 if timeout_s <= 0 else 60))
+        await asyncio.gather(
+            *(self.drain(r, timeout_s=timeout_s) for r in list(self.replicas.values())),
+            return_exceptions=True,
+        )
+        for r in list(self.replicas.values()):  # failed / starting ones
+            await self._retire(r, ReplicaState.STOPPED)
+
+
+def warm_up(backend: Backend, model: ModelGeneration, *, timeout_s: float) -> None:
+    """Send one real micro-batch through every stage; raises if the gang cannot answer."""
+    enc = encode_qa(
+        model.tokenizer,
+        [WARMUP_QUESTION],
+        [WARMUP_CONTEXT],
+        window=WindowConfig(max_seq_len=64, doc_stride=8, max_question_len=16),
+    )
+    batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
+    types = batch.token_type_ids if model.source.config.uses_token_types else None
+    out = backend.submit(batch.input_ids, batch.attention_mask, types).result(timeout=timeout_s)
+    if tuple(out.shape[:2]) != tuple(batch.input_ids.shape):
+        raise RuntimeError(
+            f"warm-up logits have shape {tuple(out.shape)} for inputs {tuple(batch.input_ids.shape)}"
+        )

@@ -1,0 +1,227 @@
+"""Parity check: the partitioned gang against the unpartitioned ``transformers`` reference.
+
+Runs sample question/context pairs of several lengths as padded micro-batches through a gang at
+the requested (pp, tp) and through ``AutoModelForQuestionAnswering`` on the same weights, and
+reports the largest absolute difference of start/end logits over real (unpadded) tokens. With
+``--dtype bfloat16`` (or float16) the gang computes in that dtype while the reference stays fp32,
+and the report adds how many windows' best answer span (the argmax of start + end over spans of at
+most ``MAX_ANSWER_TOKENS``) changed; each dtype has its own default tolerance (``TOLERANCES``).
+
+A checkpoint without a QA head (the bundled MiniLM) or with overlays (the default model) is first
+merged into a temporary full ``*ForQuestionAnswering`` directory for the reference; the gang still
+loads from the original source, so the overlay and head-initialisation paths are checked too.
+
+    shardserve verify --model tiny-bert --pp 2 --tp 2
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.build import build_model
+from models.registry import ModelSource
+from partitioner.plan import ParallelDims, default_devices, make_plan
+from partitioner.runtime.gang import Gang
+from partitioner.runtime.rank import GangSpec
+
+logger = logging.getLogger(__name__)
+
+_CONTEXT = (
+    "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy, "
+    "a region in France. They were descended from Norse raiders and pirates from Denmark, Iceland "
+    "and Norway who, under their leader Rollo, agreed to swear fealty to King Charles III of West "
+    "Francia. Through generations of assimilation and mixing with the native Frankish and "
+    "Roman-Gaulish populations, their descendants would gradually merge with the Carolingian-based "
+    "cultures of West Francia. "
+)
+SAMPLES: list[tuple[str, str]] = [
+    ("In what country is Normandy located?", _CONTEXT),
+    ("Who was the Norse leader?", "Rollo led the Norse raiders."),
+    ("What is the capital?", "Paris."),
+    (
+        "From which countries did the Norse originate, and when did the Normans give their name to Normandy?",
+        _CONTEXT * 4,
+    ),
+    ("Who did the Normans swear fealty to?", _CONTEXT),
+    ("When did the Normans give their name to Normandy?", _CONTEXT),
+    ("With whom did their descendants merge?", _CONTEXT),
+    ("Where did the Norse raiders come from?", _CONTEXT),
+]
+# Largest max |logit diff| accepted per compute dtype (the reference is fp32). Reduced precision
+# keeps ~8 (bf16) / ~11 (fp16) mantissa bits: measured on the default model (pp, tp in (1,1), (2,1),
+# (1,2)), bf16 logits (magnitudes up to ~10) move by at most 0.165 and on tiny-bert by 0.022
+# (tests/partitioner/test_precision.py); fp16 keeps 3 more bits.
+TOLERANCES: dict[str, float] = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}
+MAX_ANSWER_TOKENS = 30
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of a parity run."""
+
+    max_abs_start: float
+    max_abs_end: float
+    tolerance: float
+    batch_shapes: list[tuple[int, int]] = field(default_factory=list)
+    dtype: str = "float32"
+    windows: int = 0
+    span_changes: int = 0  # windows whose best span differs from the reference's
+
+    @property
+    def span_change_fraction(self) -> float:
+        return self.span_changes / self.windows if self.windows else 0.0
+
+    @property
+    def max_abs(self) -> float:
+        return max(self.max_abs_start, self.max_abs_end)
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs <= self.tolerance
+
+
+def sample_batches(source: ModelSource, *, max_seq_len: int = 256) -> list[dict[str, torch.Tensor]]:
+    """Padded micro-batches of mixed lengths: all samples together, one short one, the long pair."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    max_len = min(max_seq_len, source.config.max_seq_len)
+
+    def encode(pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+        enc = tok(
+            [q for q, _ in pairs],
+            [c for _, c in pairs],
+            padding=True,
+            truncation="only_second",
+            max_length=max_len,
+            return_tensors="pt",
+        )
+        batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        if source.config.uses_token_types and "token_type_ids" in enc:
+            batch["token_type_ids"] = enc["token_type_ids"]
+        return batch
+
+    return [encode(SAMPLES), encode(SAMPLES[2:3]), encode([SAMPLES[0], SAMPLES[3]])]
+
+
+def reference_dir(source: ModelSource, workdir: Path) -> Path:
+    """A full HF QA checkpoint with the same weights the gang will load."""
+    from models.hf_weights import WeightSource, save_hf_checkpoint
+
+    weights: WeightSource = source.weights()
+    if not source.overlays and weights.locate("qa_outputs.weight") is not None:
+        return source.checkpoint
+    model = build_model(source)
+    return save_hf_checkpoint(
+        model.state_dict(),
+        source.config,
+        workdir / "reference",
+        base_config=source.checkpoint / "config.json",
+    )
+
+
+@torch.no_grad()
+def reference_logits(ref_dir: Path, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForQuestionAnswering
+
+    ref = AutoModelForQuestionAnswering.from_pretrained(ref_dir).eval()
+    outs = []
+    for b in batches:
+        r = ref(**b)
+        outs.append(torch.stack([r.start_logits, r.end_logits], dim=-1))  # (B, S, 2)
+    return outs
+
+
+def best_spans(logits: torch.Tensor, mask: torch.Tensor, *, max_len: int = MAX_ANSWER_TOKENS) -> torch.Tensor:
+    """(B, S, 2) logits, (B, S) mask -> (B, 2) best (start, end): argmax of start + end logits
+    over spans of real tokens with start <= end < start + max_len."""
+    s = logits.shape[1]
+    pad = ~mask.bool()
+    start = logits[..., 0].float().masked_fill(pad, -torch.inf)  # (B, S)
+    end = logits[..., 1].float().masked_fill(pad, -torch.inf)
+    score = start[:, :, None] + end[:, None, :]  # (B, S, S)
+    i = torch.arange(s)
+    allowed = (i[None, :] >= i[:, None]) & (i[None, :] < i[:, None] + max_len)  # (S, S)
+    flat = score.masked_fill(~allowed, -torch.inf).flatten(1).argmax(dim=1)  # (B,)
+    return torch.stack([flat // s, flat % s], dim=1)
+
+
+def compare(
+    got: list[torch.Tensor],
+    want: list[torch.Tensor],
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    tolerance: float,
+    dtype: str = "float32",
+) -> VerifyResult:
+    """Largest |got - want| over unpadded tokens, per logit kind, and the windows whose best span moved."""
+    d_start = d_end = 0.0
+    windows = changes = 0
+    for g, w, b in zip(got, want, batches, strict=True):
+        mask = b["attention_mask"].bool()  # (B, S)
+        diff = (g.float() - w).abs()  # (B, S, 2)
+        d_start = max(d_start, diff[..., 0][mask].max().item())
+        d_end = max(d_end, diff[..., 1][mask].max().item())
+        windows += len(mask)
+        changes += int((best_spans(g, mask) != best_spans(w, mask)).any(dim=1).sum())
+    return VerifyResult(
+        d_start,
+        d_end,
+        tolerance,
+        [tuple(b["input_ids"].shape) for b in batches],
+        dtype=dtype,
+        windows=windows,
+        span_changes=changes,
+    )
+
+
+def verify_partitioned(
+    source: ModelSource,
+    dims: ParallelDims,
+    *,
+    tolerance: float | None = None,
+    threads_per_rank: int = 1,
+    boundaries: list[int] | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    compile: bool = False,
+) -> VerifyResult:
+    """Run the gang (ranks on ``device``, computing in ``dtype``, their stages compiled with ``compile``
+    as ``shardserve serve --compile on`` does) and the fp32 CPU reference on the
+    sample batches and compare (``tolerance`` defaults to the dtype's entry in ``TOLERANCES``; given,
+    it must be > 0; ``threads_per_rank`` >= 1): ``ValueError`` before any rank starts otherwise."""
+    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
+        raise ValueError(f"threads_per_rank={threads_per_rank!r} must be an integer >= 1")
+    if tolerance is not None and not tolerance > 0:
+        raise ValueError(f"tolerance={tolerance!r} must be > 0 (a max |logit difference|)")
+    plan = make_plan(
+        source.config, dims, boundaries=boundaries, devices=default_devices(dims.world_size, device=device)
+    )
+    batches = sample_batches(source)
+    with tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp:
+        want = reference_logits(reference_dir(source, Path(tmp)), batches)
+    with Gang(
+        GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype, compile=compile),
+        name=f"verify-pp{dims.pp}-tp{dims.tp}",
+    ) as gang:
+        got = gang.run(
+            [(b["input_ids"], b["attention_mask"], b.get("token_type_ids")) for b in batches], timeout_s=300
+        )
+    tol = TOLERANCES[dtype] if tolerance is None else tolerance
+    result = compare(got, want, batches, tolerance=tol, dtype=dtype)
+    logger.info(
+        "verify pp=%d tp=%d %s: max |diff| start=%.3g end=%.3g, best span changed in %d of %d windows",
+        dims.pp,
+        dims.tp,
+        dtype,
+        result.max_abs_start,
+        result.max_abs_end,
+        result.span_changes,
+        result.windows,
+    )
+    return result

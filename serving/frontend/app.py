@@ -1,0 +1,338 @@
+"""The FastAPI application factory: ``build_app(settings)`` + lifespan + ``app.state`` (vLLM style).
+
+Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model, loads the
+tokenizer (``serving.fleet.model_loader``), creates the scheduler (the in-flight ledger), the replica
+manager, the engine (wired to the manager with ``manager.attach``) and the supervisor, and starts
+the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
+warm). On shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops
+the gangs.
+
+``AccessMiddleware`` (``serving/frontend/access.py``, outermost) gives each request its ``X-Request-ID`` and
+writes the access log; routes under /v1 and /v2/models (but model readiness, a health route) need
+``--api-key`` when one is set; the Open Inference Protocol (KServe v2) routes are ``serving/frontend/kserve_v2.py``.
+
+``RequestGuard`` (a pure ASGI middleware) checks every request body BEFORE FastAPI parses it:
+``Content-Length`` / streamed size over ``max_body_bytes`` -> 413, invalid UTF-8 -> 400; a gzip or
+deflate ``Content-Encoding`` is inflated (within ``max_body_bytes``), another is a 415.
+
+Paths match exactly: Starlette's ``redirect_slashes`` is off here and in the mounted ``/ui`` app
+(``no_slash_redirects``), so ``/v1/qa/`` is a 404, not a 307 to a ``Location`` built from the
+request's ``Host`` header (an open redirect).
+
+    uvicorn.run(build_app(ServeSettings(model="tiny-bert")))        # or: shardserve serve
+    build_app(settings, backend_factory=fake)                        # tests: fake gangs in-process
+
+The status page (``/``), its JSON (``GET /ui/status``) and the offline ``/docs`` / ``/redoc`` are
+``serving/frontend/pages.py``.
+
+``app.state``: settings, metrics, status (``serving.frontend.status.StatusBoard``), and after startup model
+(ModelGeneration), manager, engine, supervisor; ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Mount
+
+from partitioner.compiled import resolve_compile
+from partitioner.precision import DtypeChoice, resolve_dtype
+from serving.engine.core import Engine
+from serving.engine.scheduler import Scheduler
+from serving.fleet.model_loader import device_pool, load_generation
+from serving.fleet.replicas import BackendFactory, ModelGeneration, ReplicaManager, gang_factory
+from serving.fleet.supervisor import Supervisor
+from serving.frontend import content_encoding, kserve_v2, v2_binary
+from serving.frontend.access import AccessMiddleware, include_protected
+from serving.frontend.openapi import allowed_methods, install_openapi
+from serving.frontend.pages import install_pages
+from serving.frontend.routes import admin_router, api_router, health_router, publish_model_info
+from serving.frontend.settings import ServeSettings
+from serving.frontend.status import StatusBoard
+from serving.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: ServeSettings = app.state.settings
+    metrics: ServingMetrics = app.state.metrics
+    model = app.state.preloaded_model or load_generation(settings, settings.model, generation=0)
+    app.state.preloaded_model = None
+    pool = device_pool(settings)
+    precision: DtypeChoice = app.state.precision
+    factory: BackendFactory = app.state.backend_factory or gang_factory(
+        threads_per_rank=settings.rank_threads,
+        dtype=precision.name,
+        compile=app.state.compile,
+        warmup_lengths=tuple(settings.length_buckets),
+        stall_timeout_s=settings.stall_after_s,
+        start_timeout_s=settings.gang_start_timeout_s,
+        network=settings.network(),
+    )
+    scheduler = Scheduler(settings.scheduler_config())  # the one ledger of in-flight work
+    manager = ReplicaManager(
+        factory=factory,
+        pool=pool,
+        model=model,
+        metrics=metrics,
+        ledger=scheduler,
+        drain_timeout_s=settings.drain_timeout_s,
+        restart_backoff_s=settings.restart_backoff_s,
+        fail_fast=True,
+        stall_timeout_s=settings.stall_after_s,
+    )
+    engine = Engine(
+        scheduler=scheduler,
+        manager=manager,
+        metrics=metrics,
+        window=settings.window(),
+        null_threshold=settings.null_threshold,
+        max_request_timeout_s=settings.max_request_timeout_s,
+        stall_timeout_s=settings.stall_after_s,
+    )
+    manager.attach(engine)  # replica changes wake the engine; a failed replica's work fails over
+    supervisor = Supervisor(
+        ledger=scheduler,
+        manager=manager,
+        metrics=metrics,
+        config=settings.autoscaling_config(),
+        interval_s=settings.autoscale_interval_s,
+    )
+    app.state.manager, app.state.engine, app.state.supervisor = manager, engine, supervisor
+    publish_model_info(app.state, model)
+    await engine.start()
+    await supervisor.start()
+    await app.state.status.start()  # samples the metrics registry for the status page
+    logger.info(
+        "serving %s (pp=%d, tp=%d) in %s (%s), compile %s, replicas %s%s x %d thread(s) per rank, pool %d slots",
+        model.source.name,
+        settings.pp,
+        settings.tp,
+        precision.name,
+        precision.reason,
+        "on" if app.state.compile else "off",
+        settings.replica_bounds,
+        " (auto-sized to the machine)" if settings.auto_sized else "",
+        settings.rank_threads,
+        pool.capacity,
+    )
+    freeze_startup_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()  # what start-up kept alive may be collected again (tests build many apps)
+        app.state.shutting_down = True
+        # the drain's time runs from the signal (serve_cli's handler began the drain) or from now
+        await engine.stop(timeout_s=settings.drain_timeout_s)
+        await supervisor.stop()
+        await app.state.status.stop()
+        # the gangs get what is left of it; none, their ranks killed, when stopping now (a second
+        # signal) or when no gang was ever ready (a signal during start-up or while the first gang
+        # starts: nothing needs it any more, and its start could take minutes)
+        stop_now = engine.aborting or not manager.ever_ready
+        await manager.close(timeout_s=0.0 if stop_now else engine.drain_left_s() or 0.0)
+        logger.info("shut down")
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (modules, tokenizer, FastAPI, torch: ~250k objects) to
+    the garbage collector's permanent generation, so full collections scan only what serving made.
+
+    A full (generation 2) collection of the start-up heap took 190-300 ms on the 2-core CI machine, on
+    the event loop; the first burst of requests after start triggers one (its allocations promote
+    objects into generation 2), and every request in flight then waited for it: the 429 tail of the
+    overload test (docs/benchmarks.md). After ``gc.freeze()`` a full collection takes milliseconds.
+    The lifespan unfreezes at shutdown.
+    """
+    gc.freeze()  # O(1); no gc.collect() first: it costs the same ~300 ms and start-up leaves little garbage
+    logger.debug("gc: %d start-up objects frozen", gc.get_freeze_count())
+
+
+_BINARY_HEADER = v2_binary.HEADER.lower().encode()
+
+
+class RequestGuard:
+    """Reject oversized (413) and non-UTF-8 (400) bodies before any parsing, and bodies that do not
+    arrive within ``body_timeout_s`` (408, connection closed: a stalled client cannot hold it);
+    inflate a gzip / deflate body (``serving/frontend/content_encoding.py``, within the same limit); replay
+    the rest. A body with binary tensor data (``serving/frontend/v2_binary.py``) is not text: its route
+    checks its JSON part."""
+
+    def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                n = int(declared)
+            except ValueError:
+                await _send_error(
+                    scope, send, 400, "invalid_content_length", f"Content-Length {declared!r} is not a number"
+                )
+                return
+            if n > limit:
+                await _send_error(
+                    scope, send, 413, "body_too_large", f"body of {n} bytes exceeds max_body_bytes={limit}"
+                )
+                return
+        chunks, size = [], 0
+        try:
+            # one timer for the whole body (asyncio.wait_for per message costs each message a task and
+            # two event-loop turns: under a burst that delayed every request, the 429s most)
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        detail = f"body over {limit} bytes (max_body_bytes)"
+                        await _send_error(scope, send, 413, "body_too_large", detail)
+                        return
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            detail = f"request body not received within {self.body_timeout_s:g} s ({size} bytes came)"
+            await _send_error(scope, send, 408, "request_timeout", detail, close=True)
+            return
+        body = b"".join(chunks)
+        headers = dict(scope["headers"])
+        if (encoding := headers.get(b"content-encoding")) is not None:
+            try:
+                body = content_encoding.inflate(body, encoding.decode("latin-1"), limit=limit)
+            except content_encoding.BodyEncodingError as err:
+                await _send_error(scope, send, err.status, err.code, err.detail)
+                return
+            kept = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
+            scope = {**scope, "headers": [*kept, (b"content-length", str(len(body)).encode())]}
+        text = body if _BINARY_HEADER not in headers else b""  # its JSON part: the route checks it
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            await _send_error(scope, send, 400, "invalid_utf8", v2_binary.utf8_problem(err))
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: http.disconnect (the engine watches for it)
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(
+    scope: dict, send: Any, status: int, code: str, detail: str, *, close: bool = False
+) -> None:
+    """A JSON error answer in the shape of the path's API; ``close``: and the connection closes after
+    it (the body was not read)."""
+    payload = json.dumps(kserve_v2.error_body(scope["path"], code, detail)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's request validation as a ``ValidationErrorResponse`` (the shape of every 422)."""
+    errors = [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+        for e in exc.errors()
+    ]
+    detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) or "invalid request"
+    return JSONResponse({"error": "invalid_request", "detail": detail, "errors": errors}, status_code=422)
+
+
+def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    detail = exc.detail
+    code = "http_error"
+    if isinstance(detail, dict) and "error" in detail:
+        code, detail = detail["error"], detail.get("detail")
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 503 and not any(k.lower() == "retry-after" for k in headers):
+        headers["Retry-After"] = "1"  # every 503 says when to come back
+    if exc.status_code == 405:  # Starlette names only the first route of the path (GET of GET+POST)
+        code = "method_not_allowed"
+        headers["Allow"] = ", ".join(allowed_methods(request))
+    return JSONResponse(
+        kserve_v2.error_body(request.url.path, code, detail),
+        status_code=exc.status_code,
+        headers=headers or None,
+    )
+
+
+def build_app(
+    settings: ServeSettings | None = None,
+    *,
+    backend_factory: BackendFactory | None = None,
+    model: ModelGeneration | None = None,
+) -> FastAPI:
+    """The server application; ``backend_factory`` replaces real gangs (tests); ``model``: a
+    generation already loaded by ``load_generation`` (the CLI checks the model before uvicorn starts)."""
+    settings = settings or ServeSettings()
+    app = FastAPI(
+        title="shardserve",
+        version="0.1.0",
+        description="Model-parallel extractive question answering. Errors are JSON: {error, detail}.",
+        lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc: serving/frontend/pages.py, with local assets (no CDN)
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device
+    app.state.compile = resolve_compile(settings.compile, device=settings.device, tp=settings.tp)
+    app.state.metrics = ServingMetrics()
+    app.state.status = StatusBoard(app.state.metrics)  # registry history for GET /ui/status
+    app.state.backend_factory = backend_factory
+    app.state.preloaded_model = model
+    app.state.shutting_down = False
+    app.add_middleware(
+        RequestGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.client_timeout_s
+    )
+    app.add_middleware(AccessMiddleware)  # outermost: request id + access log of every answer, 413s too
+    app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
+    include_protected(app, api_router, settings=settings)  # behind --api-key when one is set
+    app.include_router(health_router)
+    app.include_router(admin_router)
+    app.include_router(kserve_v2.open_router)  # Open Inference Protocol: metadata + health (open)
+    include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
+    install_pages(app)  # status page at /, GET /ui/status, offline /docs and /redoc
+    install_openapi(app, settings)  # the document with the settings' limits (question length, ...)
+    no_slash_redirects(app)
+    return app
+
+
+def no_slash_redirects(app: Starlette) -> None:
+    """Turn Starlette's ``redirect_slashes`` off in ``app`` and in every application mounted in it
+    (``/ui``): an unknown path with or without its trailing slash is a 404, never a redirect to a
+    ``Location`` made of the request's ``Host`` header (module doc)."""
+    app.router.redirect_slashes = False
+    for route in app.router.routes:
+        if isinstance(route, Mount) and isinstance(route.app, Starlette):
+            no_slash_redirects(route.app)

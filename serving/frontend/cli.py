@@ -1,0 +1,328 @@
+"""``shardserve serve``: run the HTTP QA server (uvicorn) with settings from flags and SHARDSERVE_* vars.
+
+    shardserve serve                                  # default model, 0.0.0.0:8000, 1 replica, pp=1 tp=1
+    shardserve serve --model tiny-bert --pp 2 --min-replicas 1 --max-replicas 3 --admin-token s3cret
+    SHARDSERVE_PORT=9000 shardserve serve             # every flag has a SHARDSERVE_<NAME> variable
+    shardserve serve --help                           # every flag, its default and its variable
+
+The flags are generated from ``serving.frontend.settings.ServeSettings`` (one source of truth): a flag given
+on the command line wins over the environment, which wins over the default. SIGTERM/SIGINT flip
+readiness to 503 at once, let admitted requests finish (bounded by --drain-timeout-s), stop the
+gangs and exit 0; a second signal stops now (admitted requests answered 503, exit 130).
+
+A signal during start-up, before uvicorn serves (the imports, the model's checks, the app's start-up),
+stops at once: one warning line, the ranks of any gang being started killed, exit 128 + the signal
+(143 for SIGTERM, 130 for SIGINT), no traceback (``StartupSignals``). Once serving, a gang that was
+never ready is killed at shutdown rather than waited for (``serving.frontend.app``'s lifespan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+
+from serving.redact import one_line
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # after --drain-timeout-s: time to write the 503s before uvicorn cancels requests
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StoppedDuringStartup(BaseException):
+    """A SIGTERM/SIGINT before uvicorn serves: it unwinds ``cmd_serve`` from whatever start-up is
+    doing, as KeyboardInterrupt would (a BaseException: no ``except Exception`` on the way stops it)."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.sig = sig
+
+
+class StartupSignals:
+    """``cmd_serve``'s SIGTERM/SIGINT handler, outside uvicorn's own (``DrainingServer.handle_exit``,
+    installed while uvicorn runs; uvicorn puts this one back when it is done).
+
+    Until the server has started, a signal raises ``StoppedDuringStartup`` in the main thread (the
+    model's checks take seconds; the default SIGTERM ended the process silently with 143, SIGINT with
+    a traceback); from then on (uvicorn's teardown) it is the server's, which counts it.
+
+        with StartupSignals() as signals:
+            ...                      # load: StoppedDuringStartup on a signal
+            signals.server = server  # then server.run()
+    """
+
+    def __init__(self) -> None:
+        self.server: DrainingServer | None = None
+        self.caught: int | None = None  # the signal raised as StoppedDuringStartup
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StartupSignals:
+        if threading.current_thread() is threading.main_thread():  # (signals reach the main thread only)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def check(self) -> None:
+        """Raise ``StoppedDuringStartup`` when a signal came whose exception something swallowed
+        (raised while a finalizer ran, it is only printed): the last moment before uvicorn runs."""
+        if self.caught is not None:
+            raise StoppedDuringStartup(self.caught)
+
+    def _handle(self, sig: int, frame: FrameType | None) -> None:
+        server = self.server
+        if server is not None and (server.started or server.startup_signal is not None):
+            server.handle_exit(sig, frame)
+        elif self.caught is None:  # (a second one while unwinding: already stopping)
+            self.caught = sig
+            raise StoppedDuringStartup(sig)
+
+
+def stopped_during_startup(sig: int) -> int:
+    """Kill the ranks of any gang being started, say so in one line; exit status 128 + ``sig``."""
+    from partitioner.runtime.gang import kill_live_gangs
+
+    kill_live_gangs()  # (the lifespan killed the gangs it started; atexit would too, later)
+    logger.warning("%s during start-up: stopped before serving", signal.Signals(sig).name)
+    return 128 + sig
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServeSettings field (``shardserve/flags.py``); the gang-across-hosts flags
+    (``partitioner/runtime/gang_flags.py``, shared with ``train``) in a group."""
+    from partitioner.runtime.gang_flags import GANG_FIELDS, add_gang_arguments
+    from serving.frontend.settings import ServeSettings
+    from shardserve.flags import add_settings_arguments
+
+    add_settings_arguments(parser, ServeSettings, skip=GANG_FIELDS)
+    add_gang_arguments(parser.add_argument_group('a gang across hosts (README "Gangs across hosts")'))
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """ServeSettings from the flags that were given (the rest: environment, then defaults)."""
+    from serving.frontend.settings import ServeSettings
+    from shardserve.flags import given_flags
+
+    return ServeSettings(**given_flags(args, ServeSettings))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    with StartupSignals() as signals:
+        try:
+            return _serve(args, signals)
+        except StoppedDuringStartup as stop:
+            return stopped_during_startup(stop.sig)
+
+
+def _serve(args: argparse.Namespace, signals: StartupSignals) -> int:
+    from models.hf_weights import CheckpointError
+    from serving.fleet.model_loader import device_pool, load_generation
+    from serving.frontend.app import build_app
+    from serving.frontend.settings import ServeSettings
+    from shardserve.flags import error_line, given_flags
+
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as err:
+        given = given_flags(args, ServeSettings)
+        print(
+            f"error: invalid serve settings: {error_line(err, model=ServeSettings, given=given)}",
+            file=sys.stderr,
+        )
+        return 2
+    if problem := bind_problem(settings.host, settings.port):  # before the model loads (seconds)
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    logger.info("loading %s", settings.model)
+    try:  # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits
+        model = load_generation(settings, settings.model, generation=0)
+        device_pool(settings)
+    except (ValueError, OSError, CheckpointError) as err:
+        print(f"error: {one_line(err, scrub=False)}", file=sys.stderr)
+        return 2
+    app = build_app(settings, model=model)
+    server = DrainingServer(uvicorn_config(settings, app), app)
+    signals.check()
+    signals.server = server
+    server.run()
+    if server.startup_signal is not None:
+        return stopped_during_startup(server.startup_signal)
+    if server.fatal_error is not None:
+        print(f"error: {server.fatal_error}", file=sys.stderr)
+        return 1
+    if not server.started:
+        logger.error("the server did not start (see the errors above)")
+        return 1
+    return 130 if server.signals > 1 else 0  # 130: stopped by a second signal without draining
+
+
+def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
+    """uvicorn's settings for the app: the address, the shutdown's time, h11 with header deadlines."""
+    from serving.frontend.http_protocol import header_deadline_protocol
+
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        # the engine answers what is left 503 once the drain's time is out; uvicorn cancels the
+        # requests' tasks (a bare 500) only after a grace for writing those answers
+        timeout_graceful_shutdown=settings.drain_timeout_s + SHUTDOWN_GRACE_S,
+        lifespan="on",
+        http=header_deadline_protocol(settings.client_timeout_s),  # h11, with a deadline for the headers
+        access_log=False,  # serving/frontend/access.py writes one line per request (logger shardserve.access)
+    )
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (a name that does not resolve, an address in
+    use or not on this machine), as one line naming the flags; None when it can."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as err:
+        return f"--host {host}: {err.strerror}"
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as err:
+            return f"--host {host} --port {port}: cannot listen there: {err.strerror}"
+    return None
+
+
+def startup_line(state: Any, url: str) -> str:
+    """``shardserve: serving MODEL at URL (precision ..., compile ..., plan ..., replicas ...)``."""
+    settings, model, precision = state.settings, state.manager.model, state.precision
+    plan = model.plan()
+    stages = ", ".join(f"stage {st.index}: layers {st.layer_start}-{st.layer_end - 1}" for st in plan.stages)
+    lo, hi = settings.replica_bounds
+    replicas = str(lo) if lo == hi else f"{lo}..{hi} (autoscaling)"
+    return (
+        f"shardserve: serving {model.source.name} at {url} (precision {precision.name}: {precision.reason}; "
+        f"{'compiled stages; ' if state.compile else ''}"
+        f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas} x "
+        f"{settings.rank_threads} thread(s) per rank, device {settings.device})"
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT first flips readiness to 503, then shuts down gracefully
+    and exits 0 (plain uvicorn re-raises the signal after shutdown: the process would end with -15)."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+        self.url: str | None = None
+        self.fatal_error: str | None = None
+        self._announced_ready = False
+        self.signals = 0  # SIGTERM/SIGINT received (handle_exit)
+        self.startup_signal: int | None = None  # the first one, when it came before uvicorn served
+        self._t0 = time.monotonic()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start as uvicorn does, then print the URL actually bound (``--port 0``: the real port)."""
+        await super().startup(sockets=sockets)
+        if not self.started or self.should_exit:
+            return
+        host, port = self.config.host, self.config.port
+        for server in getattr(self, "servers", []):
+            for sock in getattr(server, "sockets", None) or []:
+                name = sock.getsockname()
+                if isinstance(name, tuple):
+                    host, port = name[0], name[1]
+                    break
+        shown = f"[{host}]" if ":" in str(host) else host
+        self.url = f"http://{shown}:{port}"
+        state = self._app.state
+        print(startup_line(state, self.url), flush=True)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's 0.1 s tick: print "ready" once, and stop when the first gang cannot start."""
+        manager = getattr(self._app.state, "manager", None)
+        if manager is not None and not self.should_exit:
+            if manager.fatal_error is not None and self.fatal_error is None:
+                self.fatal_error = manager.fatal_error
+                self._app.state.shutting_down = True
+                self.should_exit = True
+            elif not self._announced_ready and manager.ready > 0:
+                self._announced_ready = True
+                print(
+                    f"shardserve: ready at {self.url} ({manager.ready} replica gang(s) ready, "
+                    f"{time.monotonic() - self._t0:.1f} s after start)",
+                    flush=True,
+                )
+        return await super().on_tick(counter)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """First SIGTERM/SIGINT: drain. Second: stop now (admitted requests answered 503, the gangs
+        stopped without waiting, exit 130). Third: kill the ranks and exit 130 at once.
+
+        Before uvicorn serves (the app's start-up): stop without serving (nothing was admitted; the
+        lifespan kills the gangs it started, none was ever ready) and exit 128 + the signal; a third
+        signal kills the ranks and exits at once."""
+        state = self._app.state
+        engine = getattr(state, "engine", None)
+        self.signals += 1
+        if self.startup_signal is not None or not self.started:
+            if self.startup_signal is None:
+                self.startup_signal = sig
+                state.shutting_down = True
+            elif self.signals >= 3:
+                self._kill_now(sig, 128 + self.startup_signal)
+            self.should_exit = True
+            return
+        if self.signals == 1:
+            if not state.shutting_down:
+                logger.warning("signal %d: readiness -> 503, draining (send it again to stop now)", sig)
+            state.shutting_down = True
+            if engine is not None:
+                engine.begin_drain(within_s=state.settings.drain_timeout_s)
+        elif self.signals == 2:
+            logger.warning("signal %d again: stopping now, admitted requests are answered 503", sig)
+            if engine is not None:
+                engine.abort()
+        else:
+            self._kill_now(sig, 130)
+        self.should_exit = True
+
+    @staticmethod
+    def _kill_now(sig: int, code: int) -> None:
+        from partitioner.runtime.gang import kill_live_gangs
+
+        logger.warning("signal %d a third time: killing the gangs' ranks and exiting now", sig)
+        kill_live_gangs()
+        os._exit(code)
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register this package's ``shardserve`` subcommands."""
+    p = sub.add_parser(
+        "serve",
+        help="run the HTTP question-answering server",
+        description=(
+            "Serve extractive question answering over HTTP (POST /v1/qa, /v1/qa/batch; GET /v1/models, "
+            "/healthz, /readyz, /metrics; /admin/* with --admin-token; the Open Inference Protocol (KServe v2) "
+            "under /v2; OpenAPI at /docs). Each replica is "
+            "a gang of pp x tp worker processes. Defaults: the embedded default model on 0.0.0.0:8000, "
+            "1 replica, pp=1, tp=1. Every flag also reads SHARDSERVE_<FLAG> from the environment."
+        ),
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)

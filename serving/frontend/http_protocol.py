@@ -1,0 +1,82 @@
+"""The server's HTTP/1.1 connection protocol: uvicorn's h11 protocol with a request-header deadline.
+
+uvicorn arms no timer while a request's headers arrive: a client that opens a connection and sends
+nothing, or half a header block ("slowloris"), held it for ever. Here a request's headers must arrive
+within ``timeout_s`` of the connection opening, or of the previous answer on a kept-alive connection
+(uvicorn's own keep-alive timer still closes idle connections sooner); else the server answers
+``408`` and closes the connection. The body has its own deadline (``serving.frontend.app.RequestGuard``).
+
+    config = uvicorn.Config(app, http=header_deadline_protocol(30.0))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class _HeaderDeadlineH11(H11Protocol):
+    timeout_s: float = 30.0  # set by header_deadline_protocol
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._waiting_for_headers():
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._waiting_for_headers():  # a pipelined request may have started already
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _waiting_for_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expired(self) -> None:
+        self._header_timer = None
+        if not self._waiting_for_headers() or self.transport.is_closing():
+            return
+        logger.info(
+            "%s: no complete request headers within %.0f s: 408, connection closed",
+            self.client,
+            self.timeout_s,
+        )
+        body = json.dumps(
+            {
+                "error": "request_timeout",
+                "detail": f"request headers not received within {self.timeout_s:g} s",
+            }
+        ).encode()
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
+
+
+def header_deadline_protocol(timeout_s: float) -> Any:
+    """uvicorn's ``http=`` protocol class whose request headers must arrive within ``timeout_s``."""
+    return type("HeaderDeadlineH11Protocol", (_HeaderDeadlineH11,), {"timeout_s": timeout_s})

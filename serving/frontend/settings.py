@@ -1,0 +1,375 @@
+"""Server settings: one pydantic-settings model read from CLI flags and ``SHARDSERVE_*`` variables.
+
+Every field is a flag of ``shardserve serve`` (``--max-queue-size`` <-> ``max_queue_size``) and an
+environment variable (``SHARDSERVE_MAX_QUEUE_SIZE``); a flag given on the command line wins over
+the environment, the environment over the default. The field descriptions below ARE the
+``--help`` texts (``serving/frontend/cli.py`` builds the parser from them).
+
+    from serving.frontend.settings import ServeSettings
+    s = ServeSettings(model="tiny-bert", pp=2)        # validated once, errors print the numbers
+    s.scheduler_config(), s.autoscaling_config()      # the pure-logic configs built from it
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from models.qa_processing import WindowConfig
+from partitioner.compiled import COMPILE_CHOICES
+from partitioner.precision import DTYPE_CHOICES
+from partitioner.runtime.gang_flags import GangFlags, secret_from_file
+from serving.engine.scheduler import SchedulerConfig
+from serving.fleet.autoscaler import AutoscalingConfig
+from shardserve.flags import split_list
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_replicas(*, device: str, world_size: int, ranks_per_gpu: int = 1) -> int:
+    """Replica gangs that use the machine with one core (or ``1/ranks_per_gpu`` GPU) per rank, at least one."""
+    if device == "cuda":
+        import torch
+
+        return max(1, torch.cuda.device_count() * ranks_per_gpu // world_size)
+    return max(1, available_cores() // world_size)
+
+
+class ServeSettings(GangFlags):
+    """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars); the
+    flags of a gang across hosts (``external_ranks``, ``gang_*``) are ``GangFlags``', shared with training."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SHARDSERVE_", extra="ignore", frozen=True, allow_inf_nan=False
+    )
+
+    # ---- network
+    host: str = Field("0.0.0.0", description="interface to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
+
+    # ---- model and partition
+    model: str = Field(
+        "default",
+        description="model: default (embedded MiniLM QA model), minilm, tiny-bert, tiny-roberta, "
+        "tiny-distilbert, or a local Hugging Face directory",
+    )
+    pp: int = Field(1, ge=1, description="pipeline-parallel stages per replica gang")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage")
+    threads_per_rank: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of each worker rank (default: the cores divided among the "
+        "ranks of all replicas, at least 1)",
+    )
+    dtype: str = Field(
+        "auto",
+        description="compute dtype of the ranks: auto (bfloat16 on GPUs and on CPUs with bf16 units, "
+        "AMX or AVX512-BF16; else float32), float32, bfloat16, float16 (span logits stay float32)",
+    )
+    compile: str = Field(
+        "off",
+        description="on: torch.compile each rank's stage (inductor, dynamic shapes), warmed up over the length "
+        "buckets before the replica turns ready (~30 s per gang start). Off by default: faster in isolation "
+        "on AMX CPUs, it served 2-8 % fewer questions/s there (docs/benchmarks.md)",
+    )
+
+    # ---- replicas, device pool, autoscaling (Ray Serve names)
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description="fixed number of replica gangs (sets min and max replicas; default: one gang per "
+        "pp*tp cores on cpu, per pp*tp GPU slots on cuda (see ranks_per_gpu), when no replica or thread "
+        "flag is given)",
+    )
+    min_replicas: int | None = Field(None, ge=1, description="autoscaling lower bound (default 1)")
+    max_replicas: int | None = Field(None, ge=1, description="autoscaling upper bound (default min)")
+    cpu_slots: int | None = Field(
+        None,
+        ge=1,
+        description="CPU device pool: worker processes (ranks) that may run at once; a gang takes pp*tp "
+        "slots. Default: pp*tp*(max_replicas+1), room for one spare gang used by restarts and reloads",
+    )
+    device: str = Field(
+        "cpu",
+        description="cpu, or cuda: the pool is then the visible GPUs, ranks_per_gpu slots each (a gang's ranks "
+        "go to different GPUs first)",
+    )
+    ranks_per_gpu: int = Field(
+        1,
+        ge=1,
+        description="cuda only: worker ranks that may share one GPU, e.g. 4 replicas on one GPU, or a pp=2 gang "
+        "on one GPU (each rank its own CUDA context; ranks of a gang that share a GPU talk through gloo)",
+    )
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="autoscaler: queued + in-flight requests wanted per replica"
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="autoscaler: a scale-up wish must last this long")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="autoscaler: a scale-down wish must last this long"
+    )
+    look_back_period_s: float = Field(30.0, gt=0, description="autoscaler: load averaging window")
+    autoscale_interval_s: float = Field(0.5, gt=0, description="autoscaler: seconds between decisions")
+
+    # ---- scheduler (Triton names)
+    max_queue_size: int = Field(256, ge=1, description="requests waiting for dispatch; beyond: 429")
+    max_batch_size: int = Field(32, ge=1, description="windows per micro-batch")
+    max_batch_tokens: int = Field(8192, ge=1, description="padded tokens per micro-batch")
+    max_queue_delay_ms: float = Field(
+        5.0, ge=0, description="the oldest queued window may wait this long for a fuller batch"
+    )
+    length_buckets: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [64, 96, 128, 160, 192, 256, 320, 384],
+        description="comma-separated window length buckets (tokens); the last must be >= max_seq_len",
+    )
+    max_inflight_per_replica: int = Field(
+        0, ge=0, description="micro-batches in flight per replica (0: pp + 1, one per stage plus one queued)"
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="default request deadline; a request not computed by then gets 504"
+    )
+    max_request_timeout_s: float = Field(300.0, gt=0, description="largest deadline a request may ask for")
+
+    # ---- question answering
+    max_seq_len: int = Field(384, ge=16, description="tokens per window (special tokens included)")
+    doc_stride: int = Field(128, ge=0, description="context tokens shared by consecutive windows")
+    max_question_len: int = Field(64, ge=1, description="question tokens kept (longer ones are truncated)")
+    null_threshold: float | None = Field(
+        None,
+        description="SQuAD 2.0 no-answer threshold: answer 'no answer' when null_score - best_span "
+        "> threshold (unset: always answer); a request's own null_threshold field overrides it",
+    )
+
+    # ---- limits on input
+    max_body_bytes: int = Field(
+        1_000_000,
+        ge=1024,
+        description="largest request body (bytes, inflated when gzip / deflate); beyond: 413",
+    )
+    client_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a client must send a request's headers within this many seconds of connecting (or of "
+        "the previous answer on a kept-alive connection), and its body within as many again; beyond: 408 "
+        "and the connection is closed (stalled or slow clients cannot hold connections)",
+    )
+    max_context_chars: int = Field(100_000, ge=1, description="longest context (characters); beyond: 422")
+    max_question_chars: int = Field(2_000, ge=1, description="longest question (characters); beyond: 422")
+    max_batch_items: int = Field(64, ge=1, description="pairs per /v1/qa/batch call; beyond: 422")
+    max_windows_per_request: int = Field(
+        128,
+        ge=1,
+        description="windows (max_seq_len token pieces of the contexts) one call may need, all its items "
+        "together; beyond: 413 with the numbers (the default fits one longest context)",
+    )
+
+    # ---- lifecycle, health
+    admin_token: str | None = Field(
+        None, description="bearer token of the /admin endpoints (unset: admin endpoints answer 401)"
+    )
+    admin_token_file: str | None = Field(
+        None,
+        description="read the admin bearer token from this file (first line; keeps it out of `ps`); "
+        "not together with admin_token",
+    )
+    api_key: str | None = Field(
+        None,
+        description="API key of the inference endpoints (/v1/*, /v2/models/*): clients send "
+        "`Authorization: Bearer <api_key>`, else 401 (unset: open). /healthz, /readyz, /metrics, /v2, "
+        "/v2/health/* and /v2/models/<name>/ready stay open",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="read the API key from this file (first line; keeps it out of `ps`); not together "
+        "with api_key",
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the model's public name in /v1/models, QA answers and the /v2/models/<name> routes "
+        "(letters, digits, . _ -; stays the same across /admin/reload; default: the loaded model's name)",
+    )
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM / scale-down: wait this long for work")
+    stall_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="a replica with work in flight and no progress this long is failed and its work "
+        "retried on another (it leaves readiness after half of it); must be below request_timeout_s "
+        "(default: a third of request_timeout_s)",
+    )
+    gang_start_timeout_s: float = Field(300.0, gt=0, description="a gang not ready after this is failed")
+
+    restart_backoff_s: float = Field(1.0, ge=0, description="pause before restarting a failed gang")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_admin_token_file(cls, data: Any) -> Any:
+        return secret_from_file(data, secret="admin_token", file="admin_token_file")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_api_key_file(cls, data: Any) -> Any:
+        return secret_from_file(data, secret="api_key", file="api_key_file")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_lists(cls, data: Any) -> Any:
+        return split_list(data, "length_buckets")
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeSettings:
+        problems = []
+        if self.replicas is not None and (self.min_replicas is not None or self.max_replicas is not None):
+            problems.append(
+                f"replicas={self.replicas} cannot be combined with min_replicas={self.min_replicas} / "
+                f"max_replicas={self.max_replicas}"
+            )
+        lo, hi = self.replica_bounds
+        if lo > hi:
+            problems.append(f"min_replicas={lo} > max_replicas={hi}")
+        if self.length_buckets and self.length_buckets[-1] < self.max_seq_len:
+            problems.append(
+                f"largest length bucket {self.length_buckets[-1]} < max_seq_len={self.max_seq_len}: "
+                "full windows could never be scheduled"
+            )
+        if self.doc_stride + self.max_question_len + 4 >= self.max_seq_len:
+            problems.append(
+                f"doc_stride={self.doc_stride} + max_question_len={self.max_question_len} leaves no room in "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        if self.stall_timeout_s is not None and self.stall_timeout_s >= self.request_timeout_s:
+            problems.append(
+                f"stall_timeout_s={self.stall_timeout_s} must be below request_timeout_s="
+                f"{self.request_timeout_s}: a stalled replica's requests must be retried before their deadline"
+            )
+        if self.request_timeout_s > self.max_request_timeout_s:
+            problems.append(
+                f"request_timeout_s={self.request_timeout_s} > max_request_timeout_s={self.max_request_timeout_s}"
+            )
+        if self.device not in ("cpu", "cuda"):
+            problems.append(f"device={self.device!r} must be cpu or cuda")
+        elif self.device == "cpu" and self.ranks_per_gpu != 1:
+            problems.append(
+                f"ranks_per_gpu={self.ranks_per_gpu} applies to device=cuda only (on cpu: cpu_slots)"
+            )
+        if self.dtype not in DTYPE_CHOICES:
+            problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
+        if self.compile not in COMPILE_CHOICES:
+            problems.append(f"compile={self.compile!r} must be one of {', '.join(COMPILE_CHOICES)}")
+        problems += self._gang_problems()
+        if problems:
+            raise ValueError("invalid settings: " + "; ".join(problems))
+        self.scheduler_config()  # raises with the numbers
+        self.autoscaling_config()
+        return self
+
+    def _gang_problems(self) -> list[str]:
+        out = self.gang_problems(world_size=self.world_size, layout=f"pp={self.pp} x tp={self.tp}")
+        if self.external_ranks and self.replica_bounds != (1, 1):
+            out.append(
+                f"external_ranks need exactly one replica, got {self.replica_bounds[0]}..{self.replica_bounds[1]}"
+            )
+        return out
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp
+
+    def public_model_name(self, loaded: str) -> str:
+        """The model's name for clients: ``served_model_name``, else the loaded model's ``loaded``."""
+        return self.served_model_name or loaded
+
+    @property
+    def auto_sized(self) -> bool:
+        """No replica or thread flag given: size replicas x threads to the machine."""
+        return (
+            self.replicas is None
+            and self.min_replicas is None
+            and self.max_replicas is None
+            and self.threads_per_rank is None
+        )
+
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        """(min_replicas, max_replicas) after applying ``replicas`` and the defaults."""
+        if self.replicas is not None:
+            return self.replicas, self.replicas
+        if self.auto_sized:
+            n = auto_replicas(
+                device=self.device, world_size=self.world_size, ranks_per_gpu=self.ranks_per_gpu
+            )
+            return n, n
+        lo = self.min_replicas if self.min_replicas is not None else 1
+        hi = self.max_replicas if self.max_replicas is not None else max(lo, 1)
+        return lo, hi
+
+    @property
+    def rank_threads(self) -> int:
+        """Threads per rank: as given, else the cores shared by the ranks of the largest fleet."""
+        if self.threads_per_rank is not None:
+            return self.threads_per_rank
+        if self.device == "cuda":
+            return 1
+        return max(1, available_cores() // (self.world_size * self.replica_bounds[1]))
+
+    @property
+    def autoscaling(self) -> bool:
+        lo, hi = self.replica_bounds
+        return hi > lo
+
+    @property
+    def pool_slots(self) -> int:
+        """Rank slots of the CPU device pool (see ``cpu_slots``)."""
+        if self.cpu_slots is not None:
+            return self.cpu_slots
+        if self.external_ranks:  # one gang on a fixed port: a restart or reload replaces it in place
+            return self.world_size
+        return self.world_size * (self.replica_bounds[1] + 1)
+
+    @property
+    def inflight_per_replica(self) -> int:
+        return self.max_inflight_per_replica or self.pp + 1
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_queue_size=self.max_queue_size,
+            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            max_queue_delay_ms=self.max_queue_delay_ms,
+            length_buckets=tuple(self.length_buckets),
+            max_inflight_per_replica=self.inflight_per_replica,
+            default_deadline_s=self.request_timeout_s,
+            max_windows_per_request=self.max_windows_per_request,
+        )
+
+    def window(self) -> WindowConfig:
+        """How contexts are cut into windows (what eval must use to see the server's answers)."""
+        return WindowConfig(
+            max_seq_len=self.max_seq_len, doc_stride=self.doc_stride, max_question_len=self.max_question_len
+        )
+
+    @property
+    def stall_after_s(self) -> float:
+        """The stall timeout in effect (``stall_timeout_s``, else a third of the request deadline)."""
+        return self.stall_timeout_s if self.stall_timeout_s is not None else self.request_timeout_s / 3
+
+    def autoscaling_config(self) -> AutoscalingConfig:
+        lo, hi = self.replica_bounds
+        return AutoscalingConfig(
+            min_replicas=lo,
+            max_replicas=hi,
+            target_ongoing_requests=self.target_ongoing_requests,
+            upscale_delay_s=self.upscale_delay_s,
+            downscale_delay_s=self.downscale_delay_s,
+            look_back_period_s=self.look_back_period_s,
+        )

@@ -1,0 +1,136 @@
+"""The driver <-> rank transport: signed frames (``partitioner/runtime/wire.py``) over ZeroMQ
+(``partitioner/runtime/channel.py``), both ends in one process, no gang.
+
+    python -m pytest tests/partitioner/runtime/test_channel.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from partitioner.runtime.channel import ChannelError, DriverChannel, RankChannel
+from partitioner.runtime.messages import (
+    Batch,
+    EvalLogits,
+    Heartbeat,
+    RankFailed,
+    RankReady,
+    Result,
+    StepReport,
+    Stop,
+)
+from partitioner.runtime.wire import WireError, decode, encode, new_key
+
+
+def test_every_message_round_trips_with_arrays_and_plain_fields() -> None:
+    key = new_key()
+    ids = np.arange(12, dtype=np.int64).reshape(3, 4)
+    msgs = [
+        Batch(7, ids, np.ones((3, 4), dtype=np.int64), None),
+        Batch(8, ids, np.ones((3, 4), dtype=np.int64), np.zeros((3, 4), dtype=np.int64)),
+        Stop(),
+        Result(7, np.random.default_rng(0).standard_normal((3, 4, 2)).astype(np.float32)),
+        RankReady(1, {"host": "h", "layers": [3, 4, 5], "load_s": 0.25}),
+        RankFailed(2, "Traceback ...\nRuntimeError: boom"),
+        StepReport(0, 5, 1.25, 1e-4, float("nan"), 32, {"bytes": 10}),
+        EvalLogits(1, 5, np.zeros((0, 4, 2), dtype=np.float32)),
+        Heartbeat(3, 17, 1234.5),
+        Heartbeat(1, 2, 0.0, 0.5, "node-b", 4242),
+    ]
+    for msg in msgs:
+        got = decode(encode(msg, key), key)
+        assert type(got) is type(msg)
+        for name, want in vars(msg).items():
+            have = getattr(got, name)
+            if isinstance(want, np.ndarray):
+                assert have.dtype == want.dtype and np.array_equal(have, want) and have.flags.writeable
+            elif isinstance(want, float) and np.isnan(want):
+                assert np.isnan(have)
+            else:
+                assert have == want, name
+
+
+def test_foreign_tampered_or_unknown_frames_are_refused() -> None:
+    key = new_key()
+    frames = encode(Result(1, np.zeros((1, 2, 2), dtype=np.float32)), key)
+    with pytest.raises(WireError, match="signature"):
+        decode(frames, new_key())  # another gang's key
+    tampered = list(frames)
+    tampered[1] = b"\x01" + tampered[1][1:]
+    with pytest.raises(WireError, match="signature"):
+        decode(tampered, key)
+    with pytest.raises(WireError, match="frame"):
+        decode([b"{}"], key)
+    with pytest.raises(WireError, match="not a wire message"):
+        encode(object(), key)
+
+
+@pytest.fixture
+def pair():
+    key = new_key()
+    driver = DriverChannel(world_size=2, key=key, heartbeat_s=0.05)
+    lost: list[int] = []
+    ranks = [
+        RankChannel(
+            rank=r,
+            endpoints=driver.endpoints,
+            key=key,
+            heartbeat_s=0.05,
+            driver_timeout_s=0.5,
+            on_driver_lost=lambda r=r: lost.append(r),
+        )
+        for r in range(2)
+    ]
+    try:
+        yield driver, ranks, lost
+    finally:
+        for rc in ranks:
+            rc.close(linger_s=0.1)
+        driver.close()
+
+
+def test_messages_flow_both_ways_and_heartbeats_carry_progress(pair) -> None:
+    driver, ranks, _lost = pair
+    assert driver.endpoints.startswith("tcp://127.0.0.1:")
+    assert all(rc.wait_connected(5.0) for rc in ranks)  # the driver's heartbeats reached both
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    driver.send(0, Batch(1, ids, ids))
+    got = ranks[0].get(timeout_s=5.0)
+    assert isinstance(got, Batch) and np.array_equal(got.input_ids, ids)
+    ranks[1].progress, ranks[1].busy_since, ranks[1].busy_s = 4, 99.0, 1.5
+    ranks[1].send(Result(1, np.ones((2, 3, 2), dtype=np.float32)))
+    msg = driver.recv(5.0)  # heartbeats are consumed inside recv
+    assert isinstance(msg, Result) and msg.mb_id == 1
+    deadline = time.monotonic() + 5
+    while driver.progress[1] != 4 and time.monotonic() < deadline:
+        driver.recv(0.05)
+    assert driver.progress[1] == 4 and driver.busy_since[1] == 99.0 and driver.busy_s[1] == 1.5
+    assert driver.silent_ranks(5.0) == []
+    # where each rank runs, as it says itself (here both ends share this process)
+    assert driver.where == [(socket.gethostname(), os.getpid())] * 2
+
+
+def test_a_rank_that_stops_beating_is_silent_and_a_rank_without_driver_leaves(pair) -> None:
+    driver, ranks, lost = pair
+    assert all(rc.wait_connected(5.0) for rc in ranks)
+    deadline = time.monotonic() + 5
+    while None in driver.last_seen and time.monotonic() < deadline:
+        driver.recv(0.05)  # a rank is judged only once heard from (start-up has its own timeout)
+    assert None not in driver.last_seen
+    ranks[1].close(linger_s=0.1)  # as if killed: no more heartbeats
+    deadline = time.monotonic() + 5
+    while driver.silent_ranks(0.3) != [1] and time.monotonic() < deadline:
+        driver.recv(0.05)
+    assert driver.silent_ranks(0.3) == [1]
+    with pytest.raises(ChannelError, match="rank 5 is not connected"):
+        driver.send(5, Stop())
+    driver.close()  # the driver goes away: rank 0 hears nothing for driver_timeout_s
+    deadline = time.monotonic() + 5
+    while 0 not in lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost == [0]

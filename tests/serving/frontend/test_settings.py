@@ -1,0 +1,131 @@
+"""Server settings that depend on the machine: auto-sizing of replicas x threads, and the dtype.
+
+python -m pytest tests/serving/frontend/test_settings.py -q
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from models.qa_processing import WindowConfig
+from serving.fleet.model_loader import device_pool
+from serving.frontend import settings as settings_mod
+from serving.frontend.settings import ServeSettings
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    def use(n: int) -> None:
+        monkeypatch.setattr(settings_mod, "available_cores", lambda: n)
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("n_cores", "pp", "tp", "replicas", "threads"),
+    [(2, 1, 1, 2, 1), (2, 2, 1, 1, 1), (8, 2, 1, 4, 1), (1, 2, 1, 1, 1), (16, 2, 2, 4, 1)],
+)
+def test_no_flags_sizes_one_rank_per_core(cores, n_cores, pp, tp, replicas, threads):
+    cores(n_cores)
+    s = ServeSettings(pp=pp, tp=tp)
+    assert s.auto_sized
+    assert s.replica_bounds == (replicas, replicas)
+    assert s.rank_threads == threads
+    assert not s.autoscaling
+
+
+@pytest.mark.parametrize(
+    ("flags", "bounds", "threads"),
+    [
+        (dict(replicas=1), (1, 1), 8),  # one replica: its rank gets every core
+        (dict(threads_per_rank=2), (1, 1), 2),
+        (dict(min_replicas=1, max_replicas=4), (1, 4), 2),  # threads sized for the largest fleet
+    ],
+)
+def test_explicit_flags_win(cores, flags, bounds, threads):
+    cores(8)
+    s = ServeSettings(**flags)
+    assert not s.auto_sized
+    assert s.replica_bounds == bounds
+    assert s.rank_threads == threads
+
+
+def test_dtype_is_validated_with_the_choices():
+    assert ServeSettings().dtype == "auto"
+    with pytest.raises(ValidationError, match="dtype='int8' must be one of auto, float32, bfloat16, float16"):
+        ServeSettings(dtype="int8")
+
+
+def test_compile_is_validated_with_the_choices():
+    assert ServeSettings().compile == "off" and ServeSettings(compile="on").compile == "on"
+    with pytest.raises(ValidationError, match="compile='yes' must be one of off, on"):
+        ServeSettings(compile="yes")
+
+
+def test_window_is_the_flags_windowing():
+    """The one place the server's windows come from (the engine and the eval parity test use it)."""
+    got = ServeSettings(max_seq_len=256, doc_stride=64, max_question_len=32).window()
+    assert got == WindowConfig(max_seq_len=256, doc_stride=64, max_question_len=32)
+    assert ServeSettings().window() == WindowConfig(max_seq_len=384, doc_stride=128, max_question_len=64)
+
+
+def test_external_ranks_need_one_replica_a_fixed_port_an_address_and_the_key(tmp_path) -> None:
+    ok = dict(pp=2, replicas=1, external_ranks="1", gang_host="10.0.0.1", gang_port=29500, gang_key="ab" * 32)
+    s = ServeSettings(**ok)
+    assert s.external_ranks == [1] and s.pool_slots == 2  # one gang on a fixed port, replaced in place
+    key_file = tmp_path / "gang.key"
+    key_file.write_text("cd" * 32 + "\n")
+    assert ServeSettings(**{**ok, "gang_key": None, "gang_key_file": str(key_file)}).gang_key == "cd" * 32
+    for change, problem in [
+        ({"external_ranks": "2"}, "external_ranks [2] are not ranks of a pp=2 x tp=1 gang (0..1)"),
+        ({"replicas": 2}, "external_ranks need exactly one replica, got 2..2"),
+        ({"gang_port": 0}, "external_ranks need a fixed gang_port"),
+        ({"gang_host": "0.0.0.0"}, "would listen on every interface"),
+        ({"gang_key": None}, "external_ranks need the gang key"),
+        ({"gang_key": "not-hex" * 10}, "external_ranks need the gang key"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            ServeSettings(**{**ok, **change})
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has ``n`` CUDA devices (the pool only counts them)."""
+
+    def use(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("n_gpus", "per_gpu", "pp", "replicas", "slots"),
+    [
+        (1, 1, 1, 1, ["cuda:0"]),
+        (1, 4, 1, 4, ["cuda:0"] * 4),  # four replicas share the GPU
+        (1, 2, 2, 1, ["cuda:0", "cuda:0"]),  # one pp=2 gang on one GPU
+        (2, 2, 2, 2, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]),  # each gang spans both GPUs
+    ],
+)
+def test_gpus_are_shared_by_ranks_per_gpu_ranks(gpus, n_gpus, per_gpu, pp, replicas, slots):
+    gpus(n_gpus)
+    s = ServeSettings(device="cuda", ranks_per_gpu=per_gpu, pp=pp)
+    assert s.replica_bounds == (replicas, replicas)
+    assert s.rank_threads == 1
+    pool = device_pool(s)
+    assert pool.labels == slots
+    assert [pool.devices(pool.acquire(pp)) for _ in range(replicas)] == [
+        tuple(slots[i * pp : (i + 1) * pp]) for i in range(replicas)
+    ]
+
+
+def test_a_gang_larger_than_the_gpus_names_ranks_per_gpu(gpus):
+    gpus(1)
+    with pytest.raises(ValueError, match=r"has 1 slots, a gang needs 2 \(raise --ranks-per-gpu"):
+        device_pool(ServeSettings(device="cuda", pp=2))
+    with pytest.raises(ValidationError, match="ranks_per_gpu=2 applies to device=cuda only"):
+        ServeSettings(ranks_per_gpu=2)

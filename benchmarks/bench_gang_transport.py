@@ -33,15 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     from models.registry import resolve_model
     from partitioner.plan import ParallelDims, make_plan
     from partitioner.precision import cpu_capabilities
-    from partitioner.runtime.gang import Gang
-    from partitioner.runtime.rank import GangSpec
+    from partitioner.stream.gang import StreamGang
+    from partitioner.stream.program import stream_spec
 
     source = resolve_model(args.model)
     plan = make_plan(source.config, ParallelDims(pp=args.pp, tp=1))
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 2000, size=(args.batch, args.seq), dtype=np.int64)  # (B, S)
     mask = np.ones_like(ids)  # (B, S)
-    with Gang(GangSpec(source, plan)) as gang:
+    with StreamGang(stream_spec(source, plan)) as gang:
         for _ in range(20):
             gang.submit(ids, mask).result(timeout=60)
         trips = []

@@ -128,7 +128,7 @@ def load_windows(model: str, squad: Path, *, seq_len: int, n: int):
     text when the SQuAD file is absent)."""
     from transformers import AutoTokenizer
 
-    from models.qa_processing import WindowConfig, encode_qa, pad_windows
+    from models.qa_windows import WindowConfig, encode_qa, pad_windows
     from models.registry import resolve_model
 
     source = resolve_model(model)

@@ -18,7 +18,7 @@ does), caches the logits, and then decodes the SAME logits with every scoring:
   cls-relative       start_logit + end_logit - (start_logit[CLS] + end_logit[CLS]) of the span's window
   raw-sum-max-ctx    raw logit sum, counting a start token only in the window where it has the most
                      context on both sides (BERT ``run_squad``'s ``token_is_max_context``)
-  decode_spans       the shipped ``models.qa_processing.decode_spans`` (checks the library agrees)
+  decode_spans       the shipped ``models.qa_windows.decode_spans`` (checks the library agrees)
 
 plus ``paragraph-alone``: the shipped decoder on the question's own paragraph (the upper bound the
 long context should approach). EM/F1 use the official SQuAD normalisation; ``AUC`` is the area
@@ -50,7 +50,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.qa_processing import QAWindow, WindowConfig, decode_spans, encode_qa
+from models.qa_decoding import decode_spans
+from models.qa_windows import QAWindow, WindowConfig, encode_qa
 from partitioner.precision import cpu_capabilities
 
 logger = logging.getLogger("bench_long_context")
@@ -131,7 +132,7 @@ def run_model(
     rows: list[torch.Tensor] = []
     with torch.inference_mode():
         for i in range(0, len(enc.windows), batch_size):
-            from models.qa_processing import pad_windows
+            from models.qa_windows import pad_windows
 
             batch = pad_windows(enc.windows[i : i + batch_size], pad_token_id=enc.pad_token_id)
             logits = model(batch.input_ids, batch.attention_mask, batch.token_type_ids).float()  # (b, s, 2)

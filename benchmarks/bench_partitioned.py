@@ -28,8 +28,8 @@ from models.build import build_model
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.precision import DTYPE_CHOICES, cpu_capabilities, resolve_dtype
-from partitioner.runtime.gang import Gang
-from partitioner.runtime.rank import GangSpec
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import stream_spec
 
 
 def _inputs(vocab: int, *, batch_size: int, seq_len: int, n: int, seed: int = 0) -> list[tuple]:
@@ -68,8 +68,8 @@ def bench_gang(
     """Examples/s of a gang with every micro-batch submitted at once (streamed through the stages)."""
     seq_len = batches[0][0].shape[1]
     plan = make_plan(source.config, dims, seq_len=seq_len)
-    spec = GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype)
-    with Gang(spec, name=f"bench-pp{dims.pp}-tp{dims.tp}", start_timeout_s=900) as gang:
+    spec = stream_spec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype)
+    with StreamGang(spec, name=f"bench-pp{dims.pp}-tp{dims.tp}", start_timeout_s=900) as gang:
         gang.run(batches[:2], timeout_s=600)  # warm-up: every stage has seen the shapes
         t0 = time.perf_counter()
         gang.run(batches, timeout_s=600)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from transformers import AutoModelForQuestionAnswering
 
-        from serving.fleet.verify import reference_dir
+        from partitioner.stream.verify import reference_dir
 
         with tempfile.TemporaryDirectory() as tmp:
             ref = AutoModelForQuestionAnswering.from_pretrained(reference_dir(source, Path(tmp))).eval()

@@ -146,7 +146,7 @@ def bench_raw(
     from transformers import AutoTokenizer
 
     from models.build import build_model
-    from models.qa_processing import WindowConfig, encode_qa, pad_windows
+    from models.qa_windows import WindowConfig, encode_qa, pad_windows
     from models.registry import resolve_model
 
     torch.set_num_threads(threads)
@@ -281,7 +281,8 @@ def run_naive_server(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from models.build import build_model
-    from models.qa_processing import WindowConfig, decode_spans, encode_qa, pad_windows
+    from models.qa_decoding import decode_spans
+    from models.qa_windows import WindowConfig, encode_qa, pad_windows
     from models.registry import resolve_model
     from partitioner.precision import DTYPES
 

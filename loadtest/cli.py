@@ -5,18 +5,22 @@
     shardserve loadtest --scenario bursty --rate 8 --cv 3 --users 8 --out lt-bursty
     shardserve loadtest --report-only lt-bursty --slo-ms 300   # rebuild plots from a finished run
 
-Prints the report path and a one-line summary; exit code 1 when any request failed (a 429 is
-deliberate shedding, not a failure), 2 on a configuration error.
+``LOADTEST`` is the command as data (the console script generates its flags from
+``LoadTestSettings``). Prints the report path and a one-line summary; exit code 1 when any request
+failed (a 429 is deliberate shedding, not a failure), 2 on a configuration error.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import math
 import shlex
 import sys
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
 
 from loadtest.report import ReportError
 from loadtest.runner import (
@@ -27,154 +31,114 @@ from loadtest.runner import (
     run_loadtest,
 )
 from loadtest.scenarios import SCENARIOS, ScenarioConfig
+from partitioner.command import Command, Settings
+
+logger = logging.getLogger(__name__)
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register ``shardserve loadtest``."""
-    p = sub.add_parser(
-        "loadtest",
-        help="run a locust load scenario headless and write a report with plots",
-        description="Run a load scenario (locust, headless, bounded in time) against a running "
-        "shardserve server on loopback, scrape its /metrics meanwhile, and write CSV files, PNG "
-        "plots (throughput, p50/p95/p99 latency, 429 rate, queue depth, replicas, SLO attainment) "
-        "and report.md / report.html into --out.",
-    )
-    p.add_argument(
-        "--scenario",
-        choices=SCENARIOS,
-        default="steady",
-        help="steady: constant users; step: low -> peak (--step-up-at..--step-down-at) -> low; bursty: "
+class LoadTestSettings(Settings):
+    """``shardserve loadtest`` (``to_config()``: the ``LoadTestConfig`` that checks the numbers)."""
+
+    scenario: Literal[SCENARIOS] = Field(  # type: ignore[valid-type]
+        "steady",
+        description="steady: constant users; step: low -> peak (--step-up-at..--step-down-at) -> low; bursty: "
         "open-loop Gamma arrivals at --rate with --cv > 1; ramp-down: peak users falling linearly "
-        "to --low-users (default: %(default)s)",
+        "to --low-users",
     )
-    p.add_argument(
-        "--host",
-        default="http://127.0.0.1:8000",
-        help="server base URL; must be loopback unless --allow-remote (default: %(default)s)",
+    host: str = Field(
+        "http://127.0.0.1:8000", description="server base URL; must be loopback unless --allow-remote"
     )
-    p.add_argument(
-        "--duration", type=float, default=30.0, help="scenario length in seconds (default: %(default)s)"
+    duration: float = Field(30.0, description="scenario length in seconds")
+    users: int = Field(4, description="peak concurrent users (bursty: the pool picking up arrivals)")
+    low_users: int = Field(1, description="users in the low phases of step and at the end of ramp-down")
+    think_time: float = Field(0.0, description="closed-loop scenarios: seconds a user waits between answers")
+    rate: float = Field(10.0, description="bursty: mean arrivals per second")
+    cv: float = Field(
+        3.0, description="bursty: coefficient of variation of the Gamma inter-arrival gaps, > 1"
     )
-    p.add_argument(
-        "--users",
-        type=int,
-        default=4,
-        help="peak concurrent users (bursty: the pool picking up arrivals) (default: %(default)s)",
+    step_up_at: float = Field(
+        0.25, description="step: fraction of --duration where users go from --low-users to --users"
     )
-    p.add_argument(
-        "--low-users",
-        type=int,
-        default=1,
-        help="users in the low phases of step and at the end of ramp-down (default: %(default)s)",
+    step_down_at: float = Field(
+        0.60, description="step: fraction of --duration where users go back to --low-users"
     )
-    p.add_argument(
-        "--think-time",
-        type=float,
-        default=0.0,
-        help="closed-loop scenarios: seconds a user waits between answers (default: %(default)s)",
+    seed: int = Field(0, description="seed for the arrival clock")
+    slo_ms: float = Field(
+        500.0, description="latency SLO for the attainment figure and the latency plot's line"
     )
-    p.add_argument(
-        "--rate", type=float, default=10.0, help="bursty: mean arrivals per second (default: %(default)s)"
+    bin: float = Field(2.0, description="time-series bin width in seconds")
+    scrape_interval: float = Field(1.0, description="seconds between /metrics scrapes")
+    queue_metric: str = Field(
+        DEFAULT_QUEUE_METRIC,
+        description='Prometheus selector for queue depth, NAME or NAME{label="v"}; matching samples are '
+        "summed, a missing metric gives an empty series",
     )
-    p.add_argument(
-        "--cv",
-        type=float,
-        default=3.0,
-        help="bursty: coefficient of variation of the Gamma inter-arrival gaps, > 1 (default: %(default)s)",
+    replicas_metric: str = Field(
+        DEFAULT_REPLICAS_METRIC, description="Prometheus selector for the replica count, as --queue-metric"
     )
-    p.add_argument(
-        "--step-up-at",
-        type=float,
-        default=0.25,
-        help="step: fraction of --duration where users go from --low-users to --users (default: %(default)s)",
-    )
-    p.add_argument(
-        "--step-down-at",
-        type=float,
-        default=0.60,
-        help="step: fraction of --duration where users go back to --low-users (default: %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed for the arrival clock (default: %(default)s)")
-    p.add_argument(
-        "--slo-ms",
-        type=float,
-        default=500.0,
-        help="latency SLO for the attainment figure and the latency plot's line (default: %(default)s)",
-    )
-    p.add_argument(
-        "--bin", type=float, default=2.0, help="time-series bin width in seconds (default: %(default)s)"
-    )
-    p.add_argument(
-        "--scrape-interval",
-        type=float,
-        default=1.0,
-        help="seconds between /metrics scrapes (default: %(default)s)",
-    )
-    p.add_argument(
-        "--queue-metric",
-        default=DEFAULT_QUEUE_METRIC,
-        help='Prometheus selector for queue depth, NAME or NAME{label="v"}; matching samples are '
-        "summed, a missing metric gives an empty series (default: %(default)s)",
-    )
-    p.add_argument(
-        "--replicas-metric",
-        default=DEFAULT_REPLICAS_METRIC,
-        help="Prometheus selector for the replica count, as --queue-metric (default: %(default)s)",
-    )
-    p.add_argument(
-        "--data",
-        default=None,
-        help="SQuAD-format JSON for questions/contexts (default: ../shared/data/squad pool if "
+    data: str | None = Field(
+        None,
+        description="SQuAD-format JSON for questions/contexts (default: ../shared/data/squad pool if "
         "present, else generated questions)",
     )
-    p.add_argument(
-        "--top-k", type=int, default=1, help="answers requested per question (default: %(default)s)"
+    top_k: int = Field(1, description="answers requested per question")
+    max_answer_length: int = Field(30, description="max answer length in tokens sent with each request")
+    ready_timeout: float = Field(60.0, description="seconds to wait for /readyz before giving up")
+    cooldown: float = Field(
+        0.0, description="seconds to keep scraping /metrics after the load ends, to watch replicas drain"
     )
-    p.add_argument(
-        "--max-answer-length",
-        type=int,
-        default=30,
-        help="max answer length in tokens sent with each request (default: %(default)s)",
+    stop_timeout: float = Field(
+        5.0,
+        description="seconds in-flight requests get when the scenario ends; unanswered ones are logged as "
+        "failed",
     )
-    p.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for /readyz before giving up (default: %(default)s)",
+    out: str = Field("loadtest-report", description="report folder")
+    allow_remote: bool = Field(
+        False, description="allow a non-loopback --host (only for machines you own; off by default)"
     )
-    p.add_argument(
-        "--cooldown",
-        type=float,
-        default=0.0,
-        help="seconds to keep scraping /metrics after the load ends, to watch replicas drain "
-        "(default: %(default)s)",
+    report_only: str | None = Field(
+        None,
+        description="do not send load: rebuild the report of a finished run in DIR (uses --slo-ms, --bin)",
+        json_schema_extra={"metavar": "DIR"},
     )
-    p.add_argument(
-        "--stop-timeout",
-        type=float,
-        default=5.0,
-        help="seconds in-flight requests get when the scenario ends; unanswered ones are logged as "
-        "failed (default: %(default)s)",
+    no_progress: bool = Field(
+        False,
+        description="do not show progress on stderr (by default: the wait for /readyz, the run's elapsed "
+        "time with requests and failures so far, the cooldown; a bar on a terminal, else a line every 10 s)",
     )
-    p.add_argument("--out", default="loadtest-report", help="report folder (default: %(default)s)")
-    p.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow a non-loopback --host (only for machines you own; off by default)",
-    )
-    p.add_argument(
-        "--report-only",
-        metavar="DIR",
-        default=None,
-        help="do not send load: rebuild the report of a finished run in DIR (uses --slo-ms, --bin)",
-    )
-    p.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="do not show progress on stderr (by default: the wait for /readyz, the run's elapsed time "
-        "with requests and failures so far, the cooldown; a bar on a terminal, else a line every 10 s)",
-    )
-    p.set_defaults(func=cmd_loadtest)
+
+    def to_config(self, *, command: str) -> LoadTestConfig:
+        """The run these flags describe (``ValueError`` naming the numbers when they make none)."""
+        return LoadTestConfig(
+            host=self.host,
+            out_dir=self.out,
+            scenario=ScenarioConfig(
+                name=self.scenario,
+                duration_s=self.duration,
+                peak_users=self.users,
+                low_users=self.low_users,
+                think_time_s=self.think_time,
+                rate_rps=self.rate,
+                cv=self.cv,
+                step_up_at=self.step_up_at,
+                step_down_at=self.step_down_at,
+                seed=self.seed,
+            ),
+            slo_ms=self.slo_ms,
+            bin_s=self.bin,
+            scrape_interval_s=self.scrape_interval,
+            queue_metric=self.queue_metric,
+            replicas_metric=self.replicas_metric,
+            data=self.data,
+            top_k=self.top_k,
+            max_answer_length=self.max_answer_length,
+            ready_timeout_s=self.ready_timeout,
+            cooldown_s=self.cooldown,
+            stop_timeout_s=self.stop_timeout,
+            allow_remote=self.allow_remote,
+            command=command,
+            progress=not self.no_progress,
+        )
 
 
 def _print_summary(out: str, summary: dict) -> None:
@@ -201,7 +165,7 @@ def _error(message: str) -> int:
     return 2
 
 
-def _report_only(args: argparse.Namespace) -> int:
+def _report_only(args: LoadTestSettings) -> int:
     from loadtest.report import build_report
 
     for flag, value in (("--slo-ms", args.slo_ms), ("--bin", args.bin)):
@@ -218,40 +182,12 @@ def _report_only(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_loadtest(args: argparse.Namespace) -> int:
+def cmd_loadtest(args: LoadTestSettings) -> int:
+    """``shardserve loadtest``: run the scenario (or rebuild a report) and print the summary."""
     if args.report_only:
         return _report_only(args)
     try:
-        config = LoadTestConfig(
-            host=args.host,
-            out_dir=args.out,
-            scenario=ScenarioConfig(
-                name=args.scenario,
-                duration_s=args.duration,
-                peak_users=args.users,
-                low_users=args.low_users,
-                think_time_s=args.think_time,
-                rate_rps=args.rate,
-                cv=args.cv,
-                step_up_at=args.step_up_at,
-                step_down_at=args.step_down_at,
-                seed=args.seed,
-            ),
-            slo_ms=args.slo_ms,
-            bin_s=args.bin,
-            scrape_interval_s=args.scrape_interval,
-            queue_metric=args.queue_metric,
-            replicas_metric=args.replicas_metric,
-            data=args.data,
-            top_k=args.top_k,
-            max_answer_length=args.max_answer_length,
-            ready_timeout_s=args.ready_timeout,
-            cooldown_s=args.cooldown,
-            stop_timeout_s=args.stop_timeout,
-            allow_remote=args.allow_remote,
-            command=_reproduce_command(),
-            progress=not args.no_progress,
-        )
+        config = args.to_config(command=_reproduce_command())
     except ValueError as exc:
         return _error(str(exc))
     try:
@@ -262,3 +198,15 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     if summary.get("first_errors"):
         print("first errors: " + json.dumps(summary["first_errors"]))
     return 1 if summary.get("failed") else 0
+
+
+LOADTEST = Command(
+    "loadtest",
+    help="run a locust load scenario headless and write a report with plots",
+    description="Run a load scenario (locust, headless, bounded in time) against a running "
+    "shardserve server on loopback, scrape its /metrics meanwhile, and write CSV files, PNG "
+    "plots (throughput, p50/p95/p99 latency, 429 rate, queue depth, replicas, SLO attainment) "
+    "and report.md / report.html into --out.",
+    settings=LoadTestSettings,
+    run=cmd_loadtest,
+)

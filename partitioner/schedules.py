@@ -33,8 +33,8 @@ Schedules (``n`` micro-batches, ``p`` stages, this is stage ``s``):
   ``p - s`` micro-batches' activations are alive on stage ``s``.
 
 Gradients accumulate in ``.grad`` over the micro-batches; the optimizer step is the caller's.
-The rank programs that build a stage and run these are ``partitioner/runtime/rank.py``'s
-``serve_rank`` and ``training/trainer.py``'s ``train_rank``.
+The rank programs that build a stage and run these are the forward stream's ``stream_rank``
+(``partitioner/stream/program.py``) and training's ``train_rank`` (``training/rank.py``).
 
     ex = StageExecutor(stage, comm, is_first=..., is_last=..., prev_rank=..., next_rank=...,
                        get_inputs=..., compute_loss=...)

@@ -1,8 +1,13 @@
 """The ``shardserve`` console script: one entry point, a subcommand per job (each package adds its own).
 
-shardserve plan --model minilm --pp 2 --tp 2     # how the model is split
-shardserve verify --model tiny-bert --pp 2 --tp 2  # parity with transformers
-shardserve --help
+Every package describes its commands as data (``partitioner.command.Command``); this module makes
+them subparsers (flags generated from each command's settings model, ``shardserve/flags.py``),
+builds the settings from the flags given, and runs the command under the error policy
+(``shardserve/errors.py``). It also composes the programs ``shardserve worker`` may run.
+
+    shardserve plan --model minilm --pp 2 --tp 2     # how the model is split
+    shardserve verify --model tiny-bert --pp 2 --tp 2  # parity with transformers
+    shardserve --help
 """
 
 from __future__ import annotations
@@ -13,14 +18,23 @@ import os
 import sys
 import typing
 
-from loadtest import cli as loadtest_cli
-from partitioner import cli as partitioner_cli
-from partitioner.runtime.remote import SERVE
-from serving.frontend import cli as serve_cli
-from training import cli as training_cli
-from training.remote_program import REMOTE_PROGRAM as TRAIN
+from loadtest.cli import LOADTEST
+from partitioner.cli import PLAN
+from partitioner.command import Command
+from partitioner.runtime.worker_command import worker_command
+from partitioner.stream.program import STREAM_PROGRAM
+from partitioner.stream.verify_command import VERIFY
+from serving.frontend.cli import SERVE
+from shardserve.errors import main_guard, print_error
+from shardserve.flags import InvalidSettings, add_command, add_settings_arguments, build_settings
+from training.cli import EVAL, EXPORT_OVERLAY, TRAIN
+from training.rank import TRAIN_PROGRAM
+
+logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+WORKER = worker_command((STREAM_PROGRAM, TRAIN_PROGRAM))  # what `shardserve worker` may run
+COMMANDS: tuple[Command, ...] = (SERVE, PLAN, VERIFY, WORKER, TRAIN, EVAL, EXPORT_OVERLAY, LOADTEST)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -31,19 +45,16 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The console script's parser: ``--log-level`` and a subparser per command of ``COMMANDS``."""
     parser = OneLineErrorParser(
         prog="shardserve",
         description="Model-parallel (pipeline + tensor parallel) question-answering server and trainer.",
     )
     _add_log_level(parser, default=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING").upper())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve_cli.add_subcommands(sub)
-    partitioner_cli.add_subcommands(sub, worker_programs=(SERVE, TRAIN))  # what `shardserve worker` may run
-    training_cli.add_subcommands(sub)
-    loadtest_cli.add_subcommands(sub)
-    for subparser in sub.choices.values():  # `shardserve serve --log-level INFO` works too
-        if "--log-level" not in subparser._option_string_actions:
-            _add_log_level(subparser, default=argparse.SUPPRESS)  # unset: the top-level value stands
+    for command in COMMANDS:
+        # `shardserve serve --log-level INFO` works too; unset, the top-level value stands
+        _add_log_level(add_command(sub, command), default=argparse.SUPPRESS)
     return parser
 
 
@@ -58,18 +69,32 @@ def _add_log_level(parser: argparse.ArgumentParser, *, default: str) -> None:
     )
 
 
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """``shardserve serve``'s flags on ``parser`` (for a parser of one's own, e.g. to read its help)."""
+    add_settings_arguments(parser, SERVE.settings, groups=SERVE.groups)
+
+
+def settings_from_args(args: argparse.Namespace) -> typing.Any:
+    """The parsed command's settings model from the flags given (``InvalidSettings`` if not valid)."""
+    return build_settings(vars(args), args.shardserve_command.settings)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``shardserve ARGV``; its exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     if args.log_level not in LOG_LEVELS:  # from SHARDSERVE_LOG_LEVEL (argparse checks the flag)
-        print(
-            f"error: SHARDSERVE_LOG_LEVEL={args.log_level!r}: choose from {', '.join(LOG_LEVELS)}",
-            file=sys.stderr,
-        )
-        return 2
+        return print_error(f"SHARDSERVE_LOG_LEVEL={args.log_level!r}: choose from {', '.join(LOG_LEVELS)}")
     os.environ["SHARDSERVE_LOG_LEVEL"] = args.log_level  # worker ranks log at the same level
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return partitioner_cli.main_guard(args.func, args)
+    command: Command = args.shardserve_command
+    try:
+        settings = settings_from_args(args)
+    except InvalidSettings as err:
+        if command.invalid is None:  # as argparse says a bad value (exit 2)
+            args.shardserve_parser.error(err.usage())
+        return print_error(f"{command.invalid}: {err.line()}")
+    return main_guard(command.run, settings)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Training checkpoints: save and resume of a run (`CheckpointManager`, as torchtitan's), per-rank
-shard files, their merge, the HF directory, and atomic publication.
+"""Training checkpoints: save and resume of a run (`CheckpointManager`, as torchtitan's), the
+checkpoint directories (listing, checking, pruning), the HF directory and atomic publication. The
+per-rank shard files and their merge are ``training/checkpoint_shards.py``'s.
 
 A checkpoint directory ``OUT/checkpoint-{step}`` (and ``OUT/final``) holds:
 
@@ -18,7 +19,7 @@ write (ranks ``0 .. pp*tp-1``, the same files a ``dp = 1`` run writes) and any `
 them. Parameter names are the full model's (``layers.7.mlp.up.weight``) and every sharded tensor
 records its slice, so the files are layout-free as well: ``--resume --elastic`` at another
 (pp, tp) merges every rank's file into full tensors (moments sliced like their parameter) and
-each new rank cuts out its own slices (`load_resharded`). Without ``--elastic`` a (pp, tp) change
+each new rank cuts out its own slices (``checkpoint_shards.load_resharded``). Without ``--elastic`` a (pp, tp) change
 is refused, and each rank reads just its own file.
 
 Every rank writes its files into ``OUT/.tmp-{name}``; after a barrier rank 0 merges the shards,
@@ -44,13 +45,12 @@ state (`load`) and writes its part of every checkpoint (`save`, when `due`)::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,16 @@ from torch import nn
 from models.hf_weights import save_hf_checkpoint
 from partitioner.lora import merged_state_dict
 from partitioner.runtime.rank import RankContext
-from partitioner.shard_loading import ShardSlice, shard_specs_of
+from partitioner.shard_loading import shard_specs_of
+from training.checkpoint_shards import (
+    ResumeError,
+    load_rank_state,
+    load_resharded,
+    merge_shards,
+    optimizer_tensors,
+    overlay_tensors,
+    write_shard,
+)
 from training.config import RunInfo, TrainConfig
 from training.run_files import RunFiles
 
@@ -73,65 +82,6 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 OVERLAY_FILE = "overlay.safetensors"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-
-
-class ResumeError(RuntimeError):
-    """A checkpoint cannot be resumed (missing, or written with a different layout); names the numbers."""
-
-
-def write_shard(
-    path: Path, tensors: dict[str, torch.Tensor], specs: dict[str, ShardSlice], *, tp_rank: int
-) -> None:
-    """One rank's tensors plus the slices they hold (in the safetensors metadata)."""
-    meta = {
-        "tp_rank": str(tp_rank),
-        "shard_specs": json.dumps({k: [s.dim, s.start, s.length] for k, s in specs.items() if k in tensors}),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
-
-
-MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")  # AdamW state shaped like its parameter
-
-
-def _with_moment_specs(specs: dict[str, list[int]]) -> dict[str, list[int]]:
-    """A parameter's AdamW moments (``optim.{name}.exp_avg`` ...) are sliced like the parameter."""
-    return specs | {f"optim.{name}.{m}": spec for name, spec in specs.items() for m in MOMENTS}
-
-
-@contextlib.contextmanager
-def open_shard(path: Path) -> Iterator[Any]:
-    """``safe_open`` of a rank's shard file; a damaged one is a `ResumeError` naming it."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            yield f
-    except SafetensorError as exc:
-        raise ResumeError(f"{path}: unreadable ({exc}); resume from an earlier checkpoint") from exc
-
-
-def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """Full tensors from per-rank shard files: sharded names (and their AdamW moments)
-    concatenated in slice order, replicated names taken from the lowest tensor-parallel rank that
-    holds them."""
-    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-    replicated: dict[str, tuple[int, torch.Tensor]] = {}
-    for path in paths:
-        with open_shard(path) as f:
-            meta = f.metadata() or {}
-            specs = _with_moment_specs(json.loads(meta.get("shard_specs", "{}")))
-            tp_rank = int(meta.get("tp_rank", "0"))
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if name in specs:
-                    dim, start, _length = specs[name]
-                    pieces.setdefault(name, []).append((start, dim, t))
-                elif name not in replicated or tp_rank < replicated[name][0]:
-                    replicated[name] = (tp_rank, t)
-    out = {k: t for k, (_, t) in replicated.items()}
-    for name, parts in pieces.items():
-        parts.sort(key=lambda p: p[0])
-        out[name] = torch.cat([t for _, _, t in parts], dim=parts[0][1])
-    return out
 
 
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
@@ -325,78 +275,6 @@ def prune_checkpoints(out_dir: Path, *, keep: int, spare: Collection[str] = ()) 
         shutil.rmtree(path, ignore_errors=True)
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
-    """AdamW state as flat named tensors (``optim.{param}.{exp_avg,exp_avg_sq,step}``)."""
-    out: dict[str, torch.Tensor] = {}
-    for p, state in opt.state.items():
-        name = names[p]
-        for key, value in state.items():
-            t = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            out[f"optim.{name}.{key}"] = t.detach().cpu()
-    return out
-
-
-def _restore(
-    get: Callable[[str], torch.Tensor],
-    keys: set[str],
-    module: nn.Module,
-    opt: torch.optim.Optimizer | None,
-    *,
-    where: str,
-    specs: dict[str, ShardSlice] | None = None,
-) -> None:
-    """Copy trainable parameters and AdamW state named in ``keys`` (read with ``get``) into
-    ``module``/``opt``; with ``specs``, the tensors are full and this rank takes its slices."""
-
-    def fetch(key: str, name: str) -> torch.Tensor:
-        t = get(key)
-        spec = specs.get(name) if specs is not None else None
-        return t[spec.region()] if spec is not None and t.dim() > 0 else t
-
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, p in params.items():
-            if name in keys:
-                t = fetch(name, name)
-                if t.shape != p.shape:
-                    raise ResumeError(
-                        f"{where}: {name} has shape {list(t.shape)}, this rank holds {list(p.shape)}"
-                    )
-                p.copy_(t.to(p.dtype))
-            elif p.requires_grad:
-                raise ResumeError(f"{where}: trainable parameter {name!r} not in the checkpoint")
-    if opt is None:
-        return
-    for p in [q for group in opt.param_groups for q in group["params"]]:
-        name = next(n for n, q in params.items() if q is p)
-        state = {}
-        for key in ("step", *MOMENTS):
-            k = f"optim.{name}.{key}"
-            if k in keys:
-                t = fetch(k, name)
-                state[key] = t.to(p.device).contiguous() if key != "step" else t
-        if state:
-            opt.state[p] = state
-
-
-def load_rank_state(path: Path, module: nn.Module, opt: torch.optim.Optimizer | None) -> None:
-    """Restore one rank's trainable parameters and optimizer moments written by ``write_shard``."""
-    if not path.is_file():
-        raise ResumeError(f"{path}: missing rank training state")
-    with open_shard(path) as f:
-        _restore(f.get_tensor, set(f.keys()), module, opt, where=str(path))
-
-
-def load_resharded(ckpt: Path, module: nn.Module, opt: torch.optim.Optimizer | None) -> None:
-    """Restore a rank of ANOTHER (pp, tp) layout: merge every rank's training state of ``ckpt``
-    into full tensors (parameters and AdamW moments), then take this rank's slices."""
-    paths = sorted((ckpt / "training_state").glob("rank*.safetensors"))
-    if not paths:
-        raise ResumeError(f"{ckpt}: no training_state/rank*.safetensors to re-shard")
-    full = merge_shards(paths)
-    _restore(full.__getitem__, set(full), module, opt, where=str(ckpt), specs=shard_specs_of(module))
-
-
 # ------------------------------------------------------------------------------------------------
 # Save and resume of a run
 # ------------------------------------------------------------------------------------------------
@@ -521,15 +399,6 @@ def trainer_state(cfg: TrainConfig, run: RunInfo, step: int, *, loss_scale: floa
         "data_sha256": run.data_sha256,
         "config": cfg.to_dict(),
     }
-
-
-def overlay_tensors(training_state: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """The trained tensors of a parameter-efficient run (optimizer moments dropped), the LoRA scale
-    folded into ``lora_B`` so that the overlay's update is plainly ``B A``."""
-    overlay = {k: v for k, v in training_state.items() if not k.startswith("optim.")}
-    for k in [k for k in overlay if k.endswith(".lora_B")]:
-        overlay[k] = overlay[k] * (cfg.lora_alpha / cfg.lora_rank)
-    return {k: v.contiguous() for k, v in overlay.items()}
 
 
 class CheckpointManager:

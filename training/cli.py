@@ -1,8 +1,14 @@
-"""``shardserve train`` and ``shardserve eval``: fine-tune on the serving partitions, score SQuAD EM/F1.
+"""``shardserve train``, ``eval`` and ``export-overlay``: fine-tune on the serving partitions, score
+SQuAD EM/F1, ship a run as the default model's overlay.
+
+The commands as data (``TRAIN``, ``EVAL``, ``EXPORT_OVERLAY``); the console script generates their
+flags from the settings models (``training.config.TrainSettings``, ``EvalSettings``,
+``ExportOverlaySettings``).
 
     shardserve train --model tiny-bert --train-file ../shared/data/squad/squad-v1.1-train-pool.json \\
         --holdout-articles 6 --pp 2 --tp 1 --schedule 1f1b --output /tmp/run --max-steps 50
     shardserve eval --model /tmp/run/final --data ../shared/data/squad/squad-v2.0-half.json --json
+    shardserve export-overlay --checkpoint /tmp/run/final --base minilm --fp16
     shardserve train --help       # every flag explained
     # stage 1 on another host (README "Gangs across hosts"): there, `MASTER_ADDR=10.0.0.1
     # MASTER_PORT=29500 RANK=1 shardserve worker` with the same SHARDSERVE_GANG_KEY
@@ -11,241 +17,88 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
-from partitioner.precision import DTYPE_CHOICES, PRECISION_CHOICES, PrecisionError
-from partitioner.runtime.gang_flags import add_gang_arguments, gang_flags_from_args
-from partitioner.schedules import SCHEDULES
-from shardserve.flags import DefaultsHelpFormatter
+from pydantic import Field, field_validator
+
+from partitioner.command import Command, Settings
+from partitioner.precision import DTYPE_CHOICES, PrecisionError
+from training.config import TRAIN_GROUPS, TrainSettings, WindowSettings, dataclass_values
+from training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES, export_overlay
 
 if TYPE_CHECKING:
-    from models.qa_processing import WindowConfig
     from partitioner.runtime.remote import GangNetwork
 
 logger = logging.getLogger(__name__)
 
 
-def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="fine-tune a QA model over the serving partitions (pipeline + tensor parallel)",
-        description=(
-            "Fine-tune an extractive-QA model on SQuAD-format data with the same PartitionPlan and "
-            "gang of worker processes that serve it. Writes Hugging Face-format checkpoints "
-            "(OUTPUT/checkpoint-STEP, OUTPUT/final) that transformers and `shardserve serve` load."
-        ),
-        formatter_class=DefaultsHelpFormatter,
-    )
-    g = p.add_argument_group("model and data")
-    g.add_argument(
-        "--model", required=True, help="registry name (default, minilm, tiny-bert, ...) or HF model dir"
-    )
-    g.add_argument("--train-file", required=True, help="SQuAD v1.1/v2.0 JSON to train on")
-    g.add_argument("--eval-file", default=None, help="SQuAD JSON to evaluate on (else the held-out articles)")
-    g.add_argument(
-        "--holdout-articles",
-        type=int,
-        default=0,
-        help="hold out this many whole articles of --train-file for eval",
-    )
-    g.add_argument("--split-seed", type=int, default=0, help="seed of the by-article train/eval split")
-    g.add_argument(
-        "--max-train-examples",
-        type=int,
-        default=None,
-        help="use only the first N (>= 1) training questions",
-    )
-    g.add_argument(
-        "--max-eval-examples", type=int, default=None, help="evaluate only the first N (>= 1) questions"
-    )
-    g.add_argument(
-        "--max-seq-len", type=int, default=256, help="window length in tokens (at most the model's positions)"
-    )
-    g.add_argument("--doc-stride", type=int, default=128, help="overlap between consecutive windows (tokens)")
-    g.add_argument(
-        "--max-question-len", type=int, default=64, help="questions are truncated to this many tokens"
-    )
-    g.add_argument(
-        "--output",
-        required=True,
-        help="run directory for checkpoints, features cache and eval results (created once the data "
-        "has been read and checked)",
-    )
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
-    g.add_argument(
-        "--dp",
-        type=int,
-        default=1,
-        help="data-parallel copies of the pp x tp pipeline (dp*pp*tp ranks); each runs batch/micro/dp "
-        "micro-batches of every global batch, gradients are all-reduced (AdamW state replicated)",
-    )
-    g.add_argument(
-        "--bucket-mb", type=float, default=25.0, help="dp > 1: gradient all-reduce bucket size in MiB"
-    )
-    g.add_argument(
-        "--boundaries", type=int, nargs="*", default=None, help="manual split: first layer of stages 1..pp-1"
-    )
-    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu ranks, or one GPU per rank")
-    g.add_argument(
-        "--precision",
-        choices=PRECISION_CHOICES,
-        default="auto",
-        help="compute precision: fp32, or bf16/fp16 autocast over fp32 master weights and optimizer "
-        "state (fp16 with dynamic loss scaling; refused on a CPU without fp16 units); auto: bf16 on "
-        "GPUs and CPUs with bf16 units (AMX / AVX512-BF16), else fp32",
-    )
-    g.add_argument(
-        "--threads-per-rank", type=int, default=None, help="torch threads per rank (default: cores/world)"
-    )
-    add_gang_arguments(
-        p.add_argument_group(
-            "a gang across hosts (the same flags as serve's; each external rank runs `shardserve worker` "
-            "on its host; rank 0 stays here)"
-        )
-    )
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--batch-size", type=int, default=32, help="global batch: examples per optimizer step")
-    g.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=8,
-        help="examples per pipeline micro-batch (gradient accumulation)",
-    )
-    g.add_argument("--epochs", type=float, default=1.0, help="passes over the training features")
-    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (AdamW)")
-    g.add_argument(
-        "--weight-decay", type=float, default=0.01, help="AdamW decay (not on biases / LayerNorms)"
-    )
-    g.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps of linear LR warm-up")
-    g.add_argument(
-        "--max-grad-norm", type=float, default=1.0, help="global gradient-norm clip over all ranks (0: off)"
-    )
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
-    g.add_argument("--seed", type=int, default=0, help="seed of the data order, dropout and LoRA init")
-    g.add_argument(
-        "--dropout", type=float, default=None, help="override the model's dropout (0: deterministic)"
-    )
-    g.add_argument(
-        "--group-by-length", action="store_true", help="batch windows of similar length (less padding)"
-    )
-    g.add_argument(
-        "--answer-occurrences",
-        choices=("first", "all"),
-        default="all",
-        help="first: learn the labelled occurrence of the answer only; all: every occurrence of the "
-        "answer text in the window (marginal likelihood; SQuAD labels one of several at random)",
-    )
-    g = p.add_argument_group("parameter-efficient fine-tuning")
-    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on attention/MLP projections (0: off)")
-    g.add_argument(
-        "--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (update = alpha/rank * B A)"
-    )
-    g.add_argument(
-        "--freeze-layers", type=int, default=0, help="freeze the embeddings and the lowest N layers"
-    )
-    g.add_argument(
-        "--freeze-embeddings",
-        action="store_true",
-        help="freeze the embeddings only (full fine-tuning of every layer; export_overlay --base compresses it)",
-    )
-    g = p.add_argument_group("evaluation, checkpoints, logs")
-    g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
-    g.add_argument("--eval-batch-size", type=int, default=32, help="windows per evaluation micro-batch")
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoint-* directories kept")
-    g.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest OUTPUT/checkpoint-* with the settings that shape the training "
-        "unchanged (steps, --seed, data, split, windows, batch, optimizer, model; without --elastic also "
-        "--pp/--tp); how it runs, logs and saves may change; not with --overwrite. A damaged checkpoint "
-        "(a rank file missing or cut short) is skipped with a warning for the newest intact one",
-    )
-    g.add_argument(
-        "--elastic",
-        action="store_true",
-        help="with --resume: allow another --pp/--tp than the checkpoint's (weights and AdamW state are "
-        "re-sharded); --dp may always change",
-    )
-    g.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="train from scratch into an OUTPUT that already holds a run: its checkpoints, final model, "
-        "curve and eval results are removed first (other files stay); not with --resume",
-    )
-    g.add_argument("--log-every", type=int, default=10, help="log a line every N steps (0: never)")
-    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    g.add_argument(
-        "--fail-at-step",
-        type=int,
-        default=None,
-        help="testing only: the last rank crashes when it reaches step N",
-    )
-    p.set_defaults(func=cmd_train)
+class EvalSettings(WindowSettings):
+    """``shardserve eval``: what to score and how (``training.evaluate.EvalConfig`` checks the numbers)."""
 
-
-def _add_eval(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="SQuAD exact match / F1 of a model (HasAns/NoAns for v2.0)",
-        description="Score a QA model on a SQuAD-format file with the official answer normalisation.",
-        formatter_class=DefaultsHelpFormatter,
+    model: str = Field(description="registry name (default, ...) or HF model dir (e.g. RUN/final)")
+    data: str = Field(description="SQuAD v1.1/v2.0 JSON to score")
+    holdout_articles: int = Field(
+        0,
+        description="score only the articles `train --holdout-articles N` held out of this file (same "
+        "--split-seed)",
     )
-    p.add_argument(
-        "--model", required=True, help="registry name (default, ...) or HF model dir (e.g. RUN/final)"
-    )
-    p.add_argument("--data", required=True, help="SQuAD v1.1/v2.0 JSON to score")
-    p.add_argument(
-        "--holdout-articles",
-        type=int,
-        default=0,
-        help="score only the articles `train --holdout-articles N` held out of this file (same --split-seed)",
-    )
-    p.add_argument("--split-seed", type=int, default=0, help="seed of that by-article split")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages of the evaluation gang")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument(
-        "--max-seq-len", type=int, default=256, help="window length in tokens (at most the model's positions)"
-    )
-    p.add_argument("--doc-stride", type=int, default=128, help="overlap between consecutive windows")
-    p.add_argument("--max-question-len", type=int, default=64, help="question truncation in tokens")
-    p.add_argument("--batch-size", type=int, default=32, help="windows per forward micro-batch")
-    p.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default="auto",
-        help="compute dtype: auto picks bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
+    split_seed: int = Field(0, description="seed of that by-article split")
+    pp: int = Field(1, description="pipeline stages of the evaluation gang")
+    tp: int = Field(1, description="tensor-parallel ranks per stage")
+    batch_size: int = Field(32, description="windows per forward micro-batch")
+    dtype: Literal[DTYPE_CHOICES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="compute dtype: auto picks bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
         "float32; logits and span decoding stay float32",
     )
-    p.add_argument("--max-answer-length", type=int, default=30, help="longest answer span in tokens (1..512)")
-    p.add_argument(
-        "--null-threshold", type=float, default=None, help="v2.0: answer '' when null - best > this"
-    )
-    p.add_argument(
-        "--max-examples",
-        type=int,
-        default=None,
-        help="score only the first N (>= 1) questions",
-    )
-    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
-    p.set_defaults(func=cmd_eval)
+    max_answer_length: int = Field(30, description="longest answer span in tokens (1..512)")
+    null_threshold: float | None = Field(None, description="v2.0: answer '' when null - best > this")
+    max_examples: int | None = Field(None, description="score only the first N (>= 1) questions")
+    as_json: bool = Field(False, alias="json", description="print the metrics as one JSON object")
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register this package's ``shardserve`` subcommands."""
-    _add_train(sub)
-    _add_eval(sub)
+class ExportOverlaySettings(Settings):
+    """``shardserve export-overlay`` (``training.export_overlay``)."""
+
+    checkpoint: list[str] = Field(
+        description="a run's checkpoint dir (e.g. RUN/final); repeat for runs stacked on each other, in order",
+        json_schema_extra={"action": "append"},
+    )
+    dest: str = Field("models/default", description="where the overlay goes")
+    fp16: bool = Field(False, description="store the overlay in float16 (half the size)")
+    base: str | None = Field(
+        None,
+        description="for a fully fine-tuned checkpoint: the model it started from (e.g. minilm); its changes "
+        "are stored as low-rank factors within the 8 MB budget",
+    )
+    max_bytes: int = Field(
+        MAX_BYTES,
+        description=f"size budget of the overlay file (at most {LARGE_MAX_BYTES:,}: ship more than "
+        f"{MAX_BYTES:,} only where it measurably buys >= 0.5 development F1)",
+    )
+    metrics: list[str] | None = Field(
+        None,
+        description="record the JSON of a `shardserve eval --json` run under NAME (repeat; e.g. dev=pool.json)",
+        json_schema_extra={"action": "append", "metavar": "NAME=FILE"},
+    )
+    command: list[str] | None = Field(
+        None, description="a training command, recorded verbatim", json_schema_extra={"action": "append"}
+    )
+
+    @field_validator("metrics")
+    @classmethod
+    def _name_equals_file(cls, items: list[str] | None) -> list[str] | None:
+        for item in items or []:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"{item!r}: expected NAME=FILE")
+        return items
 
 
 def input_file_error(path: str | None, flag: str) -> str | None:
@@ -262,7 +115,7 @@ def input_file_error(path: str | None, flag: str) -> str | None:
     return None
 
 
-def flag_conflict(args: argparse.Namespace) -> str | None:
+def flag_conflict(args: TrainSettings) -> str | None:
     """Flags that contradict each other (or mean nothing without another), or None."""
     if args.resume and args.overwrite:
         return (
@@ -272,15 +125,6 @@ def flag_conflict(args: argparse.Namespace) -> str | None:
     if args.elastic and not args.resume:
         return "--elastic only applies with --resume (it re-shards a checkpoint to another --pp/--tp)"
     return None
-
-
-def window_config(args: argparse.Namespace) -> WindowConfig:
-    """The ``--max-seq-len`` / ``--doc-stride`` / ``--max-question-len`` flags as one window (ValueError if bad)."""
-    from models.qa_processing import WindowConfig
-
-    return WindowConfig(
-        max_seq_len=args.max_seq_len, doc_stride=args.doc_stride, max_question_len=args.max_question_len
-    )
 
 
 def gang_error_line(exc: Exception) -> str:
@@ -294,19 +138,16 @@ def gang_error_line(exc: Exception) -> str:
     return first
 
 
-def network_problem(args: argparse.Namespace) -> tuple[str | None, GangNetwork | None]:
+def network_problem(args: TrainSettings) -> tuple[str | None, GangNetwork | None]:
     """(why the gang flags cannot be used, None) or (None, the ``GangNetwork`` they describe)."""
-    try:
-        flags = gang_flags_from_args(args)
-    except ValueError as exc:
-        return f"invalid gang settings: {exc}", None
+    flags = args.gang
     layout = f"dp={args.dp} x pp={args.pp} x tp={args.tp}"
     problems = flags.gang_problems(world_size=args.dp * args.pp * args.tp, layout=layout)
     if problems:
         return "invalid gang settings: " + "; ".join(problems), None
-    from training.remote_program import REMOTE_PROGRAM  # what the ranks on other hosts run
+    from training.rank import TRAIN_PROGRAM  # what the ranks on other hosts run
 
-    return None, dataclasses.replace(flags.network(), program=REMOTE_PROGRAM)
+    return None, dataclasses.replace(flags.network(), program=TRAIN_PROGRAM)
 
 
 def stopped_run_hint(output: Path) -> str:
@@ -322,7 +163,7 @@ def stopped_run_hint(output: Path) -> str:
     return "no checkpoint was written yet"
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: TrainSettings) -> int:
     """``shardserve train``; a SIGTERM stops it like Ctrl-C (the ranks killed), in one line, exit 143."""
     from training.sigterm import Terminated, raise_on_sigterm
 
@@ -334,11 +175,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return exc.exit_code
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: TrainSettings) -> int:
     from partitioner.runtime.gang import GangError
     from training.checkpoint import ResumeError
+    from training.config import TrainConfigError
+    from training.driver import train
     from training.squad_data import SquadFormatError
-    from training.trainer import TrainConfig, TrainConfigError, train
 
     problem, network = network_problem(args)
     problem = (
@@ -351,56 +193,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        window = window_config(args)
-    except ValueError as exc:
+        cfg = args.train_config()
+    except ValueError as exc:  # TrainConfigError, or windowing flags that make no window
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        cfg = TrainConfig(
-            model=args.model,
-            train_file=args.train_file,
-            output=args.output,
-            eval_file=args.eval_file,
-            holdout_articles=args.holdout_articles,
-            split_seed=args.split_seed,
-            max_train_examples=args.max_train_examples,
-            max_eval_examples=args.max_eval_examples,
-            pp=args.pp,
-            tp=args.tp,
-            dp=args.dp,
-            bucket_mb=args.bucket_mb,
-            boundaries=tuple(args.boundaries) if args.boundaries else None,
-            schedule=args.schedule,
-            batch_size=args.batch_size,
-            micro_batch_size=args.micro_batch_size,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            lr=args.lr,
-            weight_decay=args.weight_decay,
-            warmup_ratio=args.warmup_ratio,
-            max_grad_norm=args.max_grad_norm,
-            adam_eps=args.adam_eps,
-            seed=args.seed,
-            dropout=args.dropout,
-            window=window,
-            lora_rank=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            freeze_layers=args.freeze_layers,
-            freeze_embeddings=args.freeze_embeddings,
-            eval_every=args.eval_every,
-            eval_batch_size=args.eval_batch_size,
-            save_every=args.save_every,
-            keep_checkpoints=args.keep_checkpoints,
-            resume=args.resume,
-            elastic=args.elastic,
-            device=args.device,
-            precision=args.precision,
-            threads_per_rank=args.threads_per_rank,
-            log_every=args.log_every,
-            group_by_length=args.group_by_length,
-            answer_occurrences=args.answer_occurrences,
-            fail_at_step=args.fail_at_step,
-        )
         result = train(cfg, show_progress=not args.no_progress, network=network, overwrite=args.overwrite)
     except (TrainConfigError, PrecisionError, SquadFormatError, ResumeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -433,7 +230,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def cmd_eval(args: EvalSettings) -> int:
     """``shardserve eval``; a SIGTERM stops it like Ctrl-C (the ranks killed), in one line, exit 143."""
     from training.sigterm import Terminated, raise_on_sigterm
 
@@ -445,7 +242,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return exc.exit_code
 
 
-def _eval(args: argparse.Namespace) -> int:
+def _eval(args: EvalSettings) -> int:
     from partitioner.runtime.gang import GangError
     from training.evaluate import EvalConfig, EvalConfigError, evaluate_model
     from training.squad_data import SquadFormatError
@@ -455,25 +252,12 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        window = window_config(args)
+        window = args.window()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        cfg = EvalConfig(
-            model=args.model,
-            data=args.data,
-            holdout_articles=args.holdout_articles,
-            split_seed=args.split_seed,
-            pp=args.pp,
-            tp=args.tp,
-            window=window,
-            batch_size=args.batch_size,
-            max_answer_length=args.max_answer_length,
-            null_threshold=args.null_threshold,
-            max_examples=args.max_examples,
-            dtype=args.dtype,
-        )
+        cfg = EvalConfig(**dataclass_values(args, EvalConfig), window=window)
         metrics = evaluate_model(cfg)
     except (EvalConfigError, SquadFormatError, PrecisionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -482,10 +266,58 @@ def _eval(args: argparse.Namespace) -> int:
         logger.info("%s", exc)
         print(f"error: {gang_error_line(exc)}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.as_json:
         print(json.dumps(metrics, sort_keys=True))
     else:
         for k in sorted(metrics):
             v = metrics[k]
             print(f"{k:>14}: {v:.2f}" if isinstance(v, float) else f"{k:>14}: {v}")
     return 0
+
+
+def cmd_export_overlay(args: ExportOverlaySettings) -> int:
+    """``shardserve export-overlay``: write the overlay (and its ``default-model.json``) into ``--dest``."""
+    import torch
+
+    info: dict[str, Any] = {}
+    for item in args.metrics or []:
+        name, _, path = item.partition("=")
+        info.setdefault("metrics", {})[name] = json.loads(Path(path).read_text())
+    if args.command:
+        info["commands"] = args.command
+    dtype = torch.float16 if args.fp16 else torch.float32
+    checkpoints = [Path(c) for c in args.checkpoint]
+    export_overlay(
+        checkpoints, Path(args.dest), dtype=dtype, info=info, base=args.base, max_bytes=args.max_bytes
+    )
+    return 0
+
+
+TRAIN = Command(
+    "train",
+    help="fine-tune a QA model over the serving partitions (pipeline + tensor parallel)",
+    description="Fine-tune an extractive-QA model on SQuAD-format data with the same PartitionPlan and "
+    "gang of worker processes that serve it. Writes Hugging Face-format checkpoints "
+    "(OUTPUT/checkpoint-STEP, OUTPUT/final) that transformers and `shardserve serve` load.",
+    settings=TrainSettings,
+    run=cmd_train,
+    groups=TRAIN_GROUPS,
+    invalid="invalid gang settings",
+)
+EVAL = Command(
+    "eval",
+    help="SQuAD exact match / F1 of a model (HasAns/NoAns for v2.0)",
+    description="Score a QA model on a SQuAD-format file with the official answer normalisation.",
+    settings=EvalSettings,
+    run=cmd_eval,
+)
+EXPORT_OVERLAY = Command(
+    "export-overlay",
+    help="export a fine-tuning run as a small overlay for the embedded default model",
+    description="Copy a parameter-efficient run's overlay (LoRA factors, trained biases / LayerNorms, QA "
+    "head), or a fully fine-tuned run's changes as low-rank factors within a size budget (--base), into "
+    "--dest with a default-model.json describing the run (command, data hash, steps, seed, metrics).",
+    settings=ExportOverlaySettings,
+    run=cmd_export_overlay,
+)
+COMMANDS: tuple[Command, ...] = (TRAIN, EVAL, EXPORT_OVERLAY)

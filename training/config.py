@@ -1,8 +1,10 @@
-"""Training settings: ``TrainConfig`` (validated once, sent to every rank) and ``RunInfo``.
+"""Training settings: ``TrainSettings`` (train's flags), ``TrainConfig`` (validated once, sent to every rank), ``RunInfo``.
 
-``TrainConfig`` is what the user asked for (``shardserve train`` flags); ``RunInfo`` is what the
+``TrainSettings`` is the ``shardserve train`` command line (the console script generates its flags
+from the fields; the defaults are ``TrainConfig``'s), ``train_config()`` the ``TrainConfig`` it
+describes: what the user asked for; ``RunInfo`` is what the
 driver derived from it and the data (feature file, step counts, resume point) for the ranks. Both
-are picklable. The windowing settings are one ``models.qa_processing.WindowConfig``; on disk
+are picklable. The windowing settings are one ``models.qa_windows.WindowConfig``; on disk
 (``trainer_state.json``'s ``config``) ``to_dict`` writes them as the flat ``max_seq_len`` /
 ``doc_stride`` / ``max_question_len`` keys checkpoints have always had, and ``from_dict`` reads
 such a dict back. Fields added since that format was fixed (``ADDED_FIELDS``: ``dp``,
@@ -22,10 +24,14 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from models.qa_processing import WindowConfig
+from pydantic import BaseModel, Field
+
+from models.qa_windows import WindowConfig
+from partitioner.command import Settings
 from partitioner.precision import PRECISION_CHOICES
+from partitioner.runtime.gang_flags import GangFlags
 from partitioner.schedules import SCHEDULES
 
 logger = logging.getLogger(__name__)
@@ -135,7 +141,7 @@ class TrainConfig:
         if self.dropout is not None and not 0 <= self.dropout < 1:
             bad(f"dropout={self.dropout} must be in [0, 1)")
         if not isinstance(self.window, WindowConfig):
-            bad(f"window={self.window!r} must be a models.qa_processing.WindowConfig")
+            bad(f"window={self.window!r} must be a models.qa_windows.WindowConfig")
         w = self.window
         if w.doc_stride >= w.max_seq_len or w.max_question_len >= w.max_seq_len:
             bad(
@@ -242,3 +248,174 @@ class RunInfo:
     remote_ranks: tuple[int, ...] = ()
     # --resume: newer checkpoints found damaged and passed over; rank 0's pruning spares them
     skipped_checkpoints: tuple[str, ...] = ()
+
+
+def _default(name: str) -> Any:
+    """``TrainConfig``'s default of the field ``name`` (one home for the defaults of train's flags)."""
+    return TrainConfig.__dataclass_fields__[name].default
+
+
+def dataclass_values(settings: BaseModel, cls: type) -> dict[str, Any]:
+    """The fields of the dataclass ``cls`` that the settings model has too, by name."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name in type(settings).model_fields]
+    return {name: getattr(settings, name) for name in names}
+
+
+class WindowSettings(Settings):
+    """The windowing flags of ``train`` and ``eval``: ``window()`` is the one window they make."""
+
+    max_seq_len: int = Field(
+        TRAIN_WINDOW.max_seq_len, description="window length in tokens (at most the model's positions)"
+    )
+    doc_stride: int = Field(
+        TRAIN_WINDOW.doc_stride, description="overlap between consecutive windows (tokens)"
+    )
+    max_question_len: int = Field(
+        TRAIN_WINDOW.max_question_len, description="questions are truncated to this many tokens"
+    )
+
+    def window(self) -> WindowConfig:
+        """The windowing flags as one window (``ValueError`` when they do not make one)."""
+        return WindowConfig(
+            max_seq_len=self.max_seq_len, doc_stride=self.doc_stride, max_question_len=self.max_question_len
+        )
+
+
+class TrainSettings(WindowSettings):
+    """``shardserve train``'s flags: a ``TrainConfig`` (``train_config()``; it checks the numbers,
+    ``TrainConfigError``), the gang across hosts (``gang``) and how the driver runs."""
+
+    # ---- model and data
+    model: str = Field(description="registry name (default, minilm, tiny-bert, ...) or HF model dir")
+    train_file: str = Field(description="SQuAD v1.1/v2.0 JSON to train on")
+    eval_file: str | None = Field(None, description="SQuAD JSON to evaluate on (else the held-out articles)")
+    holdout_articles: int = Field(
+        _default("holdout_articles"), description="hold out this many whole articles of --train-file for eval"
+    )
+    split_seed: int = Field(_default("split_seed"), description="seed of the by-article train/eval split")
+    max_train_examples: int | None = Field(None, description="use only the first N (>= 1) training questions")
+    max_eval_examples: int | None = Field(None, description="evaluate only the first N (>= 1) questions")
+    output: str = Field(
+        description="run directory for checkpoints, features cache and eval results (created once the data "
+        "has been read and checked)"
+    )
+    # ---- parallelism
+    pp: int = Field(_default("pp"), description="pipeline stages")
+    tp: int = Field(_default("tp"), description="tensor-parallel ranks per stage")
+    dp: int = Field(
+        _default("dp"),
+        description="data-parallel copies of the pp x tp pipeline (dp*pp*tp ranks); each runs batch/micro/dp "
+        "micro-batches of every global batch, gradients are all-reduced (AdamW state replicated)",
+    )
+    bucket_mb: float = Field(
+        _default("bucket_mb"), description="dp > 1: gradient all-reduce bucket size in MiB"
+    )
+    boundaries: list[int] | None = Field(
+        None, description="manual split: first layer of stages 1..pp-1", json_schema_extra={"nargs": "*"}
+    )
+    schedule: Literal[SCHEDULES] = Field(_default("schedule"), description="pipeline schedule")  # type: ignore[valid-type]
+    device: Literal["cpu", "cuda"] = Field(_default("device"), description="cpu ranks, or one GPU per rank")
+    precision: Literal[PRECISION_CHOICES] = Field(  # type: ignore[valid-type]
+        _default("precision"),
+        description="compute precision: fp32, or bf16/fp16 autocast over fp32 master weights and optimizer "
+        "state (fp16 with dynamic loss scaling; refused on a CPU without fp16 units); auto: bf16 on "
+        "GPUs and CPUs with bf16 units (AMX / AVX512-BF16), else fp32",
+    )
+    threads_per_rank: int | None = Field(None, description="torch threads per rank (default: cores/world)")
+    gang: GangFlags = Field(default_factory=GangFlags, description="a gang across hosts")
+    # ---- optimisation
+    batch_size: int = Field(_default("batch_size"), description="global batch: examples per optimizer step")
+    micro_batch_size: int = Field(
+        _default("micro_batch_size"), description="examples per pipeline micro-batch (gradient accumulation)"
+    )
+    epochs: float = Field(_default("epochs"), description="passes over the training features")
+    max_steps: int | None = Field(None, description="optimizer steps (overrides --epochs)")
+    lr: float = Field(_default("lr"), description="peak learning rate (AdamW)")
+    weight_decay: float = Field(
+        _default("weight_decay"), description="AdamW decay (not on biases / LayerNorms)"
+    )
+    warmup_ratio: float = Field(_default("warmup_ratio"), description="share of steps of linear LR warm-up")
+    max_grad_norm: float = Field(
+        _default("max_grad_norm"), description="global gradient-norm clip over all ranks (0: off)"
+    )
+    adam_eps: float = Field(_default("adam_eps"), description="AdamW epsilon")
+    seed: int = Field(_default("seed"), description="seed of the data order, dropout and LoRA init")
+    dropout: float | None = Field(None, description="override the model's dropout (0: deterministic)")
+    group_by_length: bool = Field(False, description="batch windows of similar length (less padding)")
+    answer_occurrences: Literal[ANSWER_OCCURRENCES] = Field(  # type: ignore[valid-type]
+        _default("answer_occurrences"),
+        description="first: learn the labelled occurrence of the answer only; all: every occurrence of the "
+        "answer text in the window (marginal likelihood; SQuAD labels one of several at random)",
+    )
+    # ---- parameter-efficient fine-tuning
+    lora_rank: int = Field(
+        _default("lora_rank"), description="LoRA rank on attention/MLP projections (0: off)"
+    )
+    lora_alpha: float = Field(
+        _default("lora_alpha"), description="LoRA scale numerator (update = alpha/rank * B A)"
+    )
+    freeze_layers: int = Field(
+        _default("freeze_layers"), description="freeze the embeddings and the lowest N layers"
+    )
+    freeze_embeddings: bool = Field(
+        False,
+        description="freeze the embeddings only (full fine-tuning of every layer; export_overlay --base "
+        "compresses it)",
+    )
+    # ---- evaluation, checkpoints, logs
+    eval_every: int = Field(_default("eval_every"), description="evaluate every N steps (0: at the end only)")
+    eval_batch_size: int = Field(
+        _default("eval_batch_size"), description="windows per evaluation micro-batch"
+    )
+    save_every: int = Field(_default("save_every"), description="checkpoint every N steps (0: final only)")
+    keep_checkpoints: int = Field(
+        _default("keep_checkpoints"), description="newest checkpoint-* directories kept"
+    )
+    resume: bool = Field(
+        False,
+        description="continue from the newest OUTPUT/checkpoint-* with the settings that shape the training "
+        "unchanged (steps, --seed, data, split, windows, batch, optimizer, model; without --elastic also "
+        "--pp/--tp); how it runs, logs and saves may change; not with --overwrite. A damaged checkpoint "
+        "(a rank file missing or cut short) is skipped with a warning for the newest intact one",
+    )
+    elastic: bool = Field(
+        False,
+        description="with --resume: allow another --pp/--tp than the checkpoint's (weights and AdamW state "
+        "are re-sharded); --dp may always change",
+    )
+    overwrite: bool = Field(
+        False,
+        description="train from scratch into an OUTPUT that already holds a run: its checkpoints, final "
+        "model, curve and eval results are removed first (other files stay); not with --resume",
+    )
+    log_every: int = Field(_default("log_every"), description="log a line every N steps (0: never)")
+    no_progress: bool = Field(False, description="hide the progress bar")
+    fail_at_step: int | None = Field(
+        None, description="testing only: the last rank crashes when it reaches step N"
+    )
+
+    def train_config(self) -> TrainConfig:
+        """The ``TrainConfig`` these flags describe (``ValueError`` / ``TrainConfigError`` if not valid)."""
+        values = dataclass_values(self, TrainConfig)
+        values["boundaries"] = tuple(self.boundaries) if self.boundaries else None
+        return TrainConfig(**values, window=self.window())
+
+
+TRAIN_GROUPS: dict[str, tuple[str, ...]] = {  # train's help sections
+    "model and data": (
+        "model", "train_file", "eval_file", "holdout_articles", "split_seed", "max_train_examples",
+        "max_eval_examples", "max_seq_len", "doc_stride", "max_question_len", "output",
+    ),
+    "parallelism": ("pp", "tp", "dp", "bucket_mb", "boundaries", "schedule", "device", "precision", "threads_per_rank"),
+    "a gang across hosts (the same flags as serve's; each external rank runs `shardserve worker` on its "
+    "host; rank 0 stays here)": ("gang",),
+    "optimisation": (
+        "batch_size", "micro_batch_size", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
+        "max_grad_norm", "adam_eps", "seed", "dropout", "group_by_length", "answer_occurrences",
+    ),
+    "parameter-efficient fine-tuning": ("lora_rank", "lora_alpha", "freeze_layers", "freeze_embeddings"),
+    "evaluation, checkpoints, logs": (
+        "eval_every", "eval_batch_size", "save_every", "keep_checkpoints", "resume", "elastic", "overwrite",
+        "log_every", "no_progress", "fail_at_step",
+    ),
+}  # fmt: skip

@@ -1,6 +1,6 @@
 """``shardserve eval``: SQuAD exact match / F1 of a model, single-process or through a serving gang.
 
-The evaluation windows are exactly the serving windows (``models.qa_processing.encode_qa``); the
+The evaluation windows are exactly the serving windows (``models.qa_windows.encode_qa``); the
 logits come from ``build_model`` (pp = tp = 1) or from a gang of ``pp * tp`` ranks running the
 serving schedule; answers are decoded like the server does and scored with the official SQuAD
 normalisation (``training/squad_metrics.py``: HasAns / NoAns blocks on v2.0 data).
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from models.qa_processing import WindowConfig
+from models.qa_windows import WindowConfig
 
 if TYPE_CHECKING:
     from training.squad_data import SquadExample
@@ -51,7 +51,7 @@ class EvalConfig:
     dtype: str = "auto"  # compute dtype (partitioner/precision.py); span logits and decoding stay fp32
 
     def __post_init__(self) -> None:
-        from models.qa_processing import QAInputError, validate_max_answer_length
+        from models.qa_windows import QAInputError, validate_max_answer_length
 
         if self.pp < 1 or self.tp < 1 or self.batch_size < 1:
             raise EvalConfigError(f"pp={self.pp}, tp={self.tp} and batch_size={self.batch_size} must be >= 1")
@@ -62,7 +62,7 @@ class EvalConfig:
                 f"max_examples={self.max_examples} must be >= 1 (leave it unset to score every question)"
             )
         if not isinstance(self.window, WindowConfig):
-            raise EvalConfigError(f"window={self.window!r} must be a models.qa_processing.WindowConfig")
+            raise EvalConfigError(f"window={self.window!r} must be a models.qa_windows.WindowConfig")
         w = self.window
         if w.doc_stride >= w.max_seq_len or w.max_question_len >= w.max_seq_len:
             raise EvalConfigError(
@@ -120,9 +120,9 @@ def predict_answers(
     from models.registry import resolve_model
     from partitioner.plan import ParallelDims, make_plan
     from partitioner.precision import resolve_dtype
-    from partitioner.runtime.gang import Gang
-    from partitioner.runtime.rank import GangSpec
-    from training.squad_data import build_eval_features, postprocess_eval_predictions, prediction_texts
+    from partitioner.stream.gang import StreamGang
+    from partitioner.stream.program import stream_spec
+    from training.features import build_eval_features, postprocess_eval_predictions, prediction_texts
 
     # Everything that can be refused is checked before any slow work and before the progress bar,
     # so an error is one line of its own: dtype, model, window length, partition, data, tokenizer.
@@ -167,8 +167,8 @@ def predict_answers(
                 bar.update(ids.shape[0])
     else:
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
-        spec = GangSpec(source, plan, threads_per_rank=threads, dtype=choice.name)
-        with Gang(spec, name="eval") as gang, progress() as bar:
+        spec = stream_spec(source, plan, threads_per_rank=threads, dtype=choice.name)
+        with StreamGang(spec, name="eval") as gang, progress() as bar:
             futures = [gang.submit(*batch) for batch in batches]
             for (ids, _, _), fut in zip(batches, futures, strict=True):
                 logits = fut.result()  # (b, s, 2)

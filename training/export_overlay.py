@@ -12,17 +12,15 @@ overlay; each projection's update ``W_ft - W_base`` is factored by truncated SVD
 ``lora_A`` / ``lora_B`` form, with ranks chosen across all projections to keep the most singular
 value energy per byte under the size budget (``low_rank_overlay``).
 
-    python -m training.export_overlay --checkpoint /tmp/ft/default-lora/final --dest models/default \\
+    shardserve export-overlay --checkpoint /tmp/ft/default-lora/final --dest models/default \\
         --metrics dev=eval.json --command "shardserve train ..."   # --checkpoint again for stacked runs
-    python -m training.export_overlay --checkpoint /tmp/ft/full/final --base minilm --fp16
+    shardserve export-overlay --checkpoint /tmp/ft/full/final --base minilm --fp16
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -207,56 +205,3 @@ def export_overlay(
     (dest / "default-model.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
     logger.info("wrote %s (%.2f MiB, %d tensors)", out, size / 2**20, len(tensors))
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        action="append",
-        required=True,
-        help="a run's checkpoint dir (e.g. RUN/final); repeat for runs stacked on each other, in order",
-    )
-    p.add_argument("--dest", type=Path, default=Path("models/default"), help="where the overlay goes")
-    p.add_argument("--fp16", action="store_true", help="store the overlay in float16 (half the size)")
-    p.add_argument(
-        "--base",
-        default=None,
-        help="for a fully fine-tuned checkpoint: the model it started from (e.g. minilm); its changes "
-        "are stored as low-rank factors within the 8 MB budget",
-    )
-    p.add_argument(
-        "--max-bytes",
-        type=int,
-        default=MAX_BYTES,
-        help=f"size budget of the overlay file (at most {LARGE_MAX_BYTES:,}: ship more than {MAX_BYTES:,} "
-        "only where it measurably buys >= 0.5 development F1)",
-    )
-    p.add_argument(
-        "--metrics",
-        action="append",
-        default=[],
-        metavar="NAME=FILE",
-        help="record the JSON of a `shardserve eval --json` run under NAME (repeat; e.g. dev=pool.json)",
-    )
-    p.add_argument("--command", action="append", default=None, help="a training command, recorded verbatim")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    info: dict[str, Any] = {}
-    for item in args.metrics:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            p.error(f"--metrics {item!r}: expected NAME=FILE")
-        info.setdefault("metrics", {})[name] = json.loads(Path(path).read_text())
-    if args.command:
-        info["commands"] = args.command
-    dtype = torch.float16 if args.fp16 else torch.float32
-    export_overlay(
-        args.checkpoint, args.dest, dtype=dtype, info=info, base=args.base, max_bytes=args.max_bytes
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

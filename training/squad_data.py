@@ -1,26 +1,13 @@
-"""SQuAD v1.1 / v2.0 data: JSON -> `SquadExample` -> training and evaluation features.
+"""SQuAD v1.1 / v2.0 data: reading SQuAD-format JSON into `SquadExample`, and splitting it.
 
-This module owns reading SQuAD-format files (with validation of every answer label), the
-deterministic train/eval split by article, and turning examples into model features. Windowing is
-NOT implemented here: it is `models.qa_processing.encode_qa`, the same code the server runs, so
-training and serving see identical windows and offsets.
-
-Usage::
+This module owns parsing (with validation of every answer label: a malformed record is a
+`SquadFormatError` naming the file, article and question id, or is skipped and counted with
+``strict=False``), the example types, and the deterministic train/eval split by article. Turning
+examples into model features is the next step, ``training/features.py``, which imports this
+module (never the reverse).
 
     examples = load_squad("../shared/data/squad/squad-v1.1-train-pool.json")
     train_ex, eval_ex = split_by_article(examples, eval_fraction=0.1, seed=0)
-    window = WindowConfig(max_seq_len=384, doc_stride=128, max_question_len=64)
-    train = build_train_features(tok, train_ex, window=window)
-    loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True)   # dicts of tensors
-    ev = build_eval_features(tok, eval_ex, window=window)
-    start, end = model(**ev.batch.model_inputs())                    # (n_windows, seq_len) each
-    preds = postprocess_eval_predictions(ev, start, end, max_answer_length=30)   # id -> QAPrediction
-    training.squad_metrics.evaluate(eval_ex, prediction_texts(preds))
-
-Labels: the first gold answer (as Hugging Face ``run_qa`` does), whitespace-trimmed, is mapped to
-the first context token ending after its first character and the last context token starting
-before its end. A window that does not contain the whole answer, and every window of an
-unanswerable (v2.0) question, is labelled with position 0 (CLS).
 """
 
 from __future__ import annotations
@@ -32,19 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
-
-from models.qa_processing import (
-    DEFAULT_WINDOW,
-    EncodedBatch,
-    QAPrediction,
-    QAWindow,
-    WindowBatch,
-    WindowConfig,
-    decode_encoded,
-    encode_qa,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -288,191 +262,3 @@ def split_by_article(
         len(evals),
     )
     return train, evals
-
-
-# --------------------------------------------------------------------------------------------
-# Features
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainFeatures:
-    """Labelled training windows; a map-style dataset (``features[i]`` is a dict of tensors)."""
-
-    input_ids: torch.Tensor  # (n_features, seq_len) int64
-    attention_mask: torch.Tensor  # (n_features, seq_len) int64
-    token_type_ids: torch.Tensor  # (n_features, seq_len) int64
-    start_positions: torch.Tensor  # (n_features,) int64, 0 = CLS (no answer in this window)
-    end_positions: torch.Tensor  # (n_features,) int64
-    example_index: torch.Tensor  # (n_features,) int64, index into the `examples` given
-    example_ids: list[str]  # (n_features,) SQuAD id of each feature's example
-    windows: list[QAWindow]  # (n_features,) the unpadded windows (offsets for checks/debugging)
-    # (n_features, K) int64: every occurrence of the answer text inside the window (the labelled
-    # one first when inside), -1 padded; (0, 0) alone when none is inside. For the marginal loss.
-    start_candidates: torch.Tensor | None = None
-    end_candidates: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": self.input_ids[i],
-            "attention_mask": self.attention_mask[i],
-            "token_type_ids": self.token_type_ids[i],
-            "start_positions": self.start_positions[i],
-            "end_positions": self.end_positions[i],
-        }
-
-
-def _answer_char_span(example: SquadExample) -> tuple[int, int] | None:
-    """``[start, end)`` of the first gold answer with surrounding whitespace trimmed."""
-    if example.is_impossible or not example.answers:
-        return None
-    text, start = example.answers[0]
-    lead = len(text) - len(text.lstrip())
-    return start + lead, start + len(text.rstrip())
-
-
-def _occurrence_spans(example: SquadExample) -> list[tuple[int, int]]:
-    """``[start, end)`` of every occurrence of the first answer's (trimmed) text in the context,
-    the annotated one first. SQuAD labels one occurrence; where the text repeats, the annotation
-    may be arbitrary (the shared training file marks the first), so training can learn from all."""
-    span = _answer_char_span(example)
-    if span is None:
-        return []
-    text = example.context[span[0] : span[1]]
-    spans = [span]
-    pos = example.context.find(text)
-    while pos >= 0:
-        if pos != span[0]:
-            spans.append((pos, pos + len(text)))
-        pos = example.context.find(text, pos + 1)
-    return spans
-
-
-def label_window(window: QAWindow, char_span: tuple[int, int] | None) -> tuple[int, int]:
-    """Token ``(start, end)`` of ``char_span`` in ``window``, or ``(0, 0)`` (CLS) if not fully inside."""
-    if char_span is None:
-        return 0, 0
-    a_start, a_end = char_span
-    ctx = torch.nonzero(window.is_context).flatten()  # (c,) context token indices
-    if not len(ctx):
-        return 0, 0
-    starts, ends = window.offsets[ctx, 0], window.offsets[ctx, 1]  # (c,) each
-    if int(starts[0]) > a_start or int(ends[-1]) < a_end:
-        return 0, 0
-    start_tok = int(ctx[torch.nonzero(ends > a_start)[0]])  # first token ending after the answer starts
-    end_tok = int(ctx[torch.nonzero(starts < a_end)[-1]])  # last token starting before it ends
-    if start_tok > end_tok:
-        return 0, 0
-    return start_tok, end_tok
-
-
-def _encode(tokenizer: Any, examples: Sequence[SquadExample], window: WindowConfig) -> EncodedBatch:
-    """The serving windows of ``examples`` (one `encode_qa` call for train and eval features alike)."""
-    return encode_qa(
-        tokenizer, [ex.question for ex in examples], [ex.context for ex in examples], window=window
-    )
-
-
-def build_train_features(
-    tokenizer: Any,
-    examples: Sequence[SquadExample],
-    *,
-    window: WindowConfig = DEFAULT_WINDOW,
-    pad_to_multiple_of: int | None = None,
-) -> TrainFeatures:
-    """Window every example with `encode_qa` and label start/end token positions (CLS = 0)."""
-    encoded = _encode(tokenizer, examples, window)
-    spans = [_answer_char_span(ex) for ex in examples]
-    labels = [label_window(w, spans[w.example_index]) for w in encoded.windows]
-    occurrences = [_occurrence_spans(ex) for ex in examples]
-    candidates = []
-    for w, label in zip(encoded.windows, labels, strict=True):
-        found = [label] if label != (0, 0) else []
-        for span in occurrences[w.example_index][1:]:
-            other = label_window(w, span)
-            if other != (0, 0) and other not in found:
-                found.append(other)
-        candidates.append(found or [(0, 0)])
-    k = max(len(c) for c in candidates)
-    padded = [c + [(-1, -1)] * (k - len(c)) for c in candidates]
-    batch = encoded.pad(pad_to_multiple_of=pad_to_multiple_of)
-    n_labelled = sum(s > 0 for s, _ in labels)
-    logger.info(
-        "%d examples -> %d train features (%d with an answer span, %d CLS)",
-        len(examples),
-        len(labels),
-        n_labelled,
-        len(labels) - n_labelled,
-    )
-    return TrainFeatures(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        token_type_ids=batch.token_type_ids,
-        start_positions=torch.tensor([s for s, _ in labels], dtype=torch.long),
-        end_positions=torch.tensor([e for _, e in labels], dtype=torch.long),
-        example_index=batch.example_index,
-        example_ids=[examples[w.example_index].id for w in encoded.windows],
-        windows=encoded.windows,
-        start_candidates=torch.tensor([[s for s, _ in c] for c in padded], dtype=torch.long),  # (n, K)
-        end_candidates=torch.tensor([[e for _, e in c] for c in padded], dtype=torch.long),
-    )
-
-
-@dataclass
-class EvalFeatures:
-    """Evaluation windows: run ``batch`` through the model, then `postprocess_eval_predictions`."""
-
-    examples: list[SquadExample]
-    encoded: EncodedBatch  # windows + offsets, in example order
-    batch: WindowBatch  # padded model inputs, rows follow ``encoded.windows``
-
-    def __len__(self) -> int:
-        return len(self.encoded.windows)
-
-
-def build_eval_features(
-    tokenizer: Any,
-    examples: Sequence[SquadExample],
-    *,
-    window: WindowConfig = DEFAULT_WINDOW,
-    pad_to_multiple_of: int | None = None,
-) -> EvalFeatures:
-    """Window examples for evaluation (same windows as serving), keeping offsets for decoding."""
-    encoded = _encode(tokenizer, examples, window)
-    batch = encoded.pad(pad_to_multiple_of=pad_to_multiple_of)
-    return EvalFeatures(examples=list(examples), encoded=encoded, batch=batch)
-
-
-def postprocess_eval_predictions(
-    features: EvalFeatures,
-    start_logits: Any,
-    end_logits: Any,
-    *,
-    top_k: int = 1,
-    max_answer_length: int = 30,
-    null_threshold: float | None = None,
-) -> dict[str, QAPrediction]:
-    """Decode per-window logits (``(n_windows, seq_len)``, rows as ``features.batch``) to id -> prediction."""
-    preds = decode_encoded(
-        features.encoded,
-        start_logits,
-        end_logits,
-        [ex.context for ex in features.examples],
-        top_k=top_k,
-        max_answer_length=max_answer_length,
-        null_threshold=null_threshold,
-    )
-    return {ex.id: pred for ex, pred in zip(features.examples, preds, strict=True)}
-
-
-def prediction_texts(predictions: Mapping[str, QAPrediction]) -> dict[str, str]:
-    """id -> SQuAD answer string (``""`` for no answer), the input of `squad_metrics.evaluate`."""
-    return {qid: pred.text for qid, pred in predictions.items()}
-
-
-def null_score_diffs(predictions: Mapping[str, QAPrediction]) -> dict[str, float]:
-    """id -> ``null_score - best_span_logit`` (``+inf`` when no span was possible), for threshold tuning."""
-    return {qid: p.null_score_diff for qid, p in predictions.items()}

@@ -142,7 +142,7 @@ def find_best_null_threshold(
 
     ``span_predictions``: id -> best non-null span text; ``null_score_diffs``: id ->
     ``null_score - best_span_logit``. A question is answered "" when its diff > threshold (the
-    `models.qa_processing` convention). Returns ``(threshold, best score in percent)``.
+    `models.qa_windows` convention). Returns ``(threshold, best score in percent)``.
     """
     if metric not in ("f1", "exact"):
         raise ValueError(f"metric must be 'f1' or 'exact', got {metric!r}")

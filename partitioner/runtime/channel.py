@@ -90,6 +90,7 @@ class DriverChannel:
         self.busy_since = [0.0] * world_size
         self.busy_s = [0.0] * world_size  # seconds each rank spent inside micro-batches (cumulative)
         self.where: list[tuple[str, int] | None] = [None] * world_size  # (host, pid) each rank reports
+        self._read_at: float | None = None  # when the reader last came for messages (silence is judged then)
         self._beater = threading.Thread(target=self._beat_loop, name="gang-driver-heartbeat", daemon=True)
         self._beater.start()
 
@@ -107,7 +108,8 @@ class DriverChannel:
     def recv(self, timeout_s: float) -> Any | None:
         """The next message from any rank, or None after ``timeout_s``. Heartbeats are consumed
         here (they update ``last_seen`` / ``progress`` / ``busy_since``); one reader at a time."""
-        deadline = time.monotonic() + timeout_s
+        deadline = self._read_at = time.monotonic()
+        deadline += timeout_s
         while True:
             wait_ms = max(0, int(1000 * (deadline - time.monotonic())))
             if self._closed or not self._pull.poll(wait_ms):
@@ -132,9 +134,11 @@ class DriverChannel:
             return msg
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
-        """Ranks heard from before but not for ``timeout_s`` (dead, stopped, or unreachable)."""
-        now = time.monotonic()
-        return [r for r, t in enumerate(self.last_seen) if t is not None and now - t > timeout_s]
+        """Ranks heard from before but not for ``timeout_s`` (dead, frozen, or unreachable), as of
+        the reader's last visit: a reader that came late (a busy driver) finds beats still queued,
+        not silent ranks."""
+        ref = self._read_at if self._read_at is not None else time.monotonic()
+        return [r for r, t in enumerate(self.last_seen) if t is not None and ref - t > timeout_s]
 
     def _beat_loop(self) -> None:
         beat = encode(Heartbeat(DRIVER), self.key)

@@ -1,29 +1,28 @@
-"""The flags that put some of a gang's ranks on other hosts, for every command that drives a gang.
+"""The settings that put some of a gang's ranks on other hosts, for every command that drives a gang.
 
-``shardserve serve`` and ``shardserve train`` take the same four settings, defined once here:
+``shardserve serve`` and ``shardserve train`` take the same five, defined once here:
 ``--external-ranks`` (ranks started elsewhere with ``shardserve worker``), ``--gang-host`` /
 ``--gang-port`` (where the rendezvous store and the channel listen) and ``--gang-key`` /
 ``--gang-key-file`` (the key the workers were given). ``GangFlags`` is a pydantic-settings model
-(every flag also reads ``SHARDSERVE_<NAME>``): ``ServeSettings`` inherits it, training builds it from
-its flags. ``gang_problems`` is the one validation, ``network()`` the ``GangNetwork`` it describes.
+(every field also reads ``SHARDSERVE_<NAME>``; the console script makes its flags): ``ServeSettings``
+inherits it, ``TrainSettings`` holds one. ``gang_problems`` is the one validation, ``network()`` the
+``GangNetwork`` it describes.
 
-    parser = argparse.ArgumentParser(); add_gang_arguments(parser)
-    flags = gang_flags_from_args(parser.parse_args(["--external-ranks", "1", ...]))
-    problems = flags.gang_problems(world_size=2)          # [] when usable
+    flags = GangFlags(external_ranks="1", gang_host="10.0.0.1", gang_port=29500, gang_key_file="k")
+    problems = flags.gang_problems(world_size=2, layout="pp=2 x tp=1")   # [] when usable
     Gang(spec, network=flags.network())
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from partitioner.command import split_list
 from partitioner.runtime.remote import GangNetwork
-from shardserve.flags import add_settings_arguments, error_line, given_flags, split_list
 
 HEX = frozenset("0123456789abcdefABCDEF")
 
@@ -122,19 +121,3 @@ class GangFlags(BaseSettings):
 
 
 GANG_FIELDS: tuple[str, ...] = tuple(GangFlags.model_fields)
-
-
-def add_gang_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--external-ranks``, ``--gang-host``, ``--gang-port``, ``--gang-key``, ``--gang-key-file``
-    (default None: not given, so the environment and then the field's default apply)."""
-    add_settings_arguments(parser, GangFlags)
-
-
-def gang_flags_from_args(args: argparse.Namespace) -> GangFlags:
-    """``GangFlags`` from the flags that were given (the rest: environment, then defaults);
-    ``ValueError`` with one line naming the flags (or variables) when they are not valid."""
-    given = given_flags(args, GangFlags)
-    try:
-        return GangFlags(**given)
-    except ValidationError as err:
-        raise ValueError(error_line(err, model=GangFlags, given=given)) from None

@@ -1,55 +1,18 @@
-"""The messages between a gang's driver and its ranks: one frozen dataclass per message kind.
+"""The runtime's own messages between a gang's driver and its ranks: lifecycle and liveness.
 
-Everything that crosses the driver/rank boundary is defined here, so a new transport (queues on
-one host today, a network transport for gangs that span hosts) carries exactly these types.
-Stage-to-stage traffic (activations, gradients) is ``partitioner/p2p.py``'s ``Message`` and
-never passes through the driver. All fields are picklable (numpy arrays, not tensors).
+A program (serving's forward stream, training) defines its own message types beside its rank
+function and registers them with ``partitioner/runtime/wire.py``; the runtime carries them without
+knowing them. Stage-to-stage traffic (activations, gradients) is ``partitioner/p2p.py``'s
+``Message`` and never passes through the driver. Arrays are numpy (the wire writes their bytes).
 
-    driver -> stage-0 ranks (input queue):   Batch | Stop
-    last stage (tp rank 0) -> driver (output queue):   Result
-    every rank -> driver (control queue):   RankReady | RankStopped | RankFailed   (lifecycle)
-    training ranks -> driver (control queue):   StepReport | EvalLogits | CheckpointSaved
+    every rank -> driver:   RankReady | RankStopped | RankFailed   (lifecycle, consumed by ``Gang``)
     both ways, every ``heartbeat_s``:   Heartbeat   (liveness; a rank's carries its progress)
-
-``Gang`` consumes the lifecycle messages itself; every other control message is handed, as the
-object, to ``Gang.join(on_message=...)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
-
-# ------------------------------------------------------------------ driver -> stage 0
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One micro-batch for the pipeline; ``mb_id`` comes back on its ``Result``."""
-
-    mb_id: int
-    input_ids: np.ndarray  # (B, S) int64
-    attention_mask: np.ndarray  # (B, S)
-    token_type_ids: np.ndarray | None = None  # (B, S)
-
-
-@dataclass(frozen=True)
-class Stop:
-    """The stream is over: stage 0 passes it down the pipeline behind the last micro-batch."""
-
-
-# ------------------------------------------------------------------ last stage -> driver
-
-
-@dataclass(frozen=True)
-class Result:
-    """Span logits of micro-batch ``mb_id``."""
-
-    mb_id: int
-    logits: np.ndarray  # (B, S, 2) float32
-
 
 # ------------------------------------------------------------------ ranks -> driver: lifecycle
 
@@ -77,40 +40,6 @@ class RankFailed:
     traceback: str
 
 
-# ------------------------------------------------------------------ training ranks -> driver
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """One optimizer step done (sent by the last stage's tp rank 0 of replica 0)."""
-
-    rank: int
-    step: int  # steps done so far
-    loss: float  # of the global batch, unscaled
-    lr: float
-    grad_norm: float  # before clipping
-    examples: int  # in the global batch
-    allreduce: dict[str, int] | None = None  # dp > 1: the gradient reducer's statistics
-
-
-@dataclass(frozen=True)
-class EvalLogits:
-    """Span logits of every evaluation window after ``step`` steps."""
-
-    rank: int
-    step: int
-    logits: np.ndarray  # (N, S, 2) float32
-
-
-@dataclass(frozen=True)
-class CheckpointSaved:
-    """Every rank's part of the checkpoint of ``step`` is written (sent by rank 0)."""
-
-    rank: int
-    step: int
-    final: bool
-
-
 # ------------------------------------------------------------------ both ways: liveness
 
 
@@ -128,4 +57,8 @@ class Heartbeat:
 
 DRIVER = -1  # Heartbeat.rank of the driver's heartbeats
 
-ControlMessage = RankReady | RankStopped | RankFailed | StepReport | EvalLogits | CheckpointSaved
+LIFECYCLE = (
+    RankReady,
+    RankStopped,
+    RankFailed,
+)  # consumed by the Gang itself; every other message is the program's

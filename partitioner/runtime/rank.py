@@ -1,30 +1,22 @@
-"""One rank of a gang: join the process group, build and load this rank's stage, run its program.
+"""One rank of a gang: join the process group, then run the gang's program.
 
-Started by ``partitioner/runtime/gang.py`` (one spawned process per rank), with torchrun-style
-environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
-It talks to the driver through ``ctx.link`` (``partitioner/runtime/channel.py``: ZeroMQ over TCP, named
-by ``SHARDSERVE_DRIVER`` and keyed by ``SHARDSERVE_GANG_KEY``, so a rank may run on another host).
-Each rank then runs ``spec.program(ctx, ready=...)``, a module-level function (spawn pickles it
-by its qualified name), under one of two modes the driver handles differently:
-
-- ``GangMode.STREAM`` (serving, the default): ``serve_rank`` builds the stage and streams
-  micro-batches (``partitioner/schedules.py``'s ``run_stream``) from the driver's ``Batch``
-  messages until a ``Stop`` flows through the pipeline; the last stage answers with ``Result``.
-  The driver talks through ``Gang.submit()`` and a monitor thread.
-- ``GangMode.RUN`` (training): the program runs to completion (``training/trainer.py``'s
-  ``train_rank``, passed in by training); the driver waits in ``Gang.join()``.
+Started by ``partitioner/runtime/gang.py`` (one spawned process per rank) or by ``shardserve
+worker`` on another host (``remote.py``), with torchrun-style environment variables
+(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``). It talks to the
+driver through ``ctx.link`` (``channel.py``: ZeroMQ over TCP, named by ``SHARDSERVE_DRIVER`` and
+keyed by ``SHARDSERVE_GANG_KEY``). The program is ``spec.program(ctx, ready=...)``, a module-level
+function that spawn pickles by its qualified name: the forward stream
+(``partitioner/stream/program.py``) or training's ``train_rank``; the runtime knows neither.
 
 Every rank reports ``RankReady`` / ``RankStopped``, or ``RankFailed`` with its traceback before
-the process exits (``partitioner/runtime/messages.py``), and beats every ``HEARTBEAT_S`` with its
-progress; a rank whose driver disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when spawned
-locally, its parent process gone) exits on its own, after the hooks given to ``before_hard_exit``
-(a remote training rank removes its scratch directory there).
+the process exits, and beats every ``HEARTBEAT_S`` with its progress; a rank whose driver
+disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when spawned locally, its parent process
+gone) exits on its own, after the hooks given to ``before_hard_exit``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import signal
@@ -41,14 +33,11 @@ import torch
 import torch.distributed as dist
 
 from models.registry import ModelSource
-from partitioner.compiled import compile_stage, warm_up
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
-from partitioner.precision import DTYPES
 from partitioner.runtime.channel import ENV_ENDPOINTS, RankChannel
-from partitioner.runtime.messages import Batch, RankFailed, RankReady, RankStopped, Result, Stop
-from partitioner.schedules import InputsFn, LogitsFn, LossFn, MicroBatch, StageExecutor, run_stream
-from partitioner.stages import build_stage
+from partitioner.runtime.messages import RankFailed, RankReady, RankStopped
+from partitioner.schedules import InputsFn, LogitsFn, LossFn, StageExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +50,6 @@ class FaultSpec:
     rank: int
     mode: str
     at_batch: int = 0
-
-
-class GangMode(enum.Enum):
-    """How the driver talks to a gang's program."""
-
-    STREAM = "stream"  # serves until stopped: Batch in, Result out, through Gang.submit()
-    RUN = "run"  # runs to completion (training): the driver waits in Gang.join()
 
 
 class Program(Protocol):
@@ -161,81 +143,22 @@ class RankContext:
         self.link.busy_since = 0.0
 
 
-def serve_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None:
-    """The serving program (``GangMode.STREAM``): build the stage, then stream micro-batches.
-
-    Stage 0 takes ``Batch`` messages from the driver (``Stop`` ends the stream); the last stage's
-    tp rank 0 sends a ``Result`` with (B, S, 2) float32 logits back."""
-    t0 = time.perf_counter()
-    dtype = DTYPES[ctx.spec.dtype]
-    stage = build_stage(
-        ctx.spec.source,
-        ctx.plan,
-        rank=ctx.rank,
-        tp_group=ctx.tp_group,
-        dtype=dtype,
-        head_seed=ctx.spec.head_seed,
-    )
-    info: dict[str, Any] = {"load_s": time.perf_counter() - t0}
-    if ctx.spec.compile:
-        compile_stage(stage)
-        info["compile_s"] = warm_up(stage, lengths=ctx.spec.warmup_lengths, dtype=dtype, device=ctx.device)
-    ready(
-        {
-            **info,
-            "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),
-            "layer_param_bytes": sum(p.numel() * p.element_size() for p in stage.layers.parameters()),
-            "checkpoint_bytes_read": stage.load_report.bytes_read,
-            "layers": [int(k) for k in stage.layers],
-        }
-    )
-
-    def from_driver(_mb: int | None) -> MicroBatch | None:
-        item: Batch | Stop = ctx.link.get()
-        if isinstance(item, Stop):
-            return None
-        types = item.token_type_ids
-        return MicroBatch(
-            item.mb_id,
-            torch.from_numpy(item.input_ids).to(ctx.device),  # (B, S) int64
-            torch.from_numpy(item.attention_mask).to(ctx.device),  # (B, S)
-            torch.from_numpy(types).to(ctx.device) if types is not None else None,
-        )
-
-    def to_driver(mb: int, logits: torch.Tensor) -> None:
-        if ctx.tp_rank == 0:
-            ctx.link.send(Result(mb, logits.cpu().numpy()))  # (B, S, 2) float32
-
-    comm = P2PCommunicator(device=ctx.device, backend=ctx.backend)
-    ex = ctx.stage_executor(stage, comm, get_inputs=from_driver, on_logits=to_driver, forward_only=True)
-    with torch.inference_mode():
-        run_stream(ex, around_step=ctx.micro_batch)
-
-
 @dataclass(frozen=True)
 class GangSpec:
     """What every rank of a gang needs (picklable)."""
 
     source: ModelSource
     plan: PartitionPlan
+    program: Program  # what every rank runs after joining the group (module-level: ranks import it by name)
     threads_per_rank: int = 1
     dtype: str = "float32"
     backend: str = "auto"  # "gloo", "nccl" or "auto"
     collective_timeout_s: float = 120.0
     head_seed: int = 0
-    # serving: compile the stage and run these lengths at batch 1 and 2 before ready (partitioner/compiled.py)
-    compile: bool = False
-    warmup_lengths: tuple[int, ...] = (128,)
     fault: FaultSpec | None = None
-    # What every rank runs after joining the group, and how the driver talks to it: serving by
-    # default; training passes its own program (training/trainer.py) with GangMode.RUN and ``extra``.
-    program: Program = serve_rank
-    mode: GangMode = GangMode.STREAM
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # the program's own settings
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, GangMode):
-            raise TypeError(f"GangSpec.mode must be a GangMode, got {self.mode!r}")
         name = getattr(self.program, "__qualname__", "<not a function>")
         if not callable(self.program) or "<" in name:
             raise TypeError(

@@ -13,15 +13,14 @@ A worker started elsewhere (``shardserve worker``: torchrun's ``MASTER_ADDR`` / 
 model locally (a registry name, or a path that exists on its host), builds the same plan, checks
 its stages match, and runs the rank program like a local rank: only its shard is loaded.
 
-The spec names its program (``RemoteProgram``): ``serve`` (``SERVE``: ``serve_rank``,
-``GangMode.STREAM``) or ``train`` (``training/remote_program.py``: ``train_rank``, ``GangMode.RUN``,
-whose ``GangSpec.extra`` crosses as JSON). The driver says which one its remote ranks run
-(``GangNetwork.program``); a worker runs only the programs it was given (``join_gang(programs=)``,
-an allow-list that the ``shardserve`` console script composes): a name in a spec never imports
-anything, and no pickle crosses hosts.
+The spec names its program (``RemoteProgram``, registered by the program's own module: ``serve``
+is the forward stream's, ``train`` training's; ``GangSpec.extra`` crosses as the program's JSON).
+The driver says which one its remote ranks run (``GangNetwork.program``); a worker runs only the
+programs it was given (``join_gang(programs=)``, an allow-list that the ``shardserve`` console
+script composes): a name in a spec never imports anything, and no pickle crosses hosts.
 
     key = new_key()
-    net = GangNetwork(host="10.0.0.1", store_port=29500, external_ranks=(1,), key=key)
+    net = GangNetwork(host="10.0.0.1", store_port=29500, external_ranks=(1,), key=key, program=STREAM_PROGRAM)
     gang = Gang(spec, network=net).start()           # on the server's host: waits for rank 1
     # on the other host:  MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 RANK=1 SHARDSERVE_GANG_KEY=<hex> \\
     #                     GLOO_SOCKET_IFNAME=eth0 shardserve worker
@@ -48,7 +47,7 @@ import torch.distributed as dist
 from models.registry import MODEL_NAMES, ModelSource, resolve_model
 from partitioner.plan import ParallelDims, default_devices, make_plan
 from partitioner.runtime.channel import ENV_ENDPOINTS, ENV_KEY
-from partitioner.runtime.rank import GangMode, GangSpec, Program, serve_rank
+from partitioner.runtime.rank import GangSpec, Program
 
 logger = logging.getLogger(__name__)
 
@@ -58,21 +57,14 @@ RETRY_JOIN_S = 1.0  # pause before connecting again to a store that closed the c
 
 @dataclass(frozen=True)
 class RemoteProgram:
-    """A gang program that ranks on other hosts may run: its name in the spec, its mode, and its
+    """A gang program that ranks on other hosts may run: its name in the spec and its
     ``GangSpec.extra`` as JSON both ways (``from_json`` also gets the model source the worker
     resolved, and returns it adjusted if the program changes it, e.g. training's dropout)."""
 
     name: str
     program: Program
-    mode: GangMode
     to_json: Callable[[dict[str, Any]], dict[str, Any]]
     from_json: Callable[[dict[str, Any], ModelSource], tuple[dict[str, Any], ModelSource]]
-
-
-SERVE = RemoteProgram(
-    "serve", serve_rank, GangMode.STREAM, to_json=lambda extra: {}, from_json=lambda body, src: ({}, src)
-)
-SERVE_ONLY: Mapping[str, RemoteProgram] = {"serve": SERVE}  # a worker's allow-list unless given one
 
 
 class JoinError(RuntimeError):
@@ -88,13 +80,14 @@ class GangNetwork:
     default). ``store_port``: 0 picks a free one (local gangs); remote workers need a fixed one.
     ``external_ranks``: ranks started elsewhere (``shardserve worker``); the driver waits for them.
     ``key``: the gang key the workers were given (None: a fresh one, local gangs only).
-    ``program``: what the external ranks run (the gang spec's program and mode must be its)."""
+    ``program``: what the external ranks run (the gang spec's program must be its; the gang's user
+    names it, e.g. ``dataclasses.replace(network, program=STREAM_PROGRAM)``)."""
 
     host: str = "127.0.0.1"
     store_port: int = 0
     external_ranks: tuple[int, ...] = ()
     key: bytes | None = None
-    program: RemoteProgram = SERVE
+    program: RemoteProgram | None = None
 
     def __post_init__(self) -> None:
         if self.external_ranks and (self.key is None or self.store_port == 0):
@@ -131,14 +124,14 @@ def _sign(payload: bytes, key: bytes) -> str:
 
 
 def publish_spec(
-    store: dist.Store, spec: GangSpec, *, endpoints: str, key: bytes, program: RemoteProgram = SERVE
+    store: dist.Store, spec: GangSpec, *, endpoints: str, key: bytes, program: RemoteProgram
 ) -> None:
     """Write what remote workers need to join into ``store``, signed: the model, the layout, the
     ``program`` (the spec's own, by name) with its settings, and the driver's channel ``endpoints``."""
-    if program.program is not spec.program or program.mode is not spec.mode:
+    if program.program is not spec.program:
         raise ValueError(
-            f"the gang runs {getattr(spec.program, '__qualname__', spec.program)} ({spec.mode}), not the "
-            f"remote program {program.name!r} ({program.program.__qualname__}, {program.mode}): give GangNetwork(program=...)"
+            f"the gang runs {getattr(spec.program, '__qualname__', spec.program)}, not the "
+            f"remote program {program.name!r} ({program.program.__qualname__}): give GangNetwork(program=...)"
         )
     plan = spec.plan
     source = spec.source
@@ -158,8 +151,6 @@ def publish_spec(
         "backend": spec.backend,
         "collective_timeout_s": spec.collective_timeout_s,
         "head_seed": spec.head_seed,
-        "compile": spec.compile,
-        "warmup_lengths": list(spec.warmup_lengths),
         "endpoints": endpoints,
     }
     payload = json.dumps(body, sort_keys=True).encode()
@@ -177,7 +168,7 @@ def read_spec(
     rank: int,
     device: str = "cpu",
     world_size: int | None = None,
-    programs: Mapping[str, RemoteProgram] = SERVE_ONLY,
+    programs: Mapping[str, RemoteProgram],
 ) -> tuple[GangSpec, str]:
     """The gang spec published in ``store`` (verified with ``key``) as this host sees it, and the
     driver's channel endpoints. ``JoinError`` when it is not ours, names a program not in
@@ -189,7 +180,7 @@ def read_spec(
         raise JoinError(
             "the gang spec in the rendezvous store is not signed with our key: wrong key, or not our gang"
         )
-    name = body.get("program", "serve")
+    name = body.get("program")
     if name not in programs:
         raise JoinError(f"the gang spec names program {name!r}; this worker runs only {sorted(programs)}")
     prog = programs[name]
@@ -214,15 +205,12 @@ def read_spec(
     spec = GangSpec(
         source,
         plan,
+        program=prog.program,
         threads_per_rank=body["threads_per_rank"],
         dtype=body["dtype"],
         backend=body["backend"],
         collective_timeout_s=body["collective_timeout_s"],
         head_seed=body["head_seed"],
-        compile=body["compile"],
-        warmup_lengths=tuple(body["warmup_lengths"]),
-        program=prog.program,
-        mode=prog.mode,
         extra=extra,
     )
     return spec, body["endpoints"]
@@ -236,7 +224,7 @@ def join_gang(
     key: bytes,
     timeout_s: float = 300.0,
     world_size: int | None = None,
-    programs: Mapping[str, RemoteProgram] = SERVE_ONLY,
+    programs: Mapping[str, RemoteProgram],
 ) -> None:
     """Join the gang whose store is at ``master_addr:master_port`` as ``rank`` and run it (this
     process becomes the rank and exits with its code). ``world_size``: torchrun's ``WORLD_SIZE``

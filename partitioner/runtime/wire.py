@@ -1,4 +1,4 @@
-"""Driver <-> rank messages on the wire: ``partitioner/runtime/messages.py`` dataclasses as signed frames.
+"""Driver <-> rank messages on the wire: registered dataclasses as signed frames.
 
 A message becomes ZeroMQ multipart frames, no pickle (a peer that reaches the port must not be
 able to run code in the server):
@@ -8,7 +8,9 @@ able to run code in the server):
     last frame     HMAC-SHA256 over every frame before it (length-prefixed) with the gang's key
 
 ``decode`` checks the signature (constant-time) before it parses anything and only builds the
-message types listed in ``MESSAGE_TYPES``; anything else is a ``WireError``.
+message types registered in ``MESSAGE_TYPES``: the runtime's own (``messages.py``) and those each
+program registers with ``register_messages`` when its module is imported (on the driver and on
+every rank alike); anything else is a ``WireError``.
 
     frames = encode(Batch(3, ids, mask), key)      # list[bytes]
     msg = decode(frames, key)                      # Batch(mb_id=3, ...), arrays writable copies
@@ -25,35 +27,26 @@ from typing import Any
 
 import numpy as np
 
-from partitioner.runtime.messages import (
-    Batch,
-    CheckpointSaved,
-    EvalLogits,
-    Heartbeat,
-    RankFailed,
-    RankReady,
-    RankStopped,
-    Result,
-    StepReport,
-    Stop,
-)
+from partitioner.runtime.messages import Heartbeat, RankFailed, RankReady, RankStopped
 
-MESSAGE_TYPES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        Batch,
-        Stop,
-        Result,
-        RankReady,
-        RankStopped,
-        RankFailed,
-        StepReport,
-        EvalLogits,
-        CheckpointSaved,
-        Heartbeat,
-    )
-}
+MESSAGE_TYPES: dict[str, type] = {}
 KEY_BYTES = 32
+
+
+def register_messages(*types: type) -> None:
+    """Let these dataclasses cross the wire (a program's own messages). A name already taken by
+    another type is an error: decoding must know which class a name means."""
+    for cls in types:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls!r} is not a dataclass")
+        known = MESSAGE_TYPES.setdefault(cls.__name__, cls)
+        if known is not cls:
+            raise ValueError(
+                f"message type name {cls.__name__!r} is taken by {known.__module__}.{known.__qualname__}"
+            )
+
+
+register_messages(RankReady, RankStopped, RankFailed, Heartbeat)
 
 
 class WireError(ValueError):

@@ -1,10 +1,10 @@
-"""The engine: the async front of QA serving (vLLM's AsyncLLM), composed of three parts.
+"""The engine: the async front of QA serving (vLLM's AsyncLLM), and the front end's one way to the fleet.
 
 Each concept has one home; the engine only wires them and runs the loop:
 
 - ``serving.engine.input_processor``  tokenizing and windowing (off the event loop);
 - ``serving.engine.scheduler``        admission, batching, replica choice, and THE in-flight ledger
-                               (``ongoing`` requests, batches in flight per replica);
+                                      (``ongoing`` requests, batches in flight per replica);
 - ``serving.engine.dispatcher``       sending micro-batches to gangs, results back, fail-over;
 - ``serving.engine.output_processor`` the job table: logits per window, span decoding, answers.
 
@@ -13,16 +13,21 @@ lifecycle (deadline 504, client disconnect, drain on stop) and one asyncio task 
 event loop that owns the scheduler (no locks): it expires overdue requests (504), asks
 ``next_batch`` for micro-batches and hands them to the dispatcher, and sleeps until
 ``next_wakeup`` or an event (a submit, a finished batch, a replica change). It is the manager's
-``ReplicaListener``: whoever builds both wires them explicitly (``manager.attach(engine)``).
+``ReplicaListener``: whoever builds both wires them explicitly (``manager.attach(engine)``;
+``serving/engine/builder.py`` does, for the server).
 
-    scheduler = Scheduler(settings.scheduler_config())
-    manager = ReplicaManager(..., ledger=scheduler)
-    engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics)
-    manager.attach(engine)
+The front end never touches the fleet: the engine's facade (the last section of ``Engine``)
+delegates to the replica manager and the supervisor: the model and its public description,
+replicas and health, scaling (pin, bounds), reload, shutdown.
+
+    engine = build_engine(model=model, fleet=fleet, scheduler=..., autoscaling=..., metrics=metrics)
     await engine.start()
     job = await engine.submit_async([QAPair("Who?", "Ann met Bob.")])  # raises EngineError (429...)
     results = await engine.wait(job, disconnected=watch_disconnect)    # list[PairResult]
-    await engine.stop(timeout_s=30)
+    engine.pin(2); await engine.reload("tiny-roberta")                  # EngineError: 409 / 422
+    await engine.shutdown(timeout_s=30)                                 # drain, stop the gangs
+
+Tests: ``pytest tests/serving/engine/test_engine.py``.
 """
 
 from __future__ import annotations
@@ -33,16 +38,26 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
-from models.qa_processing import EncodedBatch, WindowConfig
+from models.config import ModelConfigError
+from models.hf_weights import CheckpointError
+from models.qa_windows import EncodedBatch, WindowConfig
+from serving.config import AutoscalingConfig, FleetConfig
+from serving.engine.batcher import ReplicaView
 from serving.engine.dispatcher import Dispatcher
 from serving.engine.input_processor import InputProcessor
 from serving.engine.output_processor import Job, OutputProcessor
 from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
-from serving.engine.scheduler import ReplicaView, Scheduler
-from serving.fleet.replicas import Replica, ReplicaManager, ReplicaState
+from serving.engine.scheduler import Scheduler
+from serving.fleet import model_loader
+from serving.fleet.gangs import ModelGeneration, busy_seconds, rank_processes
+from serving.fleet.replicas import ReloadError, ReloadInProgress, Replica, ReplicaManager, ReplicaState
+from serving.fleet.supervisor import Supervisor
 from serving.metrics import ServingMetrics
+from serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +74,9 @@ class Engine:
         scheduler: Scheduler,
         manager: ReplicaManager,
         metrics: ServingMetrics,
+        supervisor: Supervisor | None = None,
+        fleet: FleetConfig | None = None,
+        public_name: Callable[[str], str] | None = None,
         window: WindowConfig | None = None,
         null_threshold: float | None = None,
         max_request_timeout_s: float = 300.0,
@@ -67,6 +85,9 @@ class Engine:
     ) -> None:
         self.scheduler = scheduler
         self.manager = manager
+        self.supervisor = supervisor  # health + autoscaling loop (None: the replica count is set by hand)
+        self.fleet = fleet or FleetConfig()  # how models load on reload, the ranks' dtype (model info)
+        self.public_name = public_name or (lambda loaded: loaded)  # the model's name for clients
         self.metrics = metrics
         self.max_request_timeout_s = max_request_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -93,9 +114,13 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Start the loop, and the supervisor (which sets the first replica target)."""
         if self.manager.listener is not self:
             raise RuntimeError("wire the engine to its replica manager first: manager.attach(engine)")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="shardserve-engine")
+        self._publish_model_info()
+        if self.supervisor is not None:
+            await self.supervisor.start()
 
     def begin_drain(self, *, within_s: float | None = None) -> None:
         """Refuse new requests (503) from now on; admitted ones (those being tokenized too) still
@@ -363,3 +388,171 @@ class Engine:
         self.metrics.queue_windows.set(st.queued_windows)
         self.metrics.padding_ratio.set(st.padding_ratio)
         self.metrics.inflight_requests.set(self.scheduler.ongoing)
+
+    # ------------------------------------------------------------------ the front end's facade
+    async def shutdown(self, *, timeout_s: float) -> None:
+        """``stop`` (drain within ``timeout_s``), stop the supervisor, then stop the gangs with what
+        is left of the drain's time; none, their ranks killed, when stopping now (a second signal) or
+        when no gang was ever ready (nothing needs it any more, and its start could take minutes)."""
+        await self.stop(timeout_s=timeout_s)
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        stop_now = self.aborting or not self.manager.ever_ready
+        await self.manager.close(timeout_s=0.0 if stop_now else self.drain_left_s() or 0.0)
+
+    @property
+    def model(self) -> ModelGeneration:
+        """The model generation being served (the newest after a reload)."""
+        return self.manager.model
+
+    def model_name(self) -> str:
+        """The served model's public name."""
+        return self.public_name(self.manager.model.source.name)
+
+    def public_checkpoint(self) -> dict[str, Any]:
+        """The model's ``ModelSource.describe()`` for unauthenticated clients: file names, never
+        absolute paths."""
+        described = self.manager.model.source.describe()
+        out = dict(described)
+        out["checkpoint"] = PurePath(str(described.get("checkpoint", ""))).name
+        out["overlays"] = [PurePath(str(p)).name for p in described.get("overlays", [])]
+        return out
+
+    @property
+    def pool_slots(self) -> int:
+        """Rank slots of the device pool."""
+        return self.manager.pool.capacity
+
+    def health(self) -> dict[str, Any]:
+        """Readiness detail: ``ready_replicas``, ``starting_replicas``; ``fatal`` when the first gang
+        could not start; start failures (safe for unauthenticated clients: counts, one path-free line)."""
+        return self.manager.health()
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Each replica gang's description."""
+        return self.manager.describe()
+
+    def replica_details(self) -> list[ReplicaDetail]:
+        """Each replica gang as the status page shows it (state, ranks' devices and processes)."""
+        m = self.manager
+        return [
+            ReplicaDetail.of(r, m.pool.devices(r.slots) if r.slots else ()) for r in list(m.replicas.values())
+        ]
+
+    def scaling(self) -> dict[str, Any]:
+        """Target, ready / starting counts, autoscaling bounds and decisions, replicas."""
+        return self._supervisor().describe()
+
+    @property
+    def scaling_config(self) -> AutoscalingConfig:
+        """The autoscaling knobs in effect (bounds as last set)."""
+        return self._supervisor().config
+
+    def scaling_history(self) -> list[dict[str, Any]]:
+        """The last applied target changes, oldest first: time, source, before, after, reason."""
+        return list(self._supervisor().history)
+
+    def pin(self, n: int) -> int:
+        """Run exactly ``n`` gangs (autoscaling pauses); ValueError over the device pool's cap."""
+        return self._supervisor().pin(n)
+
+    def set_bounds(self, *, min_replicas: int | None = None, max_replicas: int | None = None) -> None:
+        """Resume autoscaling within new bounds (an unset one: the current minimum, or at least the
+        current maximum); ValueError for bounds out of order or over the device pool's cap."""
+        sup = self._supervisor()
+        lo = min_replicas if min_replicas is not None else sup.config.min_replicas
+        hi = max_replicas if max_replicas is not None else max(lo, sup.config.max_replicas)
+        sup.set_bounds(lo, hi)
+
+    async def reload(self, name: str) -> ModelGeneration:
+        """Load ``name`` into fresh gangs, switch traffic to them, drain the old ones. EngineError: 422
+        ``invalid_model`` (not loadable, or not fitting the config) / ``reload_failed``, 409
+        ``tokenizer_mismatch`` / ``reload_in_progress``. Replies name no server paths."""
+        current = self.manager.model
+        try:
+            model = await asyncio.to_thread(
+                model_loader.load_generation, self.fleet, name, generation=current.generation + 1
+            )
+        except (ModelConfigError, CheckpointError, OSError) as err:
+            # one answer whatever the reason (missing, a directory without a model, unreadable weights):
+            # the reply must not map the server's file system; the log has the reason
+            # the warning reaches the open status page: the model's base name only; the reason at INFO
+            logger.warning("reload to model %r refused (the reason is logged at INFO)", PurePath(name).name)
+            logger.info("reload to %r refused: %s", name, err)
+            raise EngineError(
+                422,
+                "invalid_model",
+                f"{name!r} is not a loadable model (a registry name, or a model directory with "
+                "config.json and weights the server can read); the server log has the reason",
+            ) from err
+        except ValueError as err:  # the model loads but does not fit the config (numbers, no paths)
+            raise EngineError(422, "invalid_model", f"{name!r}: {one_line(err)}") from err
+        if model.tokenizer.get_vocab() != current.tokenizer.get_vocab():
+            raise EngineError(
+                409,
+                "tokenizer_mismatch",
+                f"{name!r} has another tokenizer than {current.source.name!r}; restart instead",
+            )
+        try:
+            await self.manager.reload(model)
+        except ReloadInProgress as err:
+            raise EngineError(409, "reload_in_progress", str(err)) from err
+        except ReloadError as err:
+            logger.error("reload to %r failed: %s", name, err)
+            raise EngineError(422, "reload_failed", one_line(err)) from err
+        self._publish_model_info()
+        return model
+
+    def _supervisor(self) -> Supervisor:
+        if self.supervisor is None:
+            raise RuntimeError("this engine was built without a supervisor (see serving/engine/builder.py)")
+        return self.supervisor
+
+    def _publish_model_info(self) -> None:
+        """``shardserve_model_info``: the public name (kept across reloads), the compute dtype, the
+        partition of the model being served."""
+        dims = self.manager.model.dims
+        self.metrics.set_model_info(
+            model=self.model_name(), precision=self.fleet.dtype, pp=dims.pp, tp=dims.tp
+        )
+
+
+@dataclass(frozen=True)
+class ReplicaDetail:
+    """One replica gang for the status page: where its ranks run, as the ranks report it."""
+
+    replica_id: str
+    state: str
+    generation: int
+    world_size: int
+    pp: int
+    coords: list[tuple[int, int]]  # (stage, tp_rank) of each rank
+    restarts: int
+    replaces: str | None
+    inflight_batches: int
+    created_at: float  # time.monotonic() of its start
+    error: str | None  # whole (callers cut it to one line)
+    devices: tuple[str, ...]  # the pool's device of each rank
+    processes: list[tuple[str, int] | None]  # (host, pid) of each rank heard from
+    reports_busy: bool  # the gang reports its ranks' busy time
+
+    @classmethod
+    def of(cls, r: Replica, devices: tuple[str, ...]) -> ReplicaDetail:
+        dims = r.model.dims
+        live = r.backend is not None and r.state is not ReplicaState.STOPPED
+        return cls(
+            replica_id=r.replica_id,
+            state=r.state.value,
+            generation=r.model.generation,
+            world_size=dims.world_size,
+            pp=dims.pp,
+            coords=[dims.coords(rank) for rank in range(dims.world_size)],
+            restarts=r.restarts,
+            replaces=r.replaces,
+            inflight_batches=r.inflight_batches,
+            created_at=r.created_at,
+            error=r.error,
+            devices=devices,
+            processes=(rank_processes(r.backend) if live and r.backend is not None else None) or [],
+            reports_busy=r.backend is not None and busy_seconds(r.backend) is not None,
+        )

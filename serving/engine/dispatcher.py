@@ -4,9 +4,11 @@ Owns the path of a micro-batch after the scheduler formed it: pad its windows, s
 chosen gang, hand the gang's future back to the event loop (gang futures complete on the gang's
 monitor thread: ``call_soon_threadsafe``), and report the result to the scheduler (the in-flight
 ledger) and the output processor. Also owns fail-over: when a batch's future fails, its gang
-failed as a whole: the replica is marked failed at once (``ReplicaManager.mark_failed``), the
-scheduler re-queues the in-flight windows at the front for one retry on another replica, and when
-no replica is left to retry on, the affected requests get 503 instead of waiting.
+failed as a whole: the dispatcher hands the replica's in-flight windows straight back to the
+scheduler (re-queued at the front for one retry on another replica; 503 when no replica is left)
+and reports the failure to the fleet, which alone decides the replica's fate
+(``ReplicaManager.mark_failed``). A failure the fleet finds itself (a lost rank while idle, a
+stall) comes back through the engine as ``fail_over``.
 
 It keeps no table and no count of its own: a batch's items and replica travel with its future's
 callback, and whether the batch is still awaited is the ledger's answer (``is_inflight``).
@@ -25,10 +27,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from models.qa_processing import pad_windows
+from models.qa_windows import pad_windows
+from serving.engine.batcher import Dispatch
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.qa_types import EngineError
-from serving.engine.scheduler import Dispatch, Outcome, Scheduler
+from serving.engine.scheduler import Outcome, Scheduler
 from serving.fleet.replicas import Replica, ReplicaManager
 from serving.metrics import ServingMetrics
 
@@ -71,7 +74,8 @@ class Dispatcher:
         try:
             fut = replica.backend.submit(batch.input_ids, batch.attention_mask, types)
         except Exception as err:  # the gang died between routable() and submit()
-            self.manager.mark_failed(replica, f"submit failed: {err}")
+            self.fail_over(replica)
+            self.manager.mark_failed(replica, f"submit failed: {err}", work_returned=True)
             return
         fut.add_done_callback(lambda f: self._from_gang_thread(loop, d, replica, f))
 
@@ -92,11 +96,9 @@ class Dispatcher:
             return
         err = fut.exception()
         if err is not None:
-            # a gang fails as a whole: fail over every batch of the replica, this one included
-            self.manager.mark_failed(replica, f"{type(err).__name__}: {err}")
-            if sched.is_inflight(d.batch_id):  # the replica had already left READY / DRAINING
-                self._apply_failure(sched.batch_done(d.batch_id, now=self.clock(), ok=False))
-            self.wake()
+            # a gang fails as a whole: every batch of the replica goes back, this one included
+            self.fail_over(replica)
+            self.manager.mark_failed(replica, f"{type(err).__name__}: {err}", work_returned=True)
             return
         replica.last_progress = time.monotonic()
         self.outputs.add_logits(d.items, fut.result())  # (B, S, 2)
@@ -108,7 +110,7 @@ class Dispatcher:
         self.wake()
 
     def fail_over(self, replica: Replica) -> None:
-        """The replica failed: retry its in-flight work elsewhere (the manager calls this at once)."""
+        """The replica failed: retry its in-flight work elsewhere."""
         self._apply_failure(self.scheduler.replica_failed(replica.replica_id))
         self.wake()
 

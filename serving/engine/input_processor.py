@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from models.qa_processing import EncodedBatch, WindowConfig, encode_qa
+from models.qa_windows import EncodedBatch, WindowConfig, encode_qa
 from serving.engine.qa_types import QAPair
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.qa_processing import EncodedBatch, QAWindow, decode_spans
+from models.qa_decoding import decode_spans
+from models.qa_windows import EncodedBatch, QAWindow
 from serving.engine.qa_types import EngineError, PairResult, QAPair
 from serving.metrics import ServingMetrics
 

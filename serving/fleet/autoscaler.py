@@ -36,40 +36,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from serving.config import AutoscalingConfig
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AutoscalingConfig:
-    """Ray Serve-style autoscaling knobs; validated once, errors print the numbers."""
-
-    min_replicas: int = 1
-    max_replicas: int = 1
-    target_ongoing_requests: float = 2.0  # queued + in-flight requests per replica
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    look_back_period_s: float = 30.0
-    downscale_margin: float = 0.8  # dead-band: scale down only to counts loaded <= margin * target
-
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("min_replicas", "max_replicas"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name}={value!r} must be an integer >= 1")
-        if not problems and self.min_replicas > self.max_replicas:
-            problems.append(f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}")
-        if self.target_ongoing_requests <= 0:
-            problems.append(f"target_ongoing_requests={self.target_ongoing_requests!r} must be > 0")
-        for name in ("upscale_delay_s", "downscale_delay_s"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
-        if self.look_back_period_s <= 0:
-            problems.append(f"look_back_period_s={self.look_back_period_s!r} must be > 0")
-        if not 0 < self.downscale_margin <= 1:
-            problems.append(f"downscale_margin={self.downscale_margin!r} must be in (0, 1]")
-        if problems:
-            raise ValueError("invalid AutoscalingConfig: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)

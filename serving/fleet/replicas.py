@@ -1,9 +1,10 @@
-"""Replica gangs: the device pool, and a manager that starts, warms, routes, drains and restarts them.
+"""Replicas: a manager that starts, warms, routes, drains, fails and restarts whole gangs.
 
-A replica is ONE gang of ``pp * tp`` worker processes (``partitioner.runtime.gang.Gang``) holding one model
+A replica is ONE gang of ``pp * tp`` worker processes (``serving/fleet/gangs.py``) holding one model
 generation. Its life: STARTING (processes spawn, weights load, then one warm-up micro-batch) ->
 READY (routable) -> DRAINING (no new work; in-flight micro-batches finish) -> STOPPED; or FAILED
-the moment a rank dies, raises or stalls (the engine then retries its in-flight work elsewhere)
+when the manager judges it so (``check_health``, the one owner of replica health: a rank its gang
+reports lost, or a stall; the engine then retries its in-flight work elsewhere)
 and, after a back-off, a fresh gang replaces it (``Replica.replaces``; it carries on the failed
 gang's ``restarts`` + 1, so the status page shows each gang's own restart count).
 
@@ -18,14 +19,12 @@ threads. ``reconcile()`` moves the set of gangs toward ``target`` (set by ``--re
 autoscaler or POST /admin/replicas); ``reload()`` rolls every gang onto another checkpoint. The
 device pool bounds how many gangs fit: CPU slots (one per rank, ``--cpu-slots``) or CUDA devices.
 
-    pool = DevicePool.for_settings(settings)
+    pool = DevicePool.for_device("cpu", cpu_slots=4)
     scheduler = Scheduler(settings.scheduler_config())  # the in-flight ledger
     manager = ReplicaManager(factory=gang_factory(settings), pool=pool, model=generation,
                              ledger=scheduler, ...)
     manager.attach(engine)         # the engine hears of replica changes and failures
     manager.set_target(2)          # starts gangs in the background; manager.routable() lists READY ones
-
-Tests use a fake backend with the Gang's interface (``tests/serving/fakes.py``).
 """
 
 from __future__ import annotations
@@ -35,44 +34,28 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
-from models.qa_processing import WindowConfig, encode_qa, pad_windows
-from models.registry import ModelSource
-from partitioner.plan import ParallelDims, PartitionPlan, make_plan
-from partitioner.runtime.remote import GangNetwork
+from partitioner.runtime.gang import GangError
+from serving.fleet.gangs import Backend, BackendFactory, ModelGeneration, busy_seconds, warm_up
+from serving.fleet.pool import DevicePool
 from serving.metrics import ServingMetrics
 from serving.redact import one_line, scrub_paths
 
 logger = logging.getLogger(__name__)
 
-WARMUP_QUESTION = "What does the warm-up check?"
-WARMUP_CONTEXT = "The warm-up checks that every stage of a new gang answers before traffic is routed to it."
 MAX_RESTART_BACKOFF_S = 30.0
 
 
-class Backend(Protocol):
-    """What the server needs of a gang (``partitioner.runtime.gang.Gang`` satisfies it)."""
-
-    def start(self) -> Any: ...
-    def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future: ...
-    def stop(self, *, timeout_s: float = 30.0) -> None: ...
-    def kill(self) -> None: ...  # any thread: the ranks die now, a start() waiting for them fails
-    def pids(self) -> list[int]: ...
-
-    @property
-    def healthy(self) -> bool: ...
-
-
 class InflightLedger(Protocol):
-    """The one count of in-flight micro-batches (``serving.engine.scheduler.Scheduler`` satisfies it)."""
+    """The one count of in-flight work (the engine's scheduler satisfies it): micro-batches per
+    replica, and requests queued or in flight (the autoscaler's load)."""
 
     def inflight(self, replica_id: str) -> int: ...
+
+    @property
+    def ongoing(self) -> int: ...
 
 
 class ReplicaListener(Protocol):
@@ -80,135 +63,6 @@ class ReplicaListener(Protocol):
 
     def replicas_changed(self) -> None: ...
     def replica_failed(self, replica: Replica) -> None: ...
-
-
-BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
-
-
-def gang_factory(
-    *,
-    threads_per_rank: int,
-    stall_timeout_s: float,
-    start_timeout_s: float,
-    dtype: str = "float32",
-    compile: bool = False,
-    warmup_lengths: tuple[int, ...] = (128,),
-    network: GangNetwork | None = None,
-) -> BackendFactory:
-    """A factory of real gangs (worker processes) with these settings; ``compile``: each rank compiles
-    its stage and runs ``warmup_lengths`` before ready; ``network``: where the gang listens and which
-    ranks run elsewhere (default: all here, on loopback)."""
-    from partitioner.runtime.gang import Gang
-    from partitioner.runtime.rank import GangSpec
-
-    def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
-        spec = GangSpec(
-            source,
-            plan,
-            threads_per_rank=threads_per_rank,
-            dtype=dtype,
-            compile=compile,
-            warmup_lengths=warmup_lengths,
-        )
-        return Gang(
-            spec, name=name, stall_timeout_s=stall_timeout_s, start_timeout_s=start_timeout_s, network=network
-        )
-
-    return make
-
-
-def _probe(backend: Backend, name: str) -> list | None:
-    """``backend.<name>()`` when the backend has it and can tell, else None."""
-    probe = getattr(backend, name, None)
-    if probe is None:
-        return None
-    try:
-        return probe() or None
-    except (TypeError, ValueError, OSError):
-        return None
-
-
-def rank_processes(backend: Backend) -> list[tuple[str, int] | None] | None:
-    """Per rank: (host, pid) as the rank reports them (None: not heard yet); None when the backend
-    cannot tell (``partitioner.runtime.gang.Gang.rank_processes``)."""
-    return _probe(backend, "rank_processes")
-
-
-def busy_seconds(backend: Backend) -> list[float] | None:
-    """Per rank: seconds spent inside micro-batches so far (None when the backend cannot tell)."""
-    return _probe(backend, "busy_seconds")
-
-
-# ------------------------------------------------------------------------------------------------
-# device pool
-# ------------------------------------------------------------------------------------------------
-
-
-class DevicePool:
-    """Slots a gang's ranks occupy: ``cpu`` slots (a count) or CUDA devices, ``ranks_per_gpu`` slots each.
-
-    CUDA slots are dealt round-robin (slot s is ``cuda:{s % gpus}``) and taken lowest first, so a
-    gang's ranks land on different GPUs while there are enough (NCCL), and share them beyond.
-    """
-
-    def __init__(self, labels: list[str]) -> None:
-        if not labels:
-            raise ValueError("a device pool needs at least one slot, got 0")
-        self.labels = list(labels)
-        self._free = set(range(len(labels)))
-
-    @classmethod
-    def for_device(cls, device: str, *, cpu_slots: int, ranks_per_gpu: int = 1) -> DevicePool:
-        if device == "cuda":
-            n = torch.cuda.device_count()
-            if n == 0:
-                raise ValueError("device=cuda but torch.cuda.device_count() is 0")
-            return cls([f"cuda:{s % n}" for s in range(n * ranks_per_gpu)])
-        return cls(["cpu"] * cpu_slots)
-
-    @property
-    def capacity(self) -> int:
-        return len(self.labels)
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def gangs_that_fit(self, world_size: int) -> int:
-        """Gangs of ``world_size`` ranks the whole pool holds (the autoscaler's upper bound)."""
-        return self.capacity // world_size
-
-    def acquire(self, n: int) -> list[int] | None:
-        """Take ``n`` slots (lowest first), or None when fewer are free."""
-        if n > len(self._free):
-            return None
-        got = sorted(self._free)[:n]
-        self._free.difference_update(got)
-        return got
-
-    def release(self, slots: list[int]) -> None:
-        self._free.update(slots)
-
-    def devices(self, slots: list[int]) -> tuple[str, ...]:
-        return tuple(self.labels[s] for s in slots)
-
-
-# ------------------------------------------------------------------------------------------------
-# replicas
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelGeneration:
-    """One loaded model: source, base plan, tokenizer (shared by every gang of the generation)."""
-
-    generation: int
-    source: ModelSource
-    dims: ParallelDims
-    tokenizer: Any
-
-    def plan(self, devices: tuple[str, ...] | None = None) -> PartitionPlan:
-        return make_plan(self.source.config, self.dims, devices=devices)
 
 
 class ReplicaState(str, enum.Enum):  # noqa: UP042 (str() and format() as before)
@@ -540,8 +394,10 @@ class ReplicaManager:
         self.metrics.forget_replica(replica.replica_id)  # ids are never reused: its series would stay
         self._changed()
 
-    def mark_failed(self, replica: Replica, reason: str) -> None:
-        """A rank died / raised / stalled: unroutable at once, engine fails over, gang restarted."""
+    def mark_failed(self, replica: Replica, reason: str, *, work_returned: bool = False) -> None:
+        """Fail the replica (the fleet's decision): unroutable at once, its gang ended, restarted
+        after a back-off. The listener (the engine) is told so that its in-flight work is retried
+        elsewhere, unless ``work_returned``: the caller (the dispatcher) has handed it back already."""
         if replica.state not in (ReplicaState.READY, ReplicaState.DRAINING):
             return
         was_draining = replica.state is ReplicaState.DRAINING
@@ -550,8 +406,10 @@ class ReplicaManager:
         self.last_failure = one_line(reason)
         logger.error("replica %s failed: %s", replica.replica_id, reason)
         self.metrics.replica_failures.inc()
+        if replica.backend is not None and replica.backend.healthy:  # alive but judged failed (a stall)
+            replica.backend.fail(GangError(reason))
         self._changed()
-        if self.listener is not None:
+        if self.listener is not None and not work_returned:
             self.listener.replica_failed(replica)
         self._spawn(self._restart(replica, replace=not was_draining))
 
@@ -571,20 +429,25 @@ class ReplicaManager:
         self.reconcile()
 
     def check_health(self) -> None:
-        """Fail replicas whose gang reports unhealthy (a rank died while idle) or that stalled:
-        work in flight and no micro-batch completed for ``stall_timeout_s`` (a hung rank)."""
+        """The one place a replica is judged failed: its gang reports a lost rank (it died, raised,
+        or stopped beating for ``heartbeat_timeout_s``: ``Backend.healthy``), or it stalled: work in
+        flight and no micro-batch completed for ``stall_timeout_s`` (alive but hung), named by the
+        ranks' own progress (``stuck_ranks``, when the gang can tell)."""
         now = time.monotonic()
         for r in list(self.replicas.values()):
-            if r.state in (ReplicaState.READY, ReplicaState.DRAINING) and r.backend is not None:
-                if not r.backend.healthy:
-                    err = getattr(r.backend, "error", None)
-                    self.mark_failed(r, str(err) if err else "gang unhealthy")
-                elif self.stall_timeout_s is not None and r.stalled_for(now) > self.stall_timeout_s:
-                    self.mark_failed(
-                        r,
-                        f"stalled: no micro-batch completed for {r.stalled_for(now):.1f} s with "
-                        f"{r.inflight_batches} in flight (stall_timeout_s={self.stall_timeout_s:g})",
-                    )
+            if r.state not in (ReplicaState.READY, ReplicaState.DRAINING) or r.backend is None:
+                continue
+            if not r.backend.healthy:
+                err = getattr(r.backend, "error", None)
+                self.mark_failed(r, str(err) if err else "gang unhealthy")
+            elif self.stall_timeout_s is not None and r.stalled_for(now) > self.stall_timeout_s:
+                stuck = getattr(r.backend, "stuck_ranks", None)
+                why = f"; {stuck(after_s=self.stall_timeout_s / 2)[1]}" if stuck is not None else ""
+                self.mark_failed(
+                    r,
+                    f"stalled: no micro-batch completed for {r.stalled_for(now):.1f} s with "
+                    f"{r.inflight_batches} in flight (stall_timeout_s={self.stall_timeout_s:g}){why}",
+                )
 
     def sample_busy(self) -> None:
         """Per-stage busy time from the ranks' own counters, against the time each replica had work
@@ -682,20 +545,3 @@ class ReplicaManager:
         )
         for r in list(self.replicas.values()):  # failed / starting ones
             await self._retire(r, ReplicaState.STOPPED)
-
-
-def warm_up(backend: Backend, model: ModelGeneration, *, timeout_s: float) -> None:
-    """Send one real micro-batch through every stage; raises if the gang cannot answer."""
-    enc = encode_qa(
-        model.tokenizer,
-        [WARMUP_QUESTION],
-        [WARMUP_CONTEXT],
-        window=WindowConfig(max_seq_len=64, doc_stride=8, max_question_len=16),
-    )
-    batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
-    types = batch.token_type_ids if model.source.config.uses_token_types else None
-    out = backend.submit(batch.input_ids, batch.attention_mask, types).result(timeout=timeout_s)
-    if tuple(out.shape[:2]) != tuple(batch.input_ids.shape):
-        raise RuntimeError(
-            f"warm-up logits have shape {tuple(out.shape)} for inputs {tuple(batch.input_ids.shape)}"
-        )

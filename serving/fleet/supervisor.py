@@ -26,9 +26,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from serving.engine.scheduler import Scheduler
-from serving.fleet.autoscaler import Autoscaler, AutoscalingConfig
-from serving.fleet.replicas import ReplicaManager
+from serving.config import AutoscalingConfig
+from serving.fleet.autoscaler import Autoscaler
+from serving.fleet.replicas import InflightLedger, ReplicaManager
 from serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Supervisor:
     def __init__(
         self,
         *,
-        ledger: Scheduler,
+        ledger: InflightLedger,
         manager: ReplicaManager,
         metrics: ServingMetrics,
         config: AutoscalingConfig,
@@ -82,8 +82,7 @@ class Supervisor:
                 await self._task
 
     def pin(self, n: int) -> int:
-        """Run exactly ``n`` gangs; autoscaling pauses. Over the device pool's cap: ValueError naming the
-        cap, as for the bounds (it used to be pinned as asked and applied as the whole pool)."""
+        """Run exactly ``n`` gangs; autoscaling pauses. Over the device pool's cap: ValueError naming the cap."""
         self._check_cap("replicas", n)
         self.pinned = n
         before = self.manager.target
@@ -94,10 +93,8 @@ class Supervisor:
         return applied
 
     def set_bounds(self, lo: int, hi: int) -> None:
-        """New autoscaling bounds (validated by AutoscalingConfig); autoscaling resumes.
-
-        A bound over the device pool's cap is a ValueError naming the cap (it used to be accepted and
-        then silently capped by the autoscaler, issue 11.10)."""
+        """New autoscaling bounds (validated by AutoscalingConfig); autoscaling resumes. A bound
+        over the device pool's cap is a ValueError naming the cap."""
         self._check_cap("min_replicas", lo)
         self._check_cap("max_replicas", hi)
         config = dataclasses.replace(self.config, min_replicas=lo, max_replicas=hi)

@@ -30,17 +30,19 @@
     app.add_middleware(AccessMiddleware)                       # last added: outermost
     include_protected(app, api_router, settings=settings)
     note_windows(request, 3)                                   # in a route: windows of the request
+    await engine.wait(job, disconnected=disconnect_watcher(request))   # cancels when the client goes
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response, Security
@@ -78,6 +80,20 @@ def request_id_of(request: Request) -> str | None:
 def note_windows(request: Request, windows: int) -> None:
     """Record the windows a request needed (the access log's ``windows`` field)."""
     request.state.windows = windows
+
+
+def disconnect_watcher(request: Request) -> Callable[[], Awaitable[None]]:
+    """A coroutine function that returns once the client disconnects (the engine then cancels the
+    request's queued work)."""
+
+    async def disconnected() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+            await asyncio.sleep(0.05)  # a server that keeps sending empty chunks: do not spin
+
+    return disconnected
 
 
 def _field(value: str) -> str:

@@ -1,11 +1,11 @@
 """The FastAPI application factory: ``build_app(settings)`` + lifespan + ``app.state`` (vLLM style).
 
-Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model, loads the
-tokenizer (``serving.fleet.model_loader``), creates the scheduler (the in-flight ledger), the replica
-manager, the engine (wired to the manager with ``manager.attach``) and the supervisor, and starts
+Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model and loads the
+tokenizer, then has the engine room build the scheduler, the fleet and the engine from the settings'
+configs (``serving/engine/builder.py``; the front end never imports ``serving.fleet``) and starts
 the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
 warm). On shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops
-the gangs.
+the gangs (``Engine.shutdown``).
 
 ``AccessMiddleware`` (``serving/frontend/access.py``, outermost) gives each request its ``X-Request-ID`` and
 writes the access log; routes under /v1 and /v2/models (but model readiness, a health route) need
@@ -26,7 +26,7 @@ The status page (``/``), its JSON (``GET /ui/status``) and the offline ``/docs``
 ``serving/frontend/pages.py``.
 
 ``app.state``: settings, metrics, status (``serving.frontend.status.StatusBoard``), and after startup model
-(ModelGeneration), manager, engine, supervisor; ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
+engine (the front end's one handle on the fleet) and, for tests and the CLI, manager and supervisor; ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
 """
 
 from __future__ import annotations
@@ -48,16 +48,12 @@ from starlette.routing import Mount
 
 from partitioner.compiled import resolve_compile
 from partitioner.precision import DtypeChoice, resolve_dtype
-from serving.engine.core import Engine
-from serving.engine.scheduler import Scheduler
-from serving.fleet.model_loader import device_pool, load_generation
-from serving.fleet.replicas import BackendFactory, ModelGeneration, ReplicaManager, gang_factory
-from serving.fleet.supervisor import Supervisor
+from serving.engine.builder import BackendFactory, ModelGeneration, build_engine, load_model
 from serving.frontend import content_encoding, kserve_v2, v2_binary
 from serving.frontend.access import AccessMiddleware, include_protected
-from serving.frontend.openapi import allowed_methods, install_openapi
+from serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from serving.frontend.pages import install_pages
-from serving.frontend.routes import admin_router, api_router, health_router, publish_model_info
+from serving.frontend.routes import admin_router, api_router, health_router
 from serving.frontend.settings import ServeSettings
 from serving.frontend.status import StatusBoard
 from serving.metrics import ServingMetrics
@@ -68,53 +64,25 @@ logger = logging.getLogger(__name__)
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ServeSettings = app.state.settings
-    metrics: ServingMetrics = app.state.metrics
-    model = app.state.preloaded_model or load_generation(settings, settings.model, generation=0)
-    app.state.preloaded_model = None
-    pool = device_pool(settings)
     precision: DtypeChoice = app.state.precision
-    factory: BackendFactory = app.state.backend_factory or gang_factory(
-        threads_per_rank=settings.rank_threads,
-        dtype=precision.name,
-        compile=app.state.compile,
-        warmup_lengths=tuple(settings.length_buckets),
-        stall_timeout_s=settings.stall_after_s,
-        start_timeout_s=settings.gang_start_timeout_s,
-        network=settings.network(),
-    )
-    scheduler = Scheduler(settings.scheduler_config())  # the one ledger of in-flight work
-    manager = ReplicaManager(
-        factory=factory,
-        pool=pool,
+    fleet = settings.fleet_config(dtype=precision.name, compile=app.state.compile)
+    model = app.state.preloaded_model or load_model(fleet, settings.model, generation=0)
+    app.state.preloaded_model = None
+    engine = build_engine(
         model=model,
-        metrics=metrics,
-        ledger=scheduler,
-        drain_timeout_s=settings.drain_timeout_s,
-        restart_backoff_s=settings.restart_backoff_s,
-        fail_fast=True,
-        stall_timeout_s=settings.stall_after_s,
-    )
-    engine = Engine(
-        scheduler=scheduler,
-        manager=manager,
-        metrics=metrics,
+        fleet=fleet,
+        scheduler=settings.scheduler_config(),
+        autoscaling=settings.autoscaling_config(),
+        metrics=app.state.metrics,
         window=settings.window(),
         null_threshold=settings.null_threshold,
         max_request_timeout_s=settings.max_request_timeout_s,
-        stall_timeout_s=settings.stall_after_s,
+        public_name=settings.public_model_name,
+        backend_factory=app.state.backend_factory,
     )
-    manager.attach(engine)  # replica changes wake the engine; a failed replica's work fails over
-    supervisor = Supervisor(
-        ledger=scheduler,
-        manager=manager,
-        metrics=metrics,
-        config=settings.autoscaling_config(),
-        interval_s=settings.autoscale_interval_s,
-    )
-    app.state.manager, app.state.engine, app.state.supervisor = manager, engine, supervisor
-    publish_model_info(app.state, model)
-    await engine.start()
-    await supervisor.start()
+    # the fleet's parts, for tests and the CLI's start-up line; the front end itself uses the engine
+    app.state.engine, app.state.manager, app.state.supervisor = engine, engine.manager, engine.supervisor
+    await engine.start()  # the loop, the supervisor (which starts the gangs), the model info metric
     await app.state.status.start()  # samples the metrics registry for the status page
     logger.info(
         "serving %s (pp=%d, tp=%d) in %s (%s), compile %s, replicas %s%s x %d thread(s) per rank, pool %d slots",
@@ -127,7 +95,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.replica_bounds,
         " (auto-sized to the machine)" if settings.auto_sized else "",
         settings.rank_threads,
-        pool.capacity,
+        engine.pool_slots,
     )
     freeze_startup_heap()
     try:
@@ -135,15 +103,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         gc.unfreeze()  # what start-up kept alive may be collected again (tests build many apps)
         app.state.shutting_down = True
-        # the drain's time runs from the signal (serve_cli's handler began the drain) or from now
-        await engine.stop(timeout_s=settings.drain_timeout_s)
-        await supervisor.stop()
+        # the drain's time runs from the signal (serve_cli's handler began the drain) or from now; the
+        # gangs get what is left of it (none when stopping now or when no gang was ever ready)
+        await engine.shutdown(timeout_s=settings.drain_timeout_s)
         await app.state.status.stop()
-        # the gangs get what is left of it; none, their ranks killed, when stopping now (a second
-        # signal) or when no gang was ever ready (a signal during start-up or while the first gang
-        # starts: nothing needs it any more, and its start could take minutes)
-        stop_now = engine.aborting or not manager.ever_ready
-        await manager.close(timeout_s=0.0 if stop_now else engine.drain_left_s() or 0.0)
         logger.info("shut down")
 
 
@@ -275,7 +238,7 @@ def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse
         code, detail = detail["error"], detail.get("detail")
     headers = dict(getattr(exc, "headers", None) or {})
     if exc.status_code == 503 and not any(k.lower() == "retry-after" for k in headers):
-        headers["Retry-After"] = "1"  # every 503 says when to come back
+        headers["Retry-After"] = str(RETRY_AFTER_503_S)  # every 503 says when to come back
     if exc.status_code == 405:  # Starlette names only the first route of the path (GET of GET+POST)
         code = "method_not_allowed"
         headers["Allow"] = ", ".join(allowed_methods(request))
@@ -293,7 +256,7 @@ def build_app(
     model: ModelGeneration | None = None,
 ) -> FastAPI:
     """The server application; ``backend_factory`` replaces real gangs (tests); ``model``: a
-    generation already loaded by ``load_generation`` (the CLI checks the model before uvicorn starts)."""
+    generation already loaded by ``load_model`` (the CLI checks the model before uvicorn starts)."""
     settings = settings or ServeSettings()
     app = FastAPI(
         title="shardserve",

@@ -5,7 +5,8 @@
     SHARDSERVE_PORT=9000 shardserve serve             # every flag has a SHARDSERVE_<NAME> variable
     shardserve serve --help                           # every flag, its default and its variable
 
-The flags are generated from ``serving.frontend.settings.ServeSettings`` (one source of truth): a flag given
+``SERVE`` is the command as data; the console script generates its flags from
+``serving.frontend.settings.ServeSettings`` (one source of truth): a flag given
 on the command line wins over the environment, which wins over the default. SIGTERM/SIGINT flip
 readiness to 503 at once, let admitted requests finish (bounded by --drain-timeout-s), stop the
 gangs and exit 0; a second signal stops now (admitted requests answered 503, exit 130).
@@ -18,7 +19,6 @@ never ready is killed at shutdown rather than waited for (``serving.frontend.app
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -30,8 +30,10 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import uvicorn
-from pydantic import ValidationError
 
+from partitioner.command import Command
+from partitioner.runtime.gang_flags import GANG_FIELDS
+from serving.frontend.settings import ServeSettings
 from serving.redact import one_line
 
 logger = logging.getLogger(__name__)
@@ -102,56 +104,28 @@ def stopped_during_startup(sig: int) -> int:
     return 128 + sig
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeSettings field (``shardserve/flags.py``); the gang-across-hosts flags
-    (``partitioner/runtime/gang_flags.py``, shared with ``train``) in a group."""
-    from partitioner.runtime.gang_flags import GANG_FIELDS, add_gang_arguments
-    from serving.frontend.settings import ServeSettings
-    from shardserve.flags import add_settings_arguments
-
-    add_settings_arguments(parser, ServeSettings, skip=GANG_FIELDS)
-    add_gang_arguments(parser.add_argument_group('a gang across hosts (README "Gangs across hosts")'))
-
-
-def settings_from_args(args: argparse.Namespace) -> Any:
-    """ServeSettings from the flags that were given (the rest: environment, then defaults)."""
-    from serving.frontend.settings import ServeSettings
-    from shardserve.flags import given_flags
-
-    return ServeSettings(**given_flags(args, ServeSettings))
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(settings: ServeSettings) -> int:
+    """``shardserve serve`` with its validated settings: serve until a signal stops it."""
     with StartupSignals() as signals:
         try:
-            return _serve(args, signals)
+            return _serve(settings, signals)
         except StoppedDuringStartup as stop:
             return stopped_during_startup(stop.sig)
 
 
-def _serve(args: argparse.Namespace, signals: StartupSignals) -> int:
+def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
     from models.hf_weights import CheckpointError
-    from serving.fleet.model_loader import device_pool, load_generation
+    from serving.engine.builder import load_model, replica_cap
     from serving.frontend.app import build_app
-    from serving.frontend.settings import ServeSettings
-    from shardserve.flags import error_line, given_flags
 
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as err:
-        given = given_flags(args, ServeSettings)
-        print(
-            f"error: invalid serve settings: {error_line(err, model=ServeSettings, given=given)}",
-            file=sys.stderr,
-        )
-        return 2
     if problem := bind_problem(settings.host, settings.port):  # before the model loads (seconds)
         print(f"error: {problem}", file=sys.stderr)
         return 2
     logger.info("loading %s", settings.model)
     try:  # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits
-        model = load_generation(settings, settings.model, generation=0)
-        device_pool(settings)
+        fleet = settings.fleet_config()  # the model and the pool are checked at any dtype
+        model = load_model(fleet, settings.model, generation=0)
+        replica_cap(fleet)
     except (ValueError, OSError, CheckpointError) as err:
         print(f"error: {one_line(err, scrub=False)}", file=sys.stderr)
         return 2
@@ -209,7 +183,7 @@ def bind_problem(host: str, port: int) -> str | None:
 
 def startup_line(state: Any, url: str) -> str:
     """``shardserve: serving MODEL at URL (precision ..., compile ..., plan ..., replicas ...)``."""
-    settings, model, precision = state.settings, state.manager.model, state.precision
+    settings, model, precision = state.settings, state.engine.model, state.precision
     plan = model.plan()
     stages = ", ".join(f"stage {st.index}: layers {st.layer_start}-{st.layer_end - 1}" for st in plan.stages)
     lo, hi = settings.replica_bounds
@@ -311,18 +285,18 @@ class DrainingServer(uvicorn.Server):
         os._exit(code)
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register this package's ``shardserve`` subcommands."""
-    p = sub.add_parser(
-        "serve",
-        help="run the HTTP question-answering server",
-        description=(
-            "Serve extractive question answering over HTTP (POST /v1/qa, /v1/qa/batch; GET /v1/models, "
-            "/healthz, /readyz, /metrics; /admin/* with --admin-token; the Open Inference Protocol (KServe v2) "
-            "under /v2; OpenAPI at /docs). Each replica is "
-            "a gang of pp x tp worker processes. Defaults: the embedded default model on 0.0.0.0:8000, "
-            "1 replica, pp=1, tp=1. Every flag also reads SHARDSERVE_<FLAG> from the environment."
-        ),
-    )
-    add_serve_arguments(p)
-    p.set_defaults(func=cmd_serve)
+SERVE = Command(
+    "serve",
+    help="run the HTTP question-answering server",
+    description=(
+        "Serve extractive question answering over HTTP (POST /v1/qa, /v1/qa/batch; GET /v1/models, "
+        "/healthz, /readyz, /metrics; /admin/* with --admin-token; the Open Inference Protocol (KServe v2) "
+        "under /v2; OpenAPI at /docs). Each replica is "
+        "a gang of pp x tp worker processes. Defaults: the embedded default model on 0.0.0.0:8000, "
+        "1 replica, pp=1, tp=1. Every flag also reads SHARDSERVE_<FLAG> from the environment."
+    ),
+    settings=ServeSettings,
+    run=cmd_serve,
+    groups={'a gang across hosts (README "Gangs across hosts")': GANG_FIELDS},
+    invalid="invalid serve settings",
+)

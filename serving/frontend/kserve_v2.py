@@ -30,8 +30,8 @@ The binary tensor data extension (``serving/frontend/v2_binary.py``; listed in t
 inputs as binary data and returns outputs so (``binary_data`` per output, ``binary_data_output``
 for all): what Triton's clients (``tritonclient.http``) do by default.
 
-The pairs go through ``serving.frontend.routes.answer_pairs``, the path of /v1/qa/batch: same admission (429
-with Retry-After), limits, deadlines and metrics (endpoint label ``v2_infer``). Errors are the
+The pairs go through ``serving.engine.answer.answer_pairs`` (``serving/frontend/qa_call.py``), the path of /v1/qa/batch: same admission
+(429 with Retry-After), limits, deadlines and metrics (endpoint label ``v2_infer``). Errors are the
 spec's ``{"error": "<message>"}``: 400 for a bad request (a tensor's name, shape, datatype or data, a
 parameter, request validation, a text limit), 401 API key, 404 unknown model, 413 too many windows,
 429 queue full, 503 not ready (both with Retry-After), 504 deadline.
@@ -39,7 +39,6 @@ parameter, request validation, a text limit), 401 API key, 404 unknown model, 41
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable, Coroutine
@@ -53,10 +52,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.engine.core import Engine
+from serving.engine.qa_types import EngineError
 from serving.frontend import v2_binary
 from serving.frontend.access import ApiKeyRoute, request_id_of
-from serving.frontend.routes import RETRY_AFTER_503_S, answer_pairs, pair_result
-from serving.frontend.schemas import JsonInt, QAItem
+from serving.frontend.openapi import RETRY_AFTER_503_S
+from serving.frontend.qa_call import answer_items
+from serving.frontend.schemas import JsonInt, QAItem, qa_result
 
 logger = logging.getLogger(__name__)
 
@@ -197,14 +199,10 @@ def v2_error(status: int, message: str, headers: dict[str, str] | None = None) -
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def _native_to_v2(response: Response) -> JSONResponse:
-    """A native error response ``{"error": code, "detail": ...}`` as the v2 error object (422 -> 400)."""
-    body = json.loads(bytes(response.body))
-    detail = body.get("detail")
-    text = detail if isinstance(detail, str) else json.dumps(detail)
-    status = 400 if response.status_code == 422 else response.status_code
-    retry = response.headers.get("retry-after")
-    return v2_error(status, f"{body.get('error')}: {text}", {"Retry-After": retry} if retry else None)
+def _engine_error(err: EngineError) -> JSONResponse:
+    """An engine's refusal as the v2 error object ``{"error": "code: detail"}`` (422 -> 400)."""
+    retry = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return v2_error(400 if err.status == 422 else err.status, f"{err.code}: {err.detail}", retry)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -270,16 +268,14 @@ model_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2Mo
 def served_name(request: Request) -> str | None:
     """The model's public name (None while the server is starting)."""
     state = request.app.state
-    manager = getattr(state, "manager", None)
-    if manager is None:
-        return state.settings.served_model_name
-    return state.settings.public_model_name(manager.model.source.name)
+    engine: Engine | None = getattr(state, "engine", None)
+    return state.settings.served_model_name if engine is None else engine.model_name()
 
 
 def _is_ready(request: Request) -> bool:
     state = request.app.state
-    manager = getattr(state, "manager", None)
-    return manager is not None and not state.shutting_down and manager.health()["ready_replicas"] >= 1
+    engine: Engine | None = getattr(state, "engine", None)
+    return engine is not None and not state.shutting_down and engine.health()["ready_replicas"] >= 1
 
 
 def _check_model(request: Request, model_name: str) -> JSONResponse | None:
@@ -569,14 +565,17 @@ async def _infer(model_name: str, body: V2InferenceRequest, request: Request) ->
         return v2_error(
             400, f"too_many_items: {len(items)} pairs, max_batch_items={settings.max_batch_items}"
         )
-    out = await answer_pairs(request, "v2", items, timeout_s, locate=_v2_field)
-    if isinstance(out, Response):
-        return _native_to_v2(out)
-    results, name, _ = out
+    try:
+        answered = await answer_items(request, items, timeout_s, locate=_v2_field)
+    except EngineError as err:
+        return _engine_error(err)
+    results = answered.results
     names = [n for n, _ in requested]
-    outputs = encode_outputs([pair_result(r) for r in results], top_k=items[0].top_k, names=names)
+    outputs = encode_outputs([qa_result(r) for r in results], top_k=items[0].top_k, names=names)
     response = V2InferenceResponse(
-        model_name=name, id=body.id if body.id is not None else request_id_of(request) or "", outputs=outputs
+        model_name=settings.public_model_name(answered.model_name),
+        id=body.id if body.id is not None else request_id_of(request) or "",
+        outputs=outputs,
     )
     binary = [o for o, (_, as_binary) in zip(outputs, requested, strict=True) if as_binary]
     if not binary:

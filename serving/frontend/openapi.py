@@ -25,11 +25,13 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel
 from starlette.routing import Match
 
-from serving.fleet.model_loader import device_pool
+from serving.engine.builder import replica_cap as pool_replica_cap
 from serving.frontend.schemas import ErrorResponse, ValidationErrorResponse
 from serving.frontend.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
+
+RETRY_AFTER_503_S = 1  # what a 503 (starting, restarting, draining) without a better estimate says
 
 _RETRY_AFTER = {
     "Retry-After": {
@@ -112,7 +114,7 @@ def drop_default_422(document: dict[str, Any]) -> None:
 
 def replica_cap(settings: ServeSettings) -> int:
     """Replica gangs the device pool of ``settings`` holds (the autoscaler's hard upper bound)."""
-    return device_pool(settings).gangs_that_fit(settings.world_size)
+    return pool_replica_cap(settings.fleet_config())
 
 
 def _set_limit(prop: dict[str, Any], key: str, value: float) -> None:

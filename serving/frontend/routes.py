@@ -8,7 +8,9 @@ and watch for the client disconnecting so its queued work is cancelled. Every er
 ``Authorization: Bearer <api_key>`` (``serving/frontend/access.py``, which also owns request ids and the access
 log). Both tokens are checked before the body is read (``AdminRoute``, ``ApiKeyRoute``); a body the
 JSON parser gives up on is a JSON decode error like any other (``serving/frontend/json_body.py``). The Open
-Inference Protocol (v2) routes are ``serving/frontend/kserve_v2.py``, on ``answer_pairs``.
+Inference Protocol (v2) routes are ``serving/frontend/kserve_v2.py``; both protocols answer through
+``serving.engine.answer.answer_pairs`` (``serving/frontend/qa_call.py``), and reach the fleet (replicas, scaling, reload) only through
+the engine's facade (``app.state.engine``).
 
 Status codes: 200; 400 invalid UTF-8; 401 admin auth or API key; 409 reload conflict (another
 reload, another tokenizer); 413 body too large, more than max_windows_per_request windows, or more
@@ -17,16 +19,16 @@ empty text, limits, top_k range, a replica count over the device pool's cap); 42
 (checked before tokenizing); 503 not ready / shutting down / replica failed; 504 deadline passed
 before compute. Every 429 and 503 carries ``Retry-After``. Nothing unauthenticated (and no error
 detail) shows file-system paths or worker tracebacks.
+
+    pytest tests/serving/frontend/test_routes.py tests/serving/frontend/test_api.py
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import PurePath
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response, Security
@@ -34,25 +36,27 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from models.config import ModelConfigError
-from models.hf_weights import CheckpointError
-from models.qa_processing import QAInputError, validate_qa_inputs
-from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
-from serving.fleet.model_loader import load_generation
-from serving.frontend.access import ApiKeyRoute, Handler, check_first, note_windows, request_id_of
+from serving.engine.core import Engine
+from serving.engine.qa_types import EngineError
+from serving.frontend.access import (
+    ApiKeyRoute,
+    Handler,
+    check_first,
+    request_id_of,
+)
 from serving.frontend.json_body import JsonBodyRoute
-from serving.frontend.openapi import responses
+from serving.frontend.openapi import RETRY_AFTER_503_S, responses
+from serving.frontend.qa_call import answer_items
 from serving.frontend.schemas import (
-    AnswerOut,
     ModelInfo,
     QABatchRequest,
     QABatchResponse,
     QAItem,
     QARequest,
     QAResponse,
-    QAResult,
     ReloadRequest,
     ReplicasRequest,
+    qa_result,
 )
 from serving.redact import one_line
 
@@ -62,9 +66,6 @@ _ERRORS = responses(400, 408, 413, 415, 422, 429, 500, 503, 504)  # every status
 
 api_router = APIRouter(tags=["question answering"], route_class=ApiKeyRoute)
 health_router = APIRouter(tags=["health"])
-
-
-RETRY_AFTER_503_S = 1  # a 503 (starting, restarting, draining) says when to come back
 
 
 def _error(status: int, code: str, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -79,102 +80,25 @@ def _error(status: int, code: str, detail: Any, headers: dict[str, str] | None =
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _disconnect_watcher(request: Request) -> Callable[[], Awaitable[None]]:
-    async def disconnected() -> None:
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return
-            await asyncio.sleep(0.05)  # a server that keeps sending empty chunks: do not spin
-
-    return disconnected
-
-
-def _result(pr: PairResult) -> QAResult:
-    p = pr.prediction
-    answers = (
-        []
-        if p.no_answer
-        else [AnswerOut(text=a.text, score=a.score, start=a.start, end=a.end) for a in p.answers]
-    )
-    diff = p.null_score_diff
-    return QAResult(
-        answers=answers,
-        no_answer=p.no_answer,
-        null_score_diff=diff if diff not in (float("inf"), float("-inf")) else None,
-        windows=pr.windows,
-    )
-
-
 def _native_field(endpoint: str) -> Callable[[int, str], str]:
     return lambda i, field: f"items[{i}].{field}" if endpoint == "batch" else field
 
 
-def _input_error(err: QAInputError, locate: Callable[[int, str], str]) -> str:
-    """The 422 detail of a tokenizer-time ``QAInputError``, its field named by ``locate`` as the
-    ``validate_qa_inputs`` errors are: ``items[1].context: yields no tokens``."""
-    where = err.field if err.pair is None else locate(err.pair, err.field)
-    return f"{where}: {err.reason}"
+def _error_of(err: EngineError) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return _error(err.status, err.code, err.detail, headers)
 
 
-async def _answer(
-    request: Request,
-    endpoint: str,
-    items: list[QAItem],
-    timeout_s: float | None,
-    *,
-    locate: Callable[[int, str], str] | None = None,
-) -> Any:
+async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_s: float | None) -> Any:
     """Shared path of /v1/qa and /v1/qa/batch: (results, model name, request id) or an error response.
-
-    ``locate(i, field)`` names item ``i``'s field in a 422 (default: the native request's names)."""
-    locate = locate or _native_field(endpoint)
-    state = request.app.state
-    settings = state.settings
+    Requests are counted (shardserve_requests_total, latency) by ``AccessMiddleware``, every status."""
     try:
-        for i, it in enumerate(items):
-            try:
-                validate_qa_inputs(
-                    it.question,
-                    it.context,
-                    top_k=it.top_k,
-                    max_answer_length=it.max_answer_length,
-                    max_context_chars=settings.max_context_chars,
-                    max_question_chars=settings.max_question_chars,
-                    null_threshold=it.null_threshold,
-                )
-            except QAInputError as err:
-                return _error(422, "invalid_input", f"{locate(i, err.field)}: {err.reason}")
-        if state.shutting_down or not hasattr(state, "engine"):
-            return _error(
-                503, "shutting_down" if state.shutting_down else "starting", "the server is not serving"
-            )
-        engine = state.engine
-        pairs = [
-            QAPair(it.question, it.context, it.top_k, it.max_answer_length, it.null_threshold) for it in items
-        ]
-        try:
-            job = await engine.submit_async(pairs, timeout_s=timeout_s)
-        except QAInputError as err:
-            return _error(422, "invalid_input", _input_error(err, locate))
-        except (TypeError, ValueError) as err:  # the tokenizer refused the text
-            logger.info("tokenizer rejected a request: %s", err)
-            return _error(422, "invalid_input", f"the text cannot be tokenized: {err}")
-        results = await engine.wait(job, disconnected=_disconnect_watcher(request))
-        note_windows(request, sum(r.windows for r in results))
-        rid = request_id_of(request) or job.request_id  # the X-Request-ID (serving/frontend/access.py)
-        logger.debug("request %s was engine job %s", rid, job.request_id)
-        return results, settings.public_model_name(job.model_name), rid
+        answered = await answer_items(request, items, timeout_s, locate=_native_field(endpoint))
     except EngineError as err:
-        headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
-        return _error(err.status, err.code, err.detail, headers)
-    except ClientGone:
-        return _error(499, "client_closed_request", "the client disconnected")
-
-
-# the shared QA path, public for the Open Inference Protocol routes (serving/frontend/kserve_v2.py); requests
-# are counted (shardserve_requests_total, latency) by serving.frontend.access.AccessMiddleware, every status
-answer_pairs, pair_result = _answer, _result
+        return _error_of(err)
+    rid = request_id_of(request) or answered.job_id  # the X-Request-ID (serving/frontend/access.py)
+    logger.debug("request %s was engine job %s", rid, answered.job_id)
+    return answered.results, request.app.state.settings.public_model_name(answered.model_name), rid
 
 
 @api_router.post("/v1/qa", response_model=QAResponse, responses=_ERRORS)
@@ -185,7 +109,7 @@ async def qa(body: QARequest, request: Request) -> Any:
     if isinstance(out, Response):
         return out
     results, model, rid = out
-    r = _result(results[0])
+    r = qa_result(results[0])
     return QAResponse(
         **r.model_dump(), model=model, request_id=rid, latency_ms=1000 * (time.perf_counter() - t0)
     )
@@ -204,7 +128,7 @@ async def qa_batch(body: QABatchRequest, request: Request) -> Any:
         return out
     results, model, rid = out
     return QABatchResponse(
-        results=[_result(r) for r in results],
+        results=[qa_result(r) for r in results],
         model=model,
         request_id=rid,
         latency_ms=1000 * (time.perf_counter() - t0),
@@ -214,38 +138,19 @@ async def qa_batch(body: QABatchRequest, request: Request) -> Any:
 @api_router.get("/v1/models", response_model=list[ModelInfo], responses=responses(503))
 async def models(request: Request) -> Any:
     """The served model: name, checkpoint, partition plan, generation, replica gangs."""
-    state = request.app.state
-    if not hasattr(state, "manager"):
+    engine: Engine | None = getattr(request.app.state, "engine", None)
+    if engine is None:
         return _error(503, "starting", "the server is starting")
-    model = state.manager.model
+    model = engine.model
     return [
         ModelInfo(
-            model=state.settings.public_model_name(model.source.name),
-            checkpoint=public_checkpoint(model.source.describe()),
+            model=engine.model_name(),
+            checkpoint=engine.public_checkpoint(),
             plan=model.plan().to_dict(),
             generation=model.generation,
-            replicas=[public_replica(r) for r in state.manager.describe()],
+            replicas=[public_replica(r) for r in engine.replicas()],
         )
     ]
-
-
-def public_checkpoint(described: dict[str, Any]) -> dict[str, Any]:
-    """``ModelSource.describe()`` for unauthenticated clients: file names, never absolute paths."""
-    out = dict(described)
-    out["checkpoint"] = PurePath(str(described.get("checkpoint", ""))).name
-    out["overlays"] = [PurePath(str(p)).name for p in described.get("overlays", [])]
-    return out
-
-
-def publish_model_info(state: Any, model: Any) -> None:
-    """``shardserve_model_info`` names ``model`` (a ``ModelGeneration``) as clients see it: the served
-    name (kept across reloads), the compute dtype, the partition. Called at startup and after a reload."""
-    state.metrics.set_model_info(
-        model=state.settings.public_model_name(model.source.name),
-        precision=state.precision.name,
-        pp=model.dims.pp,
-        tp=model.dims.tp,
-    )
 
 
 def public_replica(described: dict[str, Any]) -> dict[str, Any]:
@@ -264,8 +169,8 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> Any:
     """200 only while at least one replica gang is loaded, warm and healthy, and not shutting down."""
     state = request.app.state
-    manager = getattr(state, "manager", None)
-    health = manager.health() if manager is not None else {"ready_replicas": 0, "starting_replicas": 0}
+    engine: Engine | None = getattr(state, "engine", None)
+    health = engine.health() if engine is not None else {"ready_replicas": 0, "starting_replicas": 0}
     if state.shutting_down:
         return _error(503, "shutting_down", health)
     if health["ready_replicas"] < 1:
@@ -315,17 +220,17 @@ class AdminRoute(JsonBodyRoute):
 admin_router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
 
 
-def _supervisor(request: Request) -> Any:
-    sup = getattr(request.app.state, "supervisor", None)
-    if sup is None:
+def _engine(request: Request) -> Engine:
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
         raise HTTPException(503, {"error": "starting", "detail": "the server is starting"})
-    return sup
+    return engine
 
 
 @admin_router.get("/replicas", dependencies=[Depends(require_admin)], responses=responses(401, 503))
 async def get_replicas(request: Request) -> dict[str, Any]:
     """Replica gangs, target, autoscaling state and decision counts."""
-    return _supervisor(request).describe()
+    return _engine(request).scaling()
 
 
 @admin_router.post(
@@ -333,24 +238,19 @@ async def get_replicas(request: Request) -> dict[str, Any]:
 )
 async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
     """``{"replicas": n}`` pins the count (autoscaling pauses); ``{"min_replicas", "max_replicas"}`` resumes it."""
-    sup = _supervisor(request)
-    if body.replicas is not None:
-        if body.min_replicas is not None or body.max_replicas is not None:
-            return _error(422, "invalid_request", "give either replicas or min_replicas/max_replicas")
-        try:
-            sup.pin(body.replicas)
-        except ValueError as err:  # over the device pool's cap
-            return _error(422, "invalid_request", str(err))
-    elif body.min_replicas is not None or body.max_replicas is not None:
-        lo = body.min_replicas if body.min_replicas is not None else sup.config.min_replicas
-        hi = body.max_replicas if body.max_replicas is not None else max(lo, sup.config.max_replicas)
-        try:
-            sup.set_bounds(lo, hi)
-        except ValueError as err:
-            return _error(422, "invalid_request", str(err))
-    else:
-        return _error(422, "invalid_request", "give replicas, or min_replicas and/or max_replicas")
-    return sup.describe()
+    engine = _engine(request)
+    try:
+        if body.replicas is not None:
+            if body.min_replicas is not None or body.max_replicas is not None:
+                return _error(422, "invalid_request", "give either replicas or min_replicas/max_replicas")
+            engine.pin(body.replicas)
+        elif body.min_replicas is not None or body.max_replicas is not None:
+            engine.set_bounds(min_replicas=body.min_replicas, max_replicas=body.max_replicas)
+        else:
+            return _error(422, "invalid_request", "give replicas, or min_replicas and/or max_replicas")
+    except ValueError as err:  # over the device pool's cap, bounds out of order
+        return _error(422, "invalid_request", str(err))
+    return engine.scaling()
 
 
 @admin_router.post(
@@ -360,42 +260,9 @@ async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
 )
 async def reload(body: ReloadRequest, request: Request) -> Any:
     """Load another checkpoint into fresh gangs, switch traffic to them, drain the old ones."""
-    from serving.fleet.replicas import ReloadError, ReloadInProgress
-
-    state = request.app.state
-    _supervisor(request)
-    manager = state.manager
-    current = manager.model
+    engine = _engine(request)
     try:
-        model = await asyncio.to_thread(
-            load_generation, state.settings, body.model, generation=current.generation + 1
-        )
-    except (ModelConfigError, CheckpointError, OSError) as err:
-        # one answer whatever the reason (missing, a directory without a model, unreadable weights):
-        # the reply must not map the server's file system; the log has the reason
-        # the warning reaches the open status page: the model's base name only; the reason at INFO
-        logger.warning("reload to model %r refused (the reason is logged at INFO)", PurePath(body.model).name)
-        logger.info("reload to %r refused: %s", body.model, err)
-        return _error(
-            422,
-            "invalid_model",
-            f"{body.model!r} is not a loadable model (a registry name, or a model directory with "
-            "config.json and weights the server can read); the server log has the reason",
-        )
-    except ValueError as err:  # the model loads but does not fit the settings (numbers, no paths)
-        return _error(422, "invalid_model", f"{body.model!r}: {one_line(err)}")
-    if model.tokenizer.get_vocab() != current.tokenizer.get_vocab():
-        return _error(
-            409,
-            "tokenizer_mismatch",
-            f"{body.model!r} has another tokenizer than {current.source.name!r}; restart instead",
-        )
-    try:
-        await manager.reload(model)
-    except ReloadInProgress as err:
-        return _error(409, "reload_in_progress", str(err))
-    except ReloadError as err:
-        logger.error("reload to %r failed: %s", body.model, err)
-        return _error(422, "reload_failed", one_line(err))
-    publish_model_info(state, model)
-    return {"model": model.source.name, "generation": model.generation, "replicas": manager.describe()}
+        model = await engine.reload(body.model)
+    except EngineError as err:
+        return _error_of(err)
+    return {"model": model.source.name, "generation": model.generation, "replicas": engine.replicas()}

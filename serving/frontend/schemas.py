@@ -2,11 +2,11 @@
 
 Requests are strict: a wrong JSON type (``"top_k": "3"``) or an unknown field is a 422 with the
 offending location, never a silent coercion. Text limits that depend on settings (context length)
-are checked by the routes with ``models.qa_processing.validate_qa_inputs``.
+are checked by the routes with ``models.qa_windows.validate_qa_inputs``.
 
 No answer (SQuAD 2.0): when a ``null_threshold`` applies (the request's own, else the server's
 ``--null-threshold``) and the model prefers to abstain, ``no_answer`` is true and ``answers`` is
-EMPTY; without any threshold ``no_answer`` is always false. Scores: ``models/qa_processing.py``.
+EMPTY; without any threshold ``no_answer`` is always false. Scores: ``models/qa_windows.py``.
 
     QARequest.model_validate({"question": "Who?", "context": "Ann met Bob."})
 """
@@ -18,7 +18,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from models.qa_processing import MAX_ANSWER_LENGTH_RANGE, NULL_THRESHOLD_RANGE, TOP_K_RANGE
+from models.qa_windows import MAX_ANSWER_LENGTH_RANGE, NULL_THRESHOLD_RANGE, TOP_K_RANGE
+from serving.engine.qa_types import PairResult, QAPair
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 # one character that is neither whitespace nor a control character (tokenizers drop both): the
@@ -92,6 +93,10 @@ class QAItem(BaseModel):
     def _context(cls, v: str) -> str:
         return _not_blank(v, "context")
 
+    def pair(self) -> QAPair:
+        """The engine's ``QAPair`` of this item."""
+        return QAPair(self.question, self.context, self.top_k, self.max_answer_length, self.null_threshold)
+
 
 class QARequest(QAItem):
     """POST /v1/qa body."""
@@ -133,6 +138,24 @@ class QAResult(BaseModel):
         description="null_score - best span logit (compare with null_threshold); null when no span"
     )
     windows: int = Field(description="windows the context was split into")
+
+
+def qa_result(pr: PairResult) -> QAResult:
+    """The answers of one pair as clients see them (no spans when the model abstains; an infinite
+    null score difference is null)."""
+    p = pr.prediction
+    answers = (
+        []
+        if p.no_answer
+        else [AnswerOut(text=a.text, score=a.score, start=a.start, end=a.end) for a in p.answers]
+    )
+    diff = p.null_score_diff
+    return QAResult(
+        answers=answers,
+        no_answer=p.no_answer,
+        null_score_diff=diff if diff not in (float("inf"), float("-inf")) else None,
+        windows=pr.windows,
+    )
 
 
 class QAResponse(QAResult):

@@ -3,11 +3,12 @@
 Every field is a flag of ``shardserve serve`` (``--max-queue-size`` <-> ``max_queue_size``) and an
 environment variable (``SHARDSERVE_MAX_QUEUE_SIZE``); a flag given on the command line wins over
 the environment, the environment over the default. The field descriptions below ARE the
-``--help`` texts (``serving/frontend/cli.py`` builds the parser from them).
+``--help`` texts (the console script generates the flags from them, ``shardserve/flags.py``).
 
     from serving.frontend.settings import ServeSettings
     s = ServeSettings(model="tiny-bert", pp=2)        # validated once, errors print the numbers
     s.scheduler_config(), s.autoscaling_config()      # the pure-logic configs built from it
+    s.fleet_config(dtype="float32", compile=False)    # (serving/config.py), which the engine builds from
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from models.qa_processing import WindowConfig
+from models.qa_windows import WindowConfig
+from partitioner.command import split_list
 from partitioner.compiled import COMPILE_CHOICES
 from partitioner.precision import DTYPE_CHOICES
 from partitioner.runtime.gang_flags import GangFlags, secret_from_file
-from serving.engine.scheduler import SchedulerConfig
-from serving.fleet.autoscaler import AutoscalingConfig
-from shardserve.flags import split_list
+from serving.config import AutoscalingConfig, FleetConfig, SchedulerConfig
 
 
 def available_cores() -> int:
@@ -207,6 +207,13 @@ class ServeSettings(GangFlags):
         "retried on another (it leaves readiness after half of it); must be below request_timeout_s "
         "(default: a third of request_timeout_s)",
     )
+    heartbeat_timeout_s: float = Field(
+        1.5,
+        ge=1.0,
+        description="a rank (here or on another host) that sends no heartbeat this long is lost: its "
+        "replica is failed and its work retried on another (ranks beat every 0.5 s; raise it for "
+        "ranks on a slow network)",
+    )
     gang_start_timeout_s: float = Field(300.0, gt=0, description="a gang not ready after this is failed")
 
     restart_backoff_s: float = Field(1.0, ge=0, description="pause before restarting a failed gang")
@@ -362,6 +369,28 @@ class ServeSettings(GangFlags):
     def stall_after_s(self) -> float:
         """The stall timeout in effect (``stall_timeout_s``, else a third of the request deadline)."""
         return self.stall_timeout_s if self.stall_timeout_s is not None else self.request_timeout_s / 3
+
+    def fleet_config(self, *, dtype: str = "float32", compile: bool = False) -> FleetConfig:
+        """Where and how gangs run; ``dtype`` and ``compile`` as resolved for the device
+        (``partitioner.precision.resolve_dtype``, ``partitioner.compiled.resolve_compile``)."""
+        return FleetConfig(
+            device=self.device,
+            pp=self.pp,
+            tp=self.tp,
+            pool_slots=self.pool_slots,
+            ranks_per_gpu=self.ranks_per_gpu,
+            max_seq_len=self.max_seq_len,
+            rank_threads=self.rank_threads,
+            dtype=dtype,
+            compile=compile,
+            network=self.network(),
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            start_timeout_s=self.gang_start_timeout_s,
+            stall_timeout_s=self.stall_after_s,
+            drain_timeout_s=self.drain_timeout_s,
+            restart_backoff_s=self.restart_backoff_s,
+            autoscale_interval_s=self.autoscale_interval_s,
+        )
 
     def autoscaling_config(self) -> AutoscalingConfig:
         lo, hi = self.replica_bounds

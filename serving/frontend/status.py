@@ -2,9 +2,9 @@
 
 One source of truth: every rate, percentile and busy time here is read from the app's Prometheus
 registry (``ServingMetrics``, what ``/metrics`` exports), never counted a second time; the rest is
-read from the live objects (``ReplicaManager`` replicas, the ``Supervisor``, the settings). Where a
-rank runs (host, pid) is what the rank itself reports in its heartbeats (``Gang.rank_processes``),
-never guessed from this server's host.
+read from the engine's facade (replicas, health, scaling; ``serving/engine/core.py``) and the
+settings. Where a rank runs (host, pid) is what the rank itself reports in its heartbeats
+(``ReplicaDetail.processes``), never guessed from this server's host.
 
 - ``StatusBoard`` (``app.state.status``) samples the registry every ``every_s`` (a background task
   started and stopped by the app lifespan), keeps ``history_s`` of snapshots, and collects recent
@@ -36,8 +36,7 @@ from typing import Any
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from serving.fleet.replicas import busy_seconds, rank_processes
-from serving.frontend.routes import public_checkpoint
+from serving.engine.core import Engine, ReplicaDetail
 from serving.frontend.status_schemas import (
     AutoscalerStatus,
     Decision,
@@ -278,16 +277,12 @@ def _ms(seconds: float | None) -> float | None:
 # ------------------------------------------------------------------------------ the document
 
 
-def _replica(r: Any, snap: Snapshot, old: Snapshot, dt: float, devices: tuple[str, ...]) -> ReplicaStatus:
-    dims = r.model.dims
-    backend = r.backend
+def _replica(r: ReplicaDetail, snap: Snapshot, old: Snapshot, dt: float) -> ReplicaStatus:
     # where each rank runs, as the rank itself reports it (its heartbeats): right for ranks that
     # joined from other hosts too; None for a rank not heard from (yet)
-    live = backend is not None and r.state.value != "stopped"
-    where = (rank_processes(backend) if live else None) or []
+    where, devices = r.processes, r.devices
     ranks = []
-    for rank in range(dims.world_size):
-        stage, tp_rank = dims.coords(rank)
+    for rank, (stage, tp_rank) in enumerate(r.coords):
         host_pid = where[rank] if rank < len(where) else None
         ranks.append(
             RankStatus(
@@ -299,9 +294,9 @@ def _replica(r: Any, snap: Snapshot, old: Snapshot, dt: float, devices: tuple[st
                 device=devices[rank] if rank < len(devices) else None,
             )
         )
-    probed = backend is not None and busy_seconds(backend) is not None  # the gang reports busy time
+    probed = r.reports_busy  # the gang reports busy time
     stages = []
-    for stage in range(dims.pp):
+    for stage in range(r.pp):
 
         def mine(lb: dict[str, str], stage: int = stage) -> bool:
             return lb.get("replica") == r.replica_id and lb.get("stage") == str(stage)
@@ -321,10 +316,10 @@ def _replica(r: Any, snap: Snapshot, old: Snapshot, dt: float, devices: tuple[st
     bubble_key: Key = ("shardserve_pipeline_bubble_fraction", (("replica", r.replica_id),))
     return ReplicaStatus(
         id=r.replica_id,
-        state=r.state.value,
-        generation=r.model.generation,
+        state=r.state,
+        generation=r.generation,
         hosts=list(dict.fromkeys(k.host for k in ranks if k.host)),
-        world_size=dims.world_size,
+        world_size=r.world_size,
         restarts=r.restarts,
         replaces=r.replaces,
         ranks=ranks,
@@ -344,32 +339,30 @@ def collect_status(app: FastAPI) -> StatusResponse:
     now = Sample(time.monotonic(), time.time(), read_registry(state.metrics.registry))
     snap = now.snap
     windows = [board.window(now, w) for w in WINDOWS_S]
-    manager = getattr(state, "manager", None)
-    supervisor = getattr(state, "supervisor", None)
+    engine: Engine | None = getattr(state, "engine", None)
     replicas: list[ReplicaStatus] = []
     model: dict[str, Any] = {"name": settings.public_model_name(PurePath(settings.model).name)}  # no paths
     plan: dict[str, Any] | None = None
-    if manager is not None:
-        m = manager.model
-        model = {**public_checkpoint(m.source.describe()), "name": settings.public_model_name(m.source.name)}
-        model["generation"] = m.generation
+    health: dict[str, Any] = {}
+    if engine is not None:
+        m = engine.model
+        model = {**engine.public_checkpoint(), "name": engine.model_name(), "generation": m.generation}
         plan = m.plan().to_dict()
         old = board.baseline(now, WINDOWS_S[0])
         dt = now.mono - old.mono
-        for r in list(manager.replicas.values()):
-            devices = manager.pool.devices(r.slots) if r.slots else ()
-            replicas.append(_replica(r, snap, old.snap, dt, devices))
+        replicas = [_replica(r, snap, old.snap, dt) for r in engine.replica_details()]
+        health = engine.health()
     if state.shutting_down:
         server_state = "shutting_down"
-    elif manager is None:
+    elif engine is None:
         server_state = "starting"
-    elif manager.fatal_error is not None:
+    elif "fatal" in health:
         server_state = "failed"
     else:
-        server_state = "ready" if manager.ready > 0 else "not_ready"
+        server_state = "ready" if health["ready_replicas"] > 0 else "not_ready"
     autoscaler = None
-    if supervisor is not None:
-        d = supervisor.describe()
+    if engine is not None and engine.supervisor is not None:
+        d = engine.scaling()
         autoscaler = AutoscalerStatus(
             target=d["target"],
             autoscaling=d["autoscaling"],
@@ -377,10 +370,10 @@ def collect_status(app: FastAPI) -> StatusResponse:
             min_replicas=d["min_replicas"],
             max_replicas=d["max_replicas"],
             pool_limit=d["pool_limit"],
-            target_ongoing_requests=supervisor.config.target_ongoing_requests,
+            target_ongoing_requests=engine.scaling_config.target_ongoing_requests,
             decisions={k: int(v) for k, v in d["decisions"].items()},
             last_decision=d["last_decision"],
-            recent=[Decision(**x) for x in getattr(supervisor, "history", [])],
+            recent=[Decision(**x) for x in engine.scaling_history()],
         )
     states = by_label(snap, "shardserve_replicas", "state")
     return StatusResponse(
@@ -411,6 +404,6 @@ def collect_status(app: FastAPI) -> StatusResponse:
         windows=windows,
         series=board.series(now),
         autoscaler=autoscaler,
-        last_failure=manager.last_failure if manager is not None else None,
+        last_failure=health.get("last_failure"),
         recent_errors=list(board.log.records)[::-1],
     )

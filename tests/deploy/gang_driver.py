@@ -19,9 +19,11 @@ import torch
 
 from models.registry import resolve_model
 from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.gang import Gang, GangError
+from partitioner.runtime.gang import GangError
 from partitioner.runtime.rank import GangSpec
 from partitioner.runtime.remote import GangNetwork
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import STREAM_PROGRAM, stream_spec
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +33,7 @@ def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def tiny_spec() -> GangSpec:
     source = resolve_model("tiny-bert")
-    return GangSpec(source, make_plan(source.config, ParallelDims(pp=2, tp=1)))
+    return stream_spec(source, make_plan(source.config, ParallelDims(pp=2, tp=1)))
 
 
 def _say(event: str, **fields: object) -> None:
@@ -45,9 +47,15 @@ def main() -> int:
     p.add_argument("--key", required=True, help="hex")
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
-    net = GangNetwork(host=args.host, store_port=args.port, external_ranks=(1,), key=bytes.fromhex(args.key))
+    net = GangNetwork(
+        host=args.host,
+        store_port=args.port,
+        external_ranks=(1,),
+        key=bytes.fromhex(args.key),
+        program=STREAM_PROGRAM,
+    )
     for round_ in range(args.rounds):
-        gang = Gang(tiny_spec(), network=net, heartbeat_timeout_s=5.0, start_timeout_s=180)
+        gang = StreamGang(tiny_spec(), network=net, heartbeat_timeout_s=5.0, start_timeout_s=180)
         gang.start()
         _say("ready", round=round_, local_pids=gang.pids())
         _say("logits", round=round_, values=gang.run([fixed_batch()], timeout_s=60)[0].tolist())

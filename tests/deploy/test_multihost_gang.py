@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from partitioner.runtime.gang import Gang
 from partitioner.runtime.wire import new_key
+from partitioner.stream.gang import StreamGang
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 from tests.netns import netns_available, virtual_hosts
 
@@ -56,7 +56,7 @@ def _next(q: queue.Queue, want: str, timeout: float = 180) -> dict[str, Any]:
 def test_stage_on_another_host_answers_fails_cleanly_and_rejoins() -> None:
     if reason := netns_available():
         pytest.skip(reason)
-    with Gang(tiny_spec()) as local:  # the single-host reference
+    with StreamGang(tiny_spec()) as local:  # the single-host reference
         want = local.run([fixed_batch()], timeout_s=60)[0]
     key = new_key()
     with virtual_hosts(2) as (a, b):

@@ -12,7 +12,7 @@ from models.build import build_model
 from models.config import EncoderConfig
 from models.hf_weights import CheckpointError, save_hf_checkpoint, to_hf_state_dict
 from models.registry import TINY_PRESETS, ModelSource, resolve_model
-from serving.fleet.verify import sample_batches
+from partitioner.stream.verify import sample_batches
 
 
 def _reference_qa(path):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from loadtest.local_server import free_port
-from serving.fleet.verify import verify_partitioned
+from partitioner.stream.verify import verify_partitioned
 from shardserve.cli import main
 
 

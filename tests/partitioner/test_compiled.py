@@ -27,7 +27,7 @@ from partitioner.compiled import compile_stage, resolve_compile, warm_up
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.precision import PrecisionError
 from partitioner.stages import slice_stage
-from serving.fleet.verify import verify_partitioned
+from partitioner.stream.verify import verify_partitioned
 
 
 @pytest.fixture

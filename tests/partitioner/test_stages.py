@@ -9,7 +9,7 @@ from models.build import build_model
 from models.registry import resolve_model
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.stages import build_stage
-from serving.fleet.verify import sample_batches
+from partitioner.stream.verify import sample_batches
 
 
 @pytest.mark.parametrize("name", ["tiny-bert", "tiny-distilbert"])

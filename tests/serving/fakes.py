@@ -142,12 +142,16 @@ class FakeGang:
 
     def kill(self, rank: int = 0) -> None:
         """As if ``kill -9`` hit a rank: every pending future fails at once, the gang is down."""
-        self.error = GangError(f"{self.name}: rank {rank} was killed by signal 9", rank=rank)
         self._killed.set()
+        self.fail(GangError(f"{self.name}: rank {rank} was killed by signal 9", rank=rank))
+
+    def fail(self, err: GangError) -> None:
+        """The owner decided the gang failed (a stall): every pending future fails with ``err``."""
+        self.error = err
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
-            fut.set_exception(self.error)
+            fut.set_exception(err)
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

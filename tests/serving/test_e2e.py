@@ -8,11 +8,14 @@ Run: python -m pytest tests/serving/test_e2e.py -q       (~1-2 min on 2 cores: e
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,7 +27,8 @@ from fastapi.testclient import TestClient
 
 from loadtest.local_server import local_server
 from models.build import build_model
-from models.qa_processing import WindowConfig, decode_spans, encode_qa, pad_windows
+from models.qa_decoding import decode_spans
+from models.qa_windows import WindowConfig, encode_qa, pad_windows
 from serving.fleet.replicas import ReplicaState
 from serving.frontend.app import build_app
 from serving.frontend.settings import ServeSettings
@@ -212,6 +216,52 @@ def _ongoing_requests(base: str) -> float:
     )
 
 
+def test_a_frozen_rank_is_failed_within_2s_and_its_requests_retried(live: TestClient) -> None:
+    """SIGSTOP of one gang's last stage under load (16 clients): its heartbeats stop, the fleet fails
+    the replica within 2 s (``heartbeat_timeout_s`` 1.5 s; the stall timeout here is 10 s), and the
+    requests that gang held are answered by the other one: none lost, their p99 under 3 s."""
+    manager = live.app.state.manager
+    wait_until(lambda: manager.ready == 2 and manager.starting == 0, timeout=120, what="2 ready")
+    victim = manager.routable()[0]
+    pid = victim.backend.pids()[1]
+    done: list[tuple[float, float, int]] = []  # (sent, answered, status) per request
+    stop = threading.Event()
+
+    def client_loop(i: int) -> None:
+        while not stop.is_set():
+            q, c = PAIRS[i % len(PAIRS)]
+            t0 = time.monotonic()
+            r = live.post("/v1/qa", json={"question": q, "context": c})
+            done.append((t0, time.monotonic(), r.status_code))
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            loops = [pool.submit(client_loop, i) for i in range(16)]
+            wait_until(lambda: len(done) > 40, timeout=60, what="traffic")
+            frozen_at = time.monotonic()
+            os.kill(pid, signal.SIGSTOP)
+            while victim.state is ReplicaState.READY and time.monotonic() - frozen_at < 10:
+                time.sleep(0.01)
+            failed_after_s = time.monotonic() - frozen_at
+            n_at_failure = len(done)
+            wait_until(lambda: len(done) > n_at_failure + 40, timeout=60, what="traffic after the failure")
+            stop.set()
+            for f in loops:
+                f.result(timeout=60)
+    finally:
+        stop.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # the fleet killed it already, unless the test failed first
+    assert victim.state is not ReplicaState.READY and "sent no heartbeat" in (victim.error or "")
+    assert failed_after_s < 2.0, f"failed {failed_after_s:.2f} s after the freeze"
+    affected = sorted(t1 - t0 for t0, t1, _ in done if t0 < frozen_at < t1)
+    assert affected and {st for *_, st in done} == {200}, sorted({st for *_, st in done})
+    p99 = affected[math.ceil(0.99 * len(affected)) - 1]
+    print(f"frozen rank: failed after {failed_after_s:.2f} s; {len(affected)} requests held, p99 {p99:.2f} s")
+    assert p99 < 3.0, f"p99 of the {len(affected)} requests in flight at the freeze: {p99:.2f} s"
+    wait_until(lambda: manager.ready == 2, timeout=120, what="the gang replaced")
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Any) -> None:
     log = open(tmp_path / "server.log", "w+")
     serve_args = ["--model", "tiny-bert", "--pp", "2", "--drain-timeout-s", "60"]
@@ -284,18 +334,25 @@ def test_a_second_signal_stops_now_answering_503_and_exits_130(tmp_path: Any) ->
 def test_stalled_rank_is_failed_and_its_requests_retried() -> None:
     """The first gang's last stage hangs at its 3rd micro-batch: after stall_timeout_s the gang is
     failed, its in-flight requests are answered by the other gang, and a fresh gang replaces it."""
-    from partitioner.runtime.gang import Gang
-    from partitioner.runtime.rank import FaultSpec, GangSpec
+    from partitioner.runtime.rank import FaultSpec
+    from partitioner.stream.gang import StreamGang
+    from partitioner.stream.program import stream_spec
 
-    made: list[Gang] = []
+    made: list[StreamGang] = []
 
-    def factory(source: Any, plan: Any, name: str) -> Gang:
+    def factory(source: Any, plan: Any, name: str) -> StreamGang:
         fault = FaultSpec(rank=1, mode="hang", at_batch=2) if not made else None
-        made.append(Gang(GangSpec(source, plan, fault=fault), name=name, stall_timeout_s=2.0))
+        made.append(StreamGang(stream_spec(source, plan, fault=fault), name=name))
         return made[-1]
 
     settings = ServeSettings(
-        model="tiny-bert", pp=2, replicas=2, cpu_slots=6, restart_backoff_s=0.1, max_batch_size=2
+        model="tiny-bert",
+        pp=2,
+        replicas=2,
+        cpu_slots=6,
+        restart_backoff_s=0.1,
+        max_batch_size=2,
+        stall_timeout_s=2.0,
     )
     with TestClient(build_app(settings, backend_factory=factory)) as client:
         manager = client.app.state.manager

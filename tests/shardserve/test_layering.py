@@ -2,12 +2,22 @@
 
 models <- partitioner <- {serving, training, loadtest} <- shardserve (the console script's home).
 serving and training never import each other; models knows nothing of parallelism, serving or
-training; no module takes part in an import circle.
+training; no module takes part in an import circle. Inside the packages (the rooms of
+``../shared/DESIGN.md``):
+
+- ``partitioner/``'s top level (the partition itself) imports no process runtime;
+- ``partitioner/runtime/`` (the gang, ranks, channel, remote join) imports no program: neither the
+  forward stream (``partitioner/stream/``), serving nor training, not even by a name in a string;
+- serving's front end reaches the fleet only through the engine; nothing in serving flows up
+  (front end -> engine -> fleet), and ``serving/config.py`` (the configs every room reads) is a leaf;
+- ``argparse`` is used in the console script's home (``shardserve/``) only;
+- no source file outside ``tests/`` and ``benchmarks/`` has more than 600 lines.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,9 +98,84 @@ def test_no_import_circle() -> None:
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
+def _wrong_edges(graph: dict[str, set[str]], src_prefix: str, banned: tuple[str, ...]) -> list[str]:
+    inside = lambda name, prefix: name == prefix or name.startswith(prefix + ".")  # noqa: E731
+    return sorted(
+        f"{src} -> {dst}"
+        for src, dsts in graph.items()
+        if inside(src, src_prefix)
+        for dst in dsts
+        if any(inside(dst, b) for b in banned)
+    )
+
+
+def test_the_rooms_import_only_downwards() -> None:
+    graph = import_graph()
+    top = {m: d for m, d in graph.items() if m.count(".") == 1 and m.startswith("partitioner.")}
+    rules = [
+        (top, "partitioner", ("partitioner.runtime", "partitioner.stream")),
+        (
+            graph,
+            "partitioner.runtime",
+            ("partitioner.stream", "serving", "training", "loadtest", "shardserve"),
+        ),
+        (graph, "serving.frontend", ("serving.fleet",)),
+        (graph, "serving.engine", ("serving.frontend",)),
+        (graph, "serving.fleet", ("serving.frontend", "serving.engine")),
+        (graph, "serving.config", ("serving.frontend", "serving.engine", "serving.fleet")),  # a leaf
+    ]
+    wrong = [edge for g, src, banned in rules for edge in _wrong_edges(g, src, banned)]
+    assert not wrong, "imports against the rooms' layering:\n" + "\n".join(wrong)
+
+
+def test_the_runtime_names_no_program_in_a_string() -> None:
+    """A dotted name in a string (``importlib``, a spec) is an import no graph sees."""
+    found = []
+    for path in (ROOT / "partitioner" / "runtime").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.search(r"\b(training|serving|partitioner\.stream)\.[a-z_]+", node.value):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert not found, "\n".join(found)
+
+
+def _source_files() -> list[Path]:
+    return [p for pkg in (*PACKAGES, "deploy") for p in (ROOT / pkg).rglob("*.py")]
+
+
+def test_argparse_lives_in_the_console_script_only() -> None:
+    users = sorted(
+        str(p.relative_to(ROOT))
+        for p in _source_files()
+        if "argparse" in _imports_any(p) and p.relative_to(ROOT).parts[0] != "shardserve"
+    )
+    assert not users, f"argparse outside shardserve/: {users}"
+
+
+def _imports_any(path: Path) -> set[str]:
+    """Every module name ``path`` imports (project or not), top-level names."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_source_file_is_over_600_lines() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n for p in _source_files() if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, f"over 600 lines: {long}"
+
+
 def test_the_walk_sees_imports() -> None:
     """The checks above would pass on an empty graph: make sure the walk finds known edges."""
     graph = import_graph()
-    assert "models.qa_processing" in graph["training.squad_data"]
+    assert "models.qa_windows" in graph["training.features"]
     assert "serving.frontend.cli" in graph["shardserve.cli"]
     assert "models.config" in graph["partitioner.plan"]
+    assert "partitioner.runtime.gang" in graph["partitioner.stream.gang"]
+    assert "partitioner.runtime.wire" in graph["training.messages"]
+    assert "argparse" in _imports_any(ROOT / "shardserve" / "flags.py")

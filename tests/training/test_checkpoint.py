@@ -21,17 +21,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.qa_processing import WindowConfig
+from models.qa_windows import WindowConfig
 from training.checkpoint import (
     STATE_FILE,
     ResumeError,
     clear_run,
-    overlay_tensors,
     publish,
     resume_point,
     run_artifacts,
     trainer_state,
 )
+from training.checkpoint_shards import overlay_tensors
 from training.config import RunInfo, TrainConfig, TrainConfigError
 
 # trainer_state.json of /work/runs/squad-full/checkpoint-1200, written by the pre-CheckpointManager code

@@ -480,10 +480,10 @@ def test_sigterm_during_train_or_eval_is_one_line_and_exit_143(
     import signal
     import time
 
+    import training.driver
     import training.evaluate
-    import training.trainer
 
-    monkeypatch.setattr(training.trainer, "train", _sigterm_self_then_wait)
+    monkeypatch.setattr(training.driver, "train", _sigterm_self_then_wait)
     monkeypatch.setattr(training.evaluate, "evaluate_model", _sigterm_self_then_wait)
     out = tmp_path / "run"
     if command == "train":

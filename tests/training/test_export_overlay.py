@@ -21,9 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from models.build import build_model
 from models.registry import resolve_model
+from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config
-from training.export_overlay import LARGE_MAX_BYTES, combine_overlays, export_overlay, low_rank_overlay, main
-from training.trainer import train
+from training.driver import train
+from training.export_overlay import LARGE_MAX_BYTES, combine_overlays, export_overlay, low_rank_overlay
 
 
 def test_stacked_runs_combine_into_one_overlay(tmp_path):
@@ -124,12 +125,23 @@ def test_changed_embeddings_that_do_not_fit_are_refused(full_run, tmp_path):
 
 def test_cli_records_named_metrics_and_its_size_budget(full_run, tmp_path):
     (tmp_path / "dev.json").write_text(json.dumps({"exact": 70.5, "f1": 80.25, "total": 8727}))
-    argv = ["--checkpoint", str(full_run), "--base", "tiny-bert", "--dest", str(tmp_path / "out")]
-    assert main([*argv, "--max-bytes", "300000", "--metrics", f"dev_fp32={tmp_path / 'dev.json'}"]) == 0
+    argv = [
+        "export-overlay",
+        "--checkpoint",
+        str(full_run),
+        "--base",
+        "tiny-bert",
+        "--dest",
+        str(tmp_path / "out"),
+    ]
+    assert (
+        shardserve_main([*argv, "--max-bytes", "300000", "--metrics", f"dev_fp32={tmp_path / 'dev.json'}"])
+        == 0
+    )
     meta = json.loads((tmp_path / "out" / "default-model.json").read_text())
     assert meta["bytes"] <= meta["max_bytes"] == 300_000
     assert meta["metrics"] == {"dev_fp32": {"exact": 70.5, "f1": 80.25, "total": 8727}}
     with pytest.raises(SystemExit):  # one line from argparse, not a traceback
-        main([*argv, "--metrics", "no-equals-sign"])
+        shardserve_main([*argv, "--metrics", "no-equals-sign"])
     with pytest.raises(ValueError, match="24,000,000"):
         export_overlay(full_run, tmp_path / "big", base="tiny-bert", max_bytes=LARGE_MAX_BYTES + 1)

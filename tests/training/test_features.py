@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import training.features as features
-from models.qa_processing import WindowConfig
+from models.qa_windows import WindowConfig
 from models.registry import resolve_model
 from tests.training.test_trainer_parity import write_tiny_squad
 from training.config import TrainConfig

@@ -35,15 +35,10 @@ from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import slice_stage
 from partitioner.tensor_parallel import apply_tensor_parallel
 from tests.training.test_trainer_parity import base_config, max_diff, reference_weights
-from training.checkpoint import (
-    ResumeError,
-    list_checkpoints,
-    load_resharded,
-    resume_point,
-    write_shard,
-)
+from training.checkpoint import ResumeError, list_checkpoints, resume_point
+from training.checkpoint_shards import load_resharded, write_shard
 from training.config import TrainConfig, TrainConfigError
-from training.trainer import train
+from training.driver import train
 
 TOL = 1e-5
 CLIP = 0.5  # tiny-bert's gradient norm on this data is well above it: clipping triggers

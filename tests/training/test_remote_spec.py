@@ -1,7 +1,7 @@
 """A training gang's spec for ranks on other hosts, and ``shardserve train``'s gang flags (no processes).
 
 - the published spec of a training gang reads back on the worker as the same program
-  (``train_rank``, ``GangMode.RUN``), ``TrainConfig``, ``RunInfo`` and dropout-adjusted model;
+  (``train_rank``), ``TrainConfig``, ``RunInfo`` and dropout-adjusted model;
 - a worker whose ``WORLD_SIZE`` disagrees, or a spec naming a program outside its allow-list (a
   serve-only worker, or a name that is no program), is refused in one line; publishing a spec with
   another program than the gang's is a ValueError;
@@ -22,14 +22,16 @@ from pathlib import Path
 import pytest
 
 from partitioner.runtime.gang import bound_store
-from partitioner.runtime.rank import GangMode, GangSpec
-from partitioner.runtime.remote import SERVE, SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
+from partitioner.runtime.rank import GangSpec
+from partitioner.runtime.remote import SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
 from partitioner.runtime.wire import new_key
+from partitioner.stream.program import STREAM_PROGRAM as SERVE
 from tests.training.test_cli import _one_line_error
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
 from training.config import RunInfo, TrainConfigError
-from training.remote_program import REMOTE_PROGRAM as TRAIN
-from training.trainer import train, train_rank, with_dropout
+from training.driver import train
+from training.rank import TRAIN_PROGRAM as TRAIN
+from training.rank import train_rank, with_dropout
 
 PROGRAMS = {"serve": SERVE, "train": TRAIN}  # what `shardserve worker` runs
 
@@ -46,7 +48,7 @@ def _training_spec(tmp_path: Path) -> GangSpec:
         remote_ranks=(1,),
     )  # fmt: skip
     plan = make_plan(source.config, ParallelDims(pp=2))
-    return GangSpec(source, plan, program=train_rank, mode=GangMode.RUN, extra={"train": cfg, "run": run})
+    return GangSpec(source, plan, program=train_rank, extra={"train": cfg, "run": run})
 
 
 def test_training_spec_round_trips_as_json(tmp_path: Path) -> None:
@@ -54,12 +56,12 @@ def test_training_spec_round_trips_as_json(tmp_path: Path) -> None:
     key = new_key()
     spec = _training_spec(tmp_path)
     with pytest.raises(ValueError, match="not the remote program 'serve'"):
-        publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key)  # SERVE
+        publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key, program=SERVE)
     publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key, program=TRAIN)
     with pytest.raises(JoinError, match=r"names program 'train'; this worker runs only \['serve'\]"):
-        read_spec(store, key=key, rank=1)  # a worker given only the serve program
+        read_spec(store, key=key, rank=1, programs={"serve": SERVE})  # a serve-only worker
     got, _ = read_spec(store, key=key, rank=1, world_size=2, programs=PROGRAMS)
-    assert got.program is train_rank and got.mode is GangMode.RUN
+    assert got.program is train_rank
     assert got.extra == spec.extra  # TrainConfig and RunInfo, equal field by field
     assert got.source.config.hidden_dropout == 0.0 and got.collective_timeout_s == spec.collective_timeout_s
     with pytest.raises(JoinError, match=r"^WORLD_SIZE=4, but the gang the driver published has 2 ranks"):
@@ -87,6 +89,6 @@ def test_train_gang_flags_are_validated_in_one_line(
 
 
 def test_train_refuses_a_network_whose_remote_ranks_would_run_another_program(tmp_path: Path) -> None:
-    net = GangNetwork(store_port=29500, external_ranks=(1,), key=new_key())  # program: SERVE by default
+    net = GangNetwork(store_port=29500, external_ranks=(1,), key=new_key(), program=SERVE)
     with pytest.raises(TrainConfigError, match="must say they run the training program, not 'serve'"):
         train(base_config(tmp_path, pp=2), show_progress=False, network=net)

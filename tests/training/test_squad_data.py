@@ -12,17 +12,19 @@ import pytest
 import torch
 import transformers
 
-from models.qa_processing import QAWindow, WindowConfig
-from training.squad_data import (
-    SquadExample,
-    SquadFormatError,
+from models.qa_windows import QAWindow, WindowConfig
+from training.features import (
     build_eval_features,
     build_train_features,
     label_window,
-    load_squad,
-    load_squad_with_stats,
     postprocess_eval_predictions,
     prediction_texts,
+)
+from training.squad_data import (
+    SquadExample,
+    SquadFormatError,
+    load_squad,
+    load_squad_with_stats,
     split_by_article,
 )
 from training.squad_metrics import evaluate, normalize_answer

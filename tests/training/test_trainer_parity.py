@@ -23,22 +23,15 @@ from safetensors.torch import load_file
 
 from models.build import build_model
 from models.hf_weights import to_hf_state_dict
-from models.qa_processing import WindowConfig
+from models.qa_windows import WindowConfig
 from models.registry import resolve_model
 from partitioner.lora import merged_state_dict
 from partitioner.precision import DTYPES, autocast_for, resolve_dtype
+from training.config import TrainConfig
+from training.driver import train
 from training.features import prepare_data
-from training.trainer import (
-    TrainConfig,
-    apply_peft,
-    batch_indices,
-    lr_at,
-    param_groups,
-    span_loss,
-    train,
-    trim,
-    with_dropout,
-)
+from training.objective import lr_at, param_groups, span_loss
+from training.rank import apply_peft, batch_indices, trim, with_dropout
 
 TOL = 1e-5
 STEPS = 3

@@ -27,13 +27,14 @@ from models.hf_weights import to_hf_state_dict
 from models.registry import resolve_model
 from partitioner.lora import merged_state_dict
 from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.gang import Gang, GangError
-from partitioner.runtime.rank import GangSpec
+from partitioner.runtime.gang import GangError
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import stream_spec
 from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
 from training.checkpoint import list_checkpoints
+from training.driver import train
 from training.export_overlay import export_overlay
-from training.trainer import train
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -103,7 +104,7 @@ def test_lora_overlay_loads_onto_the_base_model(tmp_path):
     with torch.inference_mode():
         want = model(ids, mask)
     plan = make_plan(source.config, ParallelDims(pp=2, tp=2))
-    with Gang(GangSpec(source, plan)) as gang:
+    with StreamGang(stream_spec(source, plan)) as gang:
         logits = gang.submit(ids, mask).result(timeout=60)
     assert float((logits - want).abs().max()) <= 1e-4
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -14,17 +15,10 @@ import numpy as np
 import pytest
 
 from partitioner.runtime.channel import ChannelError, DriverChannel, RankChannel
-from partitioner.runtime.messages import (
-    Batch,
-    EvalLogits,
-    Heartbeat,
-    RankFailed,
-    RankReady,
-    Result,
-    StepReport,
-    Stop,
-)
-from partitioner.runtime.wire import WireError, decode, encode, new_key
+from partitioner.runtime.messages import Heartbeat, RankFailed, RankReady
+from partitioner.runtime.wire import MESSAGE_TYPES, WireError, decode, encode, new_key, register_messages
+from partitioner.stream.program import Batch, Result, Stop  # programs' own messages, registered
+from training.messages import EvalLogits, StepReport
 
 
 def test_every_message_round_trips_with_arrays_and_plain_fields() -> None:
@@ -68,6 +62,25 @@ def test_foreign_tampered_or_unknown_frames_are_refused() -> None:
         decode([b"{}"], key)
     with pytest.raises(WireError, match="not a wire message"):
         encode(object(), key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unregistered:
+    n: int
+
+
+def test_only_registered_program_messages_cross_and_names_are_unique() -> None:
+    """The runtime carries what a program registered, nothing else; a name means one class."""
+    with pytest.raises(WireError, match="not a wire message"):
+        encode(Unregistered(1), new_key())
+    clash = dataclasses.make_dataclass("Result", [("n", int)], frozen=True)  # the stream's message's name
+    with pytest.raises(ValueError, match=r"'Result' is taken by partitioner\.stream\.program\.Result"):
+        register_messages(clash)
+    register_messages(Unregistered)
+    try:
+        assert decode(encode(Unregistered(3), b"k" * 32), b"k" * 32) == Unregistered(3)
+    finally:
+        MESSAGE_TYPES.pop("Unregistered")
 
 
 @pytest.fixture

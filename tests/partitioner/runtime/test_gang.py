@@ -25,9 +25,11 @@ from models.encoder import EncoderForQA
 from models.registry import ModelSource, resolve_model
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.runtime.gang import Gang, GangError, bound_store
-from partitioner.runtime.messages import CheckpointSaved
-from partitioner.runtime.rank import FaultSpec, GangMode, GangSpec, RankContext, serve_rank
-from serving.fleet.verify import compare, sample_batches, verify_partitioned
+from partitioner.runtime.rank import FaultSpec, GangSpec, RankContext
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import stream_rank, stream_spec
+from partitioner.stream.verify import compare, sample_batches, verify_partitioned
+from training.messages import CheckpointSaved
 
 TOLERANCE = 1e-4
 DIMS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]
@@ -58,7 +60,8 @@ def test_compare_detects_a_difference():
 
 def _spec(name="tiny-bert", pp=2, tp=1, **kw) -> GangSpec:
     source = resolve_model(name)
-    return GangSpec(source, make_plan(source.config, ParallelDims(pp=pp, tp=tp)), **kw)
+    plan = make_plan(source.config, ParallelDims(pp=pp, tp=tp))
+    return GangSpec(source, plan, **kw) if "program" in kw else stream_spec(source, plan, **kw)
 
 
 def _batch(n=2, s=12):
@@ -69,7 +72,7 @@ def _batch(n=2, s=12):
 def test_each_rank_holds_a_quarter_of_the_encoder_at_pp2_tp2():
     source = resolve_model("minilm")
     plan = make_plan(source.config, ParallelDims(pp=2, tp=2))
-    with Gang(GangSpec(source, plan)) as gang:
+    with StreamGang(stream_spec(source, plan)) as gang:
         info = gang.stats.ready_info
     cfg = source.config
     h = cfg.hidden_size
@@ -89,7 +92,7 @@ def test_each_rank_holds_a_quarter_of_the_encoder_at_pp2_tp2():
 
 
 def test_streams_many_micro_batches_in_order():
-    with Gang(_spec(pp=3)) as gang:
+    with StreamGang(_spec(pp=3)) as gang:
         batches = [_batch(n=1 + k % 3, s=8 + k) for k in range(12)]
         outs = gang.run(batches, timeout_s=60)
         assert gang.stats.completed == 12 and gang.inflight == 0
@@ -103,7 +106,7 @@ def test_streams_many_micro_batches_in_order():
 
 
 def test_killed_rank_fails_fast_and_is_named():
-    with Gang(_spec(pp=2, tp=2)) as gang:
+    with StreamGang(_spec(pp=2, tp=2)) as gang:
         gang.run([_batch()], timeout_s=60)
         inflight = [gang.submit(*_batch(n=4, s=64)) for _ in range(8)]
         victim = 3
@@ -124,7 +127,7 @@ def test_killed_rank_fails_fast_and_is_named():
 def test_a_killed_peer_is_blamed_not_the_stage0_rank_it_took_down():
     """Rank 1 is killed; rank 0 fails on its next send to it and leaves. Submits that meet rank 0
     gone fail with the diagnosis naming rank 1, not with the channel's "rank 0 is not connected"."""
-    with Gang(_spec(pp=2)) as gang:
+    with StreamGang(_spec(pp=2)) as gang:
         gang.run([_batch()], timeout_s=60)
         os.kill(gang.pids()[1], signal.SIGKILL)
         futures = []
@@ -145,7 +148,7 @@ def test_a_killed_peer_is_blamed_not_the_stage0_rank_it_took_down():
 
 def test_frozen_rank_is_found_by_its_missing_heartbeat_even_when_idle():
     """SIGSTOP: the process lives, nothing is in flight (no stall to see), but it stops beating."""
-    with Gang(_spec(pp=2), heartbeat_timeout_s=1.5) as gang:
+    with StreamGang(_spec(pp=2), heartbeat_timeout_s=1.5) as gang:
         gang.run([_batch()], timeout_s=60)
         os.kill(gang.pids()[1], signal.SIGSTOP)
         t0 = time.monotonic()
@@ -159,7 +162,7 @@ def test_frozen_rank_is_found_by_its_missing_heartbeat_even_when_idle():
 
 
 def test_raising_rank_reports_its_traceback():
-    with Gang(_spec(pp=2, fault=FaultSpec(rank=1, mode="raise", at_batch=1))) as gang:
+    with StreamGang(_spec(pp=2, fault=FaultSpec(rank=1, mode="raise", at_batch=1))) as gang:
         gang.run([_batch()], timeout_s=60)
         with pytest.raises(
             GangError, match=r"(?s)rank 1 \(stage 1, tp 0\) failed.*injected fault on rank 1"
@@ -169,13 +172,19 @@ def test_raising_rank_reports_its_traceback():
 
 
 def test_hung_rank_is_named_within_the_stall_timeout():
-    with Gang(_spec(pp=3, fault=FaultSpec(rank=1, mode="hang", at_batch=1)), stall_timeout_s=2.0) as gang:
+    """A stall is the owner's call (serving's fleet, after its stall timeout): the gang's heartbeats
+    name the rank stuck inside a micro-batch, and ``fail()`` ends the gang with that diagnosis."""
+    with StreamGang(_spec(pp=3, fault=FaultSpec(rank=1, mode="hang", at_batch=1))) as gang:
         gang.run([_batch()], timeout_s=60)
         t0 = time.monotonic()
+        fut = gang.submit(*_batch())
+        time.sleep(2.0)  # the owner's stall timeout
+        stuck, why = gang.stuck_ranks(after_s=1.0)
+        gang.fail(GangError(f"{gang.name}: stalled: no micro-batch completed for 2s; {why}", rank=stuck[0]))
         with pytest.raises(
             GangError, match=r"stalled.*stuck \(longest first\): rank 1 \(stage 1, tp 0\)"
         ) as info:
-            gang.submit(*_batch()).result(timeout=20)
+            fut.result(timeout=20)
         assert info.value.rank == 1 and time.monotonic() - t0 < 6
 
 
@@ -185,7 +194,7 @@ def test_start_failure_names_rank_and_file(tmp_path):
     shutil.copytree(src.checkpoint, bad_dir)
     (bad_dir / "model.safetensors").write_bytes(b"\0" * 64)
     source = ModelSource("bad", bad_dir, src.config, bad_dir)
-    gang = Gang(GangSpec(source, make_plan(src.config, ParallelDims(pp=2, tp=1))), start_timeout_s=60)
+    gang = Gang(stream_spec(source, make_plan(src.config, ParallelDims(pp=2, tp=1))), start_timeout_s=60)
     with pytest.raises(
         GangError, match=r"(?s)rank \d \(stage \d, tp 0\) failed while starting.*model.safetensors"
     ):
@@ -194,7 +203,7 @@ def test_start_failure_names_rank_and_file(tmp_path):
 
 
 def test_clean_stop_frees_processes_and_port():
-    gang = Gang(_spec(pp=2, tp=2)).start()
+    gang = StreamGang(_spec(pp=2, tp=2)).start()
     port = int(gang._store.port)
     procs = list(gang._procs.values())
     fut = gang.submit(*_batch())
@@ -208,12 +217,12 @@ def test_clean_stop_frees_processes_and_port():
 
 DRIVER_THAT_FORGETS_TO_STOP = """
 from models.registry import resolve_model
-from partitioner.runtime.gang import Gang
 from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.rank import GangSpec
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import stream_spec
 
 source = resolve_model("tiny-bert")
-gang = Gang(GangSpec(source, make_plan(source.config, ParallelDims(pp=2, tp=1)))).start()
+gang = StreamGang(stream_spec(source, make_plan(source.config, ParallelDims(pp=2, tp=1)))).start()
 print(*gang.pids(), flush=True)
 """  # ...and the interpreter exits with the gang running
 
@@ -255,7 +264,7 @@ def test_rendezvous_store_listens_on_loopback_only():
     store = bound_store(2, timeout=timedelta(seconds=5))
     assert _listen_addresses(int(store.port)) == {"127.0.0.1"}
     del store
-    gang = Gang(_spec(pp=2)).start()
+    gang = StreamGang(_spec(pp=2)).start()
     try:
         port = int(gang._store.port)
         # the driver's channel (ZeroMQ ROUTER + PULL) too
@@ -268,29 +277,23 @@ def test_rendezvous_store_listens_on_loopback_only():
     assert all(_listen_addresses(p) == set() for p in (port, *channel_ports))
 
 
-def test_spec_names_its_program_and_mode_explicitly():
+def test_spec_names_its_program_explicitly():
     spec = _spec()
-    assert spec.program is serve_rank and spec.mode is GangMode.STREAM  # serving by default
-    assert pickle.loads(pickle.dumps(spec)).program is serve_rank  # spawn pickles it by name
+    assert spec.program is stream_rank  # the forward stream, named by its spec
+    assert pickle.loads(pickle.dumps(spec)).program is stream_rank  # spawn pickles it by name
     with pytest.raises(TypeError, match="module-level function"):
         _spec(program=lambda ctx, *, ready: None)
-    with pytest.raises(TypeError, match="GangMode"):
-        _spec(mode="run")
-    with pytest.raises(RuntimeError, match=r"join\(\) is for GangMode\.RUN"):
-        Gang(_spec()).join()
-    with pytest.raises(RuntimeError, match=r"submit\(\) is for GangMode\.STREAM"):
-        Gang(_spec(mode=GangMode.RUN)).submit(*_batch())
 
 
 def report_and_finish(ctx: RankContext, *, ready) -> None:
-    """A GangMode.RUN program: ready, one message from the last rank, done."""
+    """A program that runs to completion: ready, one message from the last rank, done."""
     ready({"stage": ctx.stage})
     if ctx.is_last:
         ctx.link.send(CheckpointSaved(ctx.rank, step=1, final=True))
 
 
-def test_run_mode_gang_joins_and_hands_over_program_messages():
-    gang = Gang(_spec(pp=2, program=report_and_finish, mode=GangMode.RUN), name="run").start()
+def test_gang_joins_a_program_and_hands_over_its_messages():
+    gang = Gang(_spec(pp=2, program=report_and_finish), name="run").start()
     got = []
     try:
         gang.join(on_message=got.append, timeout_s=60)
@@ -305,7 +308,7 @@ def test_kill_ends_a_start_held_by_a_rank_hung_while_loading():
     while loading would hold until ``start_timeout_s``, and leaves no rank behind."""
     import threading
 
-    gang = Gang(_spec(pp=2, fault=FaultSpec(rank=1, mode="hang", at_batch=-1)), start_timeout_s=300)
+    gang = StreamGang(_spec(pp=2, fault=FaultSpec(rank=1, mode="hang", at_batch=-1)), start_timeout_s=300)
     failure: list[BaseException] = []
 
     def start() -> None:

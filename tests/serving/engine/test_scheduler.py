@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engine.scheduler import Outcome, ReplicaView, Scheduler, SchedulerConfig
+from serving.config import SchedulerConfig
+from serving.engine.batcher import ReplicaView
+from serving.engine.scheduler import Outcome, Scheduler
 
 R0 = ReplicaView("r0")
 

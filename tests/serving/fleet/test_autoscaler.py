@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.fleet.autoscaler import Autoscaler, AutoscalingConfig, Decision, pipeline_capacity
+from serving.config import AutoscalingConfig
+from serving.fleet.autoscaler import Autoscaler, Decision, pipeline_capacity
 
 
 def make(**overrides: object) -> Autoscaler:

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from serving.frontend.access import ApiKeyRoute, include_protected, valid_request_id
-from serving.frontend.cli import add_serve_arguments
 from serving.frontend.settings import ServeSettings
+from shardserve.cli import add_serve_arguments
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving
 
 KEY = "api-key-123"

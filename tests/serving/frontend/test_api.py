@@ -720,8 +720,7 @@ def test_client_disconnect_over_real_http_cancels_queued_work() -> None:
 
 
 def test_serve_flags_and_environment_map_onto_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.frontend.cli import settings_from_args
-    from shardserve.cli import build_parser
+    from shardserve.cli import build_parser, settings_from_args
 
     monkeypatch.setenv("SHARDSERVE_MAX_QUEUE_SIZE", "7")
     monkeypatch.setenv("SHARDSERVE_PORT", "1234")
@@ -1049,7 +1048,7 @@ def test_a_request_that_cannot_fit_the_windows_bound_is_413_before_tokenizing() 
         r = ask(client, context="word " * 1_000)  # >= 1,000 tokens: at least 1 + ceil(940 / 43) = 23 windows
         assert r.status_code == 413 and r.json()["error"] == "too_large"
         assert "at least 23 windows, max_windows_per_request=10" in r.json()["detail"]
-        assert tokenized == [] and factory.batches() == [] and engine.scheduler._reserved == 0
+        assert tokenized == [] and factory.batches() == [] and engine.scheduler.reserved == 0
         # as many characters of chunks without a word character may yield no tokens: tokenized, 422
         r = ask(client, context="\u200b \u0301 " * 500)
         assert r.status_code == 422 and tokenized == [1]
@@ -1073,7 +1072,7 @@ def test_full_queue_answers_429_before_tokenizing() -> None:
         engine.inputs.encode = slow_encode
         with ThreadPoolExecutor(12) as pool:
             held = _submit_async(client, pool, 3)  # 3 places: being tokenized
-            wait_until(lambda: engine.scheduler._reserved == 3, what="3 places reserved")
+            wait_until(lambda: engine.scheduler.reserved == 3, what="3 places reserved")
             t0 = time.monotonic()
             rejected = [f.result(timeout=15) for f in _submit_async(client, pool, 8)]
             elapsed = time.monotonic() - t0
@@ -1084,7 +1083,7 @@ def test_full_queue_answers_429_before_tokenizing() -> None:
         assert all(int(r.headers["Retry-After"]) >= 1 for r in rejected)
         assert "being tokenized" in rejected[0].json()["detail"]
         assert elapsed < 5.0  # generous: nothing waited for the tokenizer
-        assert tokenized == [1, 1, 1] and engine.scheduler._reserved == 0
+        assert tokenized == [1, 1, 1] and engine.scheduler.reserved == 0
 
 
 def test_hung_replica_leaves_readiness_and_its_requests_are_retried_in_time() -> None:

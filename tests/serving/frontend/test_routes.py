@@ -13,8 +13,8 @@ import pytest
 
 from models.hf_weights import CheckpointError
 from models.registry import resolve_model
+from serving.config import FleetConfig
 from serving.fleet.model_loader import load_generation
-from serving.frontend.settings import ServeSettings
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -62,7 +62,7 @@ def test_a_corrupt_tokenizer_is_not_a_loadable_model(tmp_path: Path, text: str) 
     shutil.copytree(resolve_model("tiny-bert").tokenizer_dir, broken)
     (broken / "tokenizer.json").write_text(text, encoding="utf-8")
     with pytest.raises(CheckpointError, match="the tokenizer cannot be loaded"):
-        load_generation(ServeSettings(model="tiny-bert"), str(broken), generation=1)
+        load_generation(FleetConfig(), str(broken), generation=1)
     with serving() as (client, factory):
         replies = []
         for target in (str(broken), str(tmp_path / "missing")):

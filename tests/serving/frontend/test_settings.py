@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from models.qa_processing import WindowConfig
+from models.qa_windows import WindowConfig
 from serving.fleet.model_loader import device_pool
 from serving.frontend import settings as settings_mod
 from serving.frontend.settings import ServeSettings
@@ -116,7 +116,7 @@ def test_gpus_are_shared_by_ranks_per_gpu_ranks(gpus, n_gpus, per_gpu, pp, repli
     s = ServeSettings(device="cuda", ranks_per_gpu=per_gpu, pp=pp)
     assert s.replica_bounds == (replicas, replicas)
     assert s.rank_threads == 1
-    pool = device_pool(s)
+    pool = device_pool(s.fleet_config())
     assert pool.labels == slots
     assert [pool.devices(pool.acquire(pp)) for _ in range(replicas)] == [
         tuple(slots[i * pp : (i + 1) * pp]) for i in range(replicas)
@@ -126,6 +126,6 @@ def test_gpus_are_shared_by_ranks_per_gpu_ranks(gpus, n_gpus, per_gpu, pp, repli
 def test_a_gang_larger_than_the_gpus_names_ranks_per_gpu(gpus):
     gpus(1)
     with pytest.raises(ValueError, match=r"has 1 slots, a gang needs 2 \(raise --ranks-per-gpu"):
-        device_pool(ServeSettings(device="cuda", pp=2))
+        device_pool(ServeSettings(device="cuda", pp=2).fleet_config())
     with pytest.raises(ValidationError, match="ranks_per_gpu=2 applies to device=cuda only"):
         ServeSettings(ranks_per_gpu=2)

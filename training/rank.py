@@ -1,20 +1,20 @@
-"""The trainer: fine-tune a QA model over the SAME partitions and gang runtime that serve it.
+"""The training rank program: what every rank of a training gang runs (``train_rank``), and the
+same program as ranks on other hosts run it under the name ``train`` (``TRAIN_PROGRAM``).
 
-``train(TrainConfig(...))`` (the driver, ``shardserve train``; settings in ``training/config.py``)
-tokenizes the SQuAD data once into a feature file (``training/features.py``), builds the serving
-``PartitionPlan`` and starts a gang whose ranks run ``train_rank``: ``dp`` copies of the
-``pp x tp`` pipeline (Megatron layout, ``rank = dp_rank * pp * tp + stage * tp + tp_rank``).
-Every rank builds its stage with ``build_stage`` (each loads only its shard), optionally adds
-LoRA / freezes layers (``partitioner/lora.py``), restores its state on ``--resume`` (re-sharded
-from another (pp, tp) with ``--elastic``), and then per optimizer step:
+The driver (``training/driver.py``) starts a gang of ``dp`` copies of the ``pp x tp`` pipeline
+(Megatron layout, ``rank = dp_rank * pp * tp + stage * tp + tp_rank``) whose ranks run
+``train_rank``. Every rank builds its stage with ``build_stage`` (each loads only its shard),
+optionally adds LoRA / freezes layers (``partitioner/lora.py``), restores its state on
+``--resume`` (``training/checkpoint.py``; re-sharded from another (pp, tp) with ``--elastic``),
+and then per optimizer step:
 
 1. reads the step's global batch from the seeded permutation of the features (identical on every
    rank; stage 0 takes inputs, the last stage labels), split into ``n_micro`` micro-batches, of
    which data-parallel replica ``d`` runs the contiguous ``n_micro / dp`` starting at
    ``d * n_micro / dp`` (the same micro-batches a single process would run, whatever ``dp``);
-2. runs GPipe or 1F1B (``partitioner/schedules.py``); loss = (CE(start) + CE(end)) / 2 per
-   micro-batch, scaled by 1/n_micro (of the GLOBAL batch) so the accumulated gradient, summed over
-   the replicas, is the global-batch mean; with ``dp > 1`` a ``GradReducer``
+2. runs GPipe or 1F1B (``partitioner/schedules.py``) with the loss of ``training/objective.py``,
+   scaled by 1/n_micro (of the GLOBAL batch) so the accumulated gradient, summed over the
+   replicas, is the global-batch mean; with ``dp > 1`` a ``GradReducer``
    (``partitioner/data_parallel.py``) sums the gradients over each shard's data-parallel group in
    buckets launched during the last micro-batch's backward;
 3. clips by the global gradient norm over one replica (sharded tensors summed over the tp ranks,
@@ -25,139 +25,50 @@ from another (pp, tp) with ``--elastic``), and then per optimizer step:
 
 Dropout is reseeded from (seed, step, stage, dp rank) at every step, identically on the tp ranks of
 a stage (their replicated activations must see the same masks), so a run is reproducible and a
-resumed run continues exactly. Parity with single-process training holds at dropout 0 (different layouts draw
-dropout masks differently). Precision (``--precision``): fp32, or bf16/fp16 autocast over fp32 master weights and fp32
-AdamW state (``partitioner/precision.py``; fp16 with dynamic loss scaling); ``auto`` picks bf16
-where the device has bf16 units.
+resumed run continues exactly. Parity with single-process training holds at dropout 0 (different
+layouts draw dropout masks differently). Precision: fp32, or bf16/fp16 autocast over fp32 master
+weights and fp32 AdamW state (``partitioner/precision.py``; fp16 with dynamic loss scaling).
 
-Checkpoints are ``training/checkpoint.py``'s: its ``CheckpointManager`` restores a rank and writes
-its part every ``save_every`` steps and at the end (``OUT/final``). Ranks may run on other hosts
-(``train(..., network=GangNetwork(external_ranks=...))``, joined by ``shardserve worker``; the
-spec they read is ``training/remote_program.py``'s): they get the feature file and resume state
-from rank 0 and send it their checkpoint parts (``training/run_files.py``). The driver shows a
-tqdm bar (step, loss, examples/s) and logs periodic evaluation (``training/evaluate.py`` metrics on logits computed by the gang itself).
+Ranks report ``training/messages.py``'s ``StepReport`` / ``EvalLogits`` / ``CheckpointSaved`` to the
+driver. Ranks on other hosts (``shardserve worker``, allowed ``TRAIN_PROGRAM``) read the spec's
+``TrainConfig`` and ``RunInfo`` as JSON, get the feature file and resume state from rank 0 and send
+it their checkpoint parts (``training/run_files.py``)::
 
-    shardserve train --model tiny-bert --train-file data.json --pp 2 --tp 1 --output /tmp/run
-    shardserve train --model tiny-bert --train-file data.json --dp 2 --pp 2 --output /tmp/run
+    body = TRAIN_PROGRAM.to_json({"train": cfg, "run": run})       # on the driver
+    extra, source = TRAIN_PROGRAM.from_json(body, resolve_model(cfg.model))   # on the worker
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import logging
 import math
 import os
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from models.registry import ModelSource, resolve_model
+from models.registry import ModelSource
 from partitioner.data_parallel import GradReducer
 from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
 from partitioner.p2p import P2PCommunicator
-from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
-from partitioner.precision import DTYPES, DynamicLossScale, autocast_for, resolve_dtype
-from partitioner.runtime.gang import Gang
-from partitioner.runtime.messages import CheckpointSaved, ControlMessage, EvalLogits, StepReport
-from partitioner.runtime.rank import GangMode, GangSpec, RankContext
-from partitioner.runtime.remote import GangNetwork
+from partitioner.plan import PartitionPlan
+from partitioner.precision import DTYPES, DynamicLossScale, autocast_for
+from partitioner.runtime.rank import RankContext
+from partitioner.runtime.remote import RemoteProgram
 from partitioner.schedules import MicroBatch, run_gpipe, run_schedule
 from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import build_stage
-from training import checkpoint as ckpt
-from training.config import RunInfo, TrainConfig, TrainConfigError
-from training.curve import Curve
-from training.features import EVAL_INPUTS, prepare_data, read_features
+from training.checkpoint import CheckpointManager
+from training.config import RunInfo, TrainConfig
+from training.features import EVAL_INPUTS, read_features
+from training.messages import CheckpointSaved, EvalLogits, StepReport
+from training.objective import MASK_FILL, lr_at, param_groups, span_loss
 from training.run_files import RunFiles
-
-logger = logging.getLogger(__name__)
-
-MASK_FILL = -1e9  # logit given to padding positions before the span cross-entropy
-
-
-@dataclass
-class TrainResult:
-    """What a finished run produced."""
-
-    output: Path
-    final_checkpoint: Path
-    steps: int
-    losses: dict[int, float] = field(default_factory=dict)  # step -> loss
-    grad_norms: dict[int, float] = field(default_factory=dict)  # step -> global norm before clipping
-    reduce_stats: dict[int, dict[str, int]] = field(default_factory=dict)  # dp > 1: step -> all-reduce
-    evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> SQuAD metrics
-    examples_per_s: float = 0.0  # over the steps this run did (from its second step, when it did 2+)
-    train_seconds: float = 0.0
-    start_step: int = 0  # a resumed run's checkpoint step: this run did steps start_step+1 .. steps
-
-    @property
-    def steps_run(self) -> int:
-        """Optimizer steps this run did (fewer than ``steps`` when it resumed)."""
-        return self.steps - self.start_step
-
-
-# ------------------------------------------------------------------------------------------------
-# Pieces shared by the ranks and the single-process reference (tests)
-# ------------------------------------------------------------------------------------------------
-
-
-def _span_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of (B, S) logits against (B,) positions, or the marginal
-    ``-log sum_k p(target_k)`` against (B, K) candidate positions padded with -1."""
-    if targets.dim() == 1:
-        return F.cross_entropy(logits, targets)
-    logp = logits.log_softmax(dim=-1)  # (B, S)
-    picked = logp.gather(1, targets.clamp(min=0)).masked_fill(targets.lt(0), -math.inf)  # (B, K)
-    return -picked.logsumexp(dim=-1).mean()
-
-
-def span_loss(
-    logits: torch.Tensor, attention_mask: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
-) -> torch.Tensor:
-    """(CE(start) + CE(end)) / 2, mean over the micro-batch; padding positions are masked out.
-
-    logits: (B, S, 2) float; attention_mask: (B, S); starts/ends: (B,) token positions (0 = CLS),
-    or (B, K) candidate positions (-1 padded): every occurrence of the answer text in the window,
-    scored by the probability the model gives to any of them (Clark & Gardner, 2018).
-    """
-    pad = attention_mask.eq(0)  # (B, S)
-    start_logits = logits[..., 0].masked_fill(pad, MASK_FILL)  # (B, S)
-    end_logits = logits[..., 1].masked_fill(pad, MASK_FILL)
-    return (_span_ce(start_logits, starts) + _span_ce(end_logits, ends)) / 2
-
-
-def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    return lr * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-
-def is_no_decay(name: str) -> bool:
-    """Biases and LayerNorm parameters get no weight decay."""
-    owner = name.rsplit(".", 2)[-2] if name.count(".") else name
-    return name.endswith(".bias") or "norm" in owner.lower()
-
-
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups over the trainable parameters: decayed weights, undecayed biases/LayerNorms."""
-    decay, no_decay = [], []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            (no_decay if is_no_decay(name) else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
 
 
 def batch_indices(
@@ -228,6 +139,7 @@ def apply_peft(stage: nn.Module, cfg: TrainConfig) -> None:
 
 
 def with_dropout(source: ModelSource, dropout: float | None) -> ModelSource:
+    """``source`` with its hidden and attention dropout set to ``dropout`` (None: unchanged)."""
     if dropout is None:
         return source
     config = dataclasses.replace(source.config, hidden_dropout=dropout, attention_dropout=dropout)
@@ -243,10 +155,6 @@ def stage_trains(plan: PartitionPlan, cfg: TrainConfig, stage: int) -> bool:
         return True  # full fine-tuning, or LoRA on every layer
     return any(i >= cfg.freeze_layers for i in spec.layers)
 
-
-# ------------------------------------------------------------------------------------------------
-# The rank program
-# ------------------------------------------------------------------------------------------------
 
 LABELS: dict[str, tuple[str, str]] = {  # answer_occurrences -> (start, end) label tensors
     "first": ("start_positions", "end_positions"),
@@ -326,7 +234,7 @@ def _clip_and_step(
 
 
 def train_rank(ctx: RankContext, *, ready: Callable[[dict], None]) -> None:
-    """One rank of a training gang (``GangSpec.program``, ``GangMode.RUN``): build, restore, then
+    """One rank of a training gang (``GangSpec.program``, run to completion): build, restore, then
     the step loop; reports ``StepReport`` / ``EvalLogits`` / ``CheckpointSaved`` to the driver."""
     cfg: TrainConfig = ctx.spec.extra["train"]
     stage, opt = _build_trainable_stage(ctx, cfg)
@@ -361,7 +269,7 @@ def _train_steps(
     dp, n_local = plan.dims.dp, cfg.n_micro_per_replica
     features = Path(run.features)
     features = files.fetch(features.parent, lambda rank: [features.name]) / features.name
-    checkpoints = ckpt.CheckpointManager(ctx, stage, opt, cfg=cfg, run=run, files=files)
+    checkpoints = CheckpointManager(ctx, stage, opt, cfg=cfg, run=run, files=files)
     checkpoints.load()
     labels = LABELS[cfg.answer_occurrences]
     want = ("attention_mask",) + (("input_ids", "token_type_ids") if ctx.is_first else ())
@@ -489,194 +397,21 @@ def _evaluate_in_gang(
     stage.train()
 
 
-# ------------------------------------------------------------------------------------------------
-# The driver
-# ------------------------------------------------------------------------------------------------
+def to_json(extra: dict[str, Any]) -> dict[str, Any]:
+    """``{"train": TrainConfig, "run": RunInfo}`` as JSON-ready dicts."""
+    cfg: TrainConfig = extra["train"]
+    run: RunInfo = extra["run"]
+    return {"train": cfg.to_dict(), "run": dataclasses.asdict(run)}
 
 
-def score_eval(eval_features: Any, logits: Any) -> dict[str, float]:
-    """SQuAD EM/F1 of (N, S, 2) logits over the evaluation windows."""
-    from training.squad_data import postprocess_eval_predictions, prediction_texts
-    from training.squad_metrics import evaluate
+def from_json(body: dict[str, Any], source: ModelSource) -> tuple[dict[str, Any], ModelSource]:
+    """The inverse of ``to_json``, and ``source`` with the run's dropout."""
+    cfg = TrainConfig.from_dict(body["train"])
+    run_fields = dict(body["run"])
+    run_fields["remote_ranks"] = tuple(run_fields.get("remote_ranks", ()))
+    run_fields["skipped_checkpoints"] = tuple(run_fields.get("skipped_checkpoints", ()))
+    run = RunInfo(**run_fields)
+    return {"train": cfg, "run": run}, with_dropout(source, cfg.dropout)
 
-    logits = torch.as_tensor(logits)
-    preds = postprocess_eval_predictions(eval_features, logits[..., 0], logits[..., 1])
-    return evaluate(eval_features.examples, prediction_texts(preds))
 
-
-def train(
-    cfg: TrainConfig,
-    *,
-    show_progress: bool = True,
-    network: GangNetwork | None = None,
-    overwrite: bool = False,
-) -> TrainResult:
-    """Run (or resume) a training run; returns the final checkpoint and the logged numbers.
-
-    ``cfg.output`` holding another run's files (``checkpoint.run_artifacts``) is a `TrainConfigError`
-    unless the run resumes it, or ``overwrite`` (they are removed once the settings and data are valid).
-
-    ``network``: where the gang's store and channel listen and which ranks run on other hosts
-    (``shardserve worker`` there, running ``training/remote_program.py``'s program; flags:
-    ``partitioner/runtime/gang_flags.py``); default: every rank on this one.
-    Rank 0 writes the run directory, so it is never external."""
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    network = network or GangNetwork()
-    if network.external_ranks and network.program.program is not train_rank:
-        raise TrainConfigError(
-            f"ranks {list(network.external_ranks)} run elsewhere, so the network must say they run the "
-            f"training program, not {network.program.name!r}: GangNetwork(program=training.remote_program.REMOTE_PROGRAM)"
-        )
-    source = with_dropout(resolve_model(cfg.model), cfg.dropout)
-    if cfg.window.max_seq_len > source.config.max_seq_len:
-        raise TrainConfigError(
-            f"max_seq_len={cfg.window.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
-        )
-    dims = ParallelDims(pp=cfg.pp, tp=cfg.tp, dp=cfg.dp)
-    external = sorted(network.external_ranks)
-    if external and (external[0] <= 0 or external[-1] >= dims.world_size):
-        raise TrainConfigError(
-            f"external ranks {external}: a training gang's external ranks are 1..{dims.world_size - 1} "
-            f"(rank 0 runs here and writes the run directory; dp={cfg.dp} x pp={cfg.pp} x tp={cfg.tp})"
-        )
-    plan = make_plan(
-        source.config,
-        dims,
-        boundaries=list(cfg.boundaries) if cfg.boundaries else None,
-        seq_len=cfg.window.max_seq_len,
-        devices=default_devices(dims.world_size, device=cfg.device),
-    )
-    if cfg.freeze_layers > source.config.num_layers:
-        raise TrainConfigError(f"freeze_layers={cfg.freeze_layers} > num_layers={source.config.num_layers}")
-    precision = resolve_dtype(cfg.precision, plan.devices[0])  # PrecisionError names the device
-    mode = "no autocast" if precision.name == "float32" else "autocast, fp32 master weights"
-    logger.info("precision: %s %s (%s)", precision.name, mode, precision.reason)
-    out = Path(cfg.output)
-    choice = None
-    if cfg.resume:  # nothing (intact) to resume from: say so before tokenizing the data
-        choice = ckpt.choose_resume_checkpoint(out)
-    elif not overwrite and (found := ckpt.run_artifacts(out)):
-        names = ", ".join(p.name for p in found)
-        raise TrainConfigError(
-            f"--output {cfg.output} already holds a run ({names}); pass --resume to continue it, "
-            "--overwrite to start again from scratch (its files are removed), or another --output"
-        )
-    data = prepare_data(cfg, source, show_progress=show_progress)  # creates OUTPUT once the data is valid
-    per_epoch = data.n_train // cfg.batch_size
-    if per_epoch < 1:
-        raise TrainConfigError(f"batch_size={cfg.batch_size} exceeds the {data.n_train} training features")
-    total = cfg.max_steps if cfg.max_steps is not None else max(1, math.floor(cfg.epochs * per_epoch))
-    warmup = math.floor(cfg.warmup_ratio * total)
-    start = ckpt.resume_point(
-        cfg, total_steps=total, data_sha256=data.data_sha256, compute_dtype=precision.name, choice=choice
-    )
-    start_step = start.step
-    if overwrite and not cfg.resume:
-        ckpt.clear_run(out)
-    if start_step >= total:  # --resume of a finished run: its final is the result
-        logger.info("nothing to train: %s is at step %d of %d", start.path, start_step, total)
-        return TrainResult(output=out, final_checkpoint=out / "final", steps=total, start_step=start_step)
-    loss_scale = start.loss_scale if start.loss_scale is not None else DynamicLossScale().scale
-    run = RunInfo(
-        features=str(data.path),
-        n_train=data.n_train,
-        n_eval=data.n_eval,
-        total_steps=total,
-        warmup_steps=warmup,
-        start_step=start_step,
-        resume_from=start.path,
-        data_sha256=data.data_sha256,
-        base_model=str(source.checkpoint),
-        tokenizer_dir=str(source.tokenizer_dir),
-        compute_dtype=precision.name,
-        loss_scale=loss_scale,
-        remote_ranks=tuple(external),
-        skipped_checkpoints=start.skipped,
-    )
-    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
-    spec = GangSpec(
-        source,
-        plan,
-        threads_per_rank=threads,
-        collective_timeout_s=600.0,  # ranks wait at barriers while rank 0 merges a checkpoint
-        program=train_rank,
-        mode=GangMode.RUN,
-        extra={"train": cfg, "run": run},
-    )
-    result = TrainResult(output=out, final_checkpoint=out / "final", steps=total, start_step=start_step)
-    logger.info(
-        "training %s: dp=%d pp=%d tp=%d %s, %d features, %d steps (batch %d = %d x %d), warm-up %d, lr %g",
-        source.name, cfg.dp, cfg.pp, cfg.tp, cfg.schedule, data.n_train, total, cfg.batch_size,
-        cfg.n_micro, cfg.micro_batch_size, warmup, cfg.lr,
-    )  # fmt: skip
-    bar = tqdm(
-        total=total,
-        initial=start_step,
-        desc="train",
-        unit="step",
-        disable=not show_progress,
-        dynamic_ncols=True,
-    )
-    t_ready: list[float] = []  # when every rank was built and restored (gang.start returned)
-    t_start: list[float] = []
-    seen = [0]
-
-    def on_message(msg: ControlMessage) -> None:
-        if isinstance(msg, StepReport):
-            now = time.perf_counter()
-            if not t_start:
-                # the first step includes warm-up costs: the rate counts from its end on, and until a
-                # second step arrives (a run of one step: a resumed run's last) over the first alone
-                t_start.append(now)
-                begin = t_ready[0] if t_ready else t0
-                rate = msg.examples / (now - begin) if now > begin else 0.0
-            else:
-                seen[0] += msg.examples
-                rate = seen[0] / (now - t_start[0]) if now > t_start[0] else 0.0
-            result.losses[msg.step] = msg.loss
-            result.grad_norms[msg.step] = msg.grad_norm
-            if msg.allreduce is not None:
-                result.reduce_stats[msg.step] = msg.allreduce
-            result.examples_per_s = rate
-            curve.step(msg.step, loss=msg.loss, lr=msg.lr, grad_norm=msg.grad_norm, examples_per_s=rate)
-            bar.update(msg.step - bar.n)
-            bar.set_postfix(loss=f"{msg.loss:.4f}", lr=f"{msg.lr:.2e}", ex_s=f"{rate:.1f}")
-            if cfg.log_every and msg.step % cfg.log_every == 0:
-                logger.info(
-                    "step %d/%d loss %.4f lr %.3g grad_norm %.3f %.1f ex/s",
-                    msg.step, total, msg.loss, msg.lr, msg.grad_norm, rate,
-                )  # fmt: skip
-        elif isinstance(msg, EvalLogits):
-            metrics = score_eval(data.eval_features, msg.logits)
-            result.evals[msg.step] = metrics
-            logger.info(
-                "eval step %d: exact %.2f f1 %.2f (%d questions)",
-                msg.step, metrics["exact"], metrics["f1"], metrics["total"],
-            )  # fmt: skip
-            (out / "eval_results.json").write_text(
-                json.dumps({str(k): v for k, v in result.evals.items()}, indent=2)
-            )
-            curve.evaluation(msg.step, exact=metrics["exact"], f1=metrics["f1"])
-            curve.plot()
-        elif isinstance(msg, CheckpointSaved):
-            logger.info("checkpoint at step %d written", msg.step)
-
-    curve = Curve(out, start_step=start_step)
-    t0 = time.perf_counter()
-    gang = Gang(spec, name="train", network=network)
-    with logging_redirect_tqdm():
-        try:
-            gang.start()
-            t_ready.append(time.perf_counter())
-            gang.join(on_message=on_message)
-        except BaseException:  # Ctrl-C, or a failure here: the ranks stop now, not after their run
-            gang.kill()
-            raise
-        finally:
-            gang.stop()
-            bar.close()
-            curve.plot()
-    result.train_seconds = time.perf_counter() - t0
-    return result
+TRAIN_PROGRAM = RemoteProgram("train", train_rank, to_json=to_json, from_json=from_json)

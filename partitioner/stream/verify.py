@@ -26,8 +26,8 @@ import torch
 from models.build import build_model
 from models.registry import ModelSource
 from partitioner.plan import ParallelDims, default_devices, make_plan
-from partitioner.runtime.gang import Gang
-from partitioner.runtime.rank import GangSpec
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import stream_spec
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +205,8 @@ def verify_partitioned(
     batches = sample_batches(source)
     with tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp:
         want = reference_logits(reference_dir(source, Path(tmp)), batches)
-    with Gang(
-        GangSpec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype, compile=compile),
+    with StreamGang(
+        stream_spec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype, compile=compile),
         name=f"verify-pp{dims.pp}-tp{dims.tp}",
     ) as gang:
         got = gang.run(

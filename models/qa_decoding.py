@@ -1,0 +1,254 @@
+"""Extractive-QA outputs: span decoding, from the start/end logits of a pair's windows to answers.
+
+The way back of ``models/qa_windows.py`` (whose windows carry the character offsets used here).
+The server and the trainer's evaluation both decode with it, so the scoring rules exist once.
+
+    preds = decode_encoded(enc, start, end, [context], top_k=3, max_answer_length=30)
+    preds[0].answers[0].text == context[preds[0].answers[0].start : preds[0].answers[0].end]
+
+Conventions:
+
+* **Score (calibrated across windows).** The start logits of ALL windows of one example are
+  softmax-normalised together, as ONE distribution over every position a model may point at: the
+  context tokens of every window (a token in the overlap of two windows is a position in each) plus
+  a single null position, the CLS logit (index 0) of the window with the lowest null score; the end
+  logits likewise. A span's ``score = p_start * p_end`` in ``[0, 1]`` is then comparable across
+  windows and questions. As the normalisers are shared by every span of the example, spans rank by
+  ``start_logit + end_logit`` (the Hugging Face ``run_qa`` rule), and a one-window context gets
+  exactly the per-window softmax over its context tokens + CLS (the Hugging Face QA pipeline's).
+  Normalising each window on its own instead lets a window without the answer sum to 1 and
+  outscore the right span of another window: on long contexts (~14 windows) that costs 4 EM / 6 F1
+  points (``benchmarks/bench_long_context.py``, ``docs/benchmarks.md``).
+  The same character span found in several overlapping windows is reported once, with its best
+  score.
+* **No answer (SQuAD 2.0).** ``null_score`` = min over windows of ``start_logit[0] + end_logit[0]``
+  (the CLS token), and ``best_span_logit`` = max over valid spans of ``start_logit + end_logit``
+  (both in logit space, as in Hugging Face ``run_qa`` post-processing; the best span is the top
+  answer). With a float ``null_threshold``, ``no_answer = null_score - best_span_logit >
+  null_threshold``; ``None`` (the default) disables no-answer so a SQuAD-1.1 model always answers.
+  The server takes its ``--null-threshold`` as the default and a request's ``null_threshold`` field
+  (`validate_null_threshold`: finite, in ``NULL_THRESHOLD_RANGE``) overrides it. ``answers`` always
+  holds the best non-null spans; ``no_answer`` says the model prefers to abstain.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from models.qa_windows import (
+    EncodedBatch,
+    QAWindow,
+    validate_max_answer_length,
+    validate_top_k,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One answer span: ``context[start:end] == text``."""
+
+    text: str
+    score: float  # p_start * p_end in [0, 1], one softmax over all windows (module docstring)
+    start: int  # character offset into the original context
+    end: int  # exclusive character offset
+    logit_score: float  # start_logit + end_logit (the space `null_score` lives in)
+
+
+@dataclass(frozen=True)
+class QAPrediction:
+    """Decoded answers of one example (best first) plus the SQuAD-2.0 null decision."""
+
+    answers: list[Answer]
+    null_score: float  # min over windows of start_logit[0] + end_logit[0]
+    no_answer: bool  # null_score - best_span_logit > null_threshold (never when threshold is None)
+    best_span_logit: float = -math.inf  # max over valid spans of start_logit + end_logit
+
+    @property
+    def null_score_diff(self) -> float:
+        """``null_score - best_span_logit``: compare with a null threshold (see `find_best_null_threshold`)."""
+        return self.null_score - self.best_span_logit
+
+    @property
+    def text(self) -> str:
+        """The SQuAD prediction string: ``""`` when abstaining, else the best answer's text."""
+        return "" if self.no_answer or not self.answers else self.answers[0].text
+
+
+def _as_logit_rows(logits: Any, windows: Sequence[QAWindow], name: str) -> list[torch.Tensor]:
+    rows = [logits[i] for i in range(len(logits))] if isinstance(logits, torch.Tensor) else list(logits)
+    if len(rows) != len(windows):
+        raise ValueError(f"{name}: got {len(rows)} rows for {len(windows)} windows")
+    out = []
+    for i, (row, w) in enumerate(zip(rows, windows, strict=True)):
+        t = torch.as_tensor(row).detach().to("cpu", torch.float32).reshape(-1)  # (>= num_tokens,)
+        if t.numel() < w.num_tokens:
+            raise ValueError(f"{name}[{i}] has {t.numel()} values, the window has {w.num_tokens} tokens")
+        t = t[: w.num_tokens]
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{name}[{i}] contains non-finite values")
+        out.append(t)
+    return out
+
+
+def _joint_log_softmax(logits: torch.Tensor, pointable: torch.Tensor) -> torch.Tensor:
+    """Log-softmax of ``logits`` (W, L) over the ``pointable`` positions of ALL rows together; -inf elsewhere."""
+    flat = logits.masked_fill(~pointable, -math.inf).reshape(-1)  # (W * L,)
+    return torch.log_softmax(flat, dim=0).reshape(logits.shape)  # (W, L)
+
+
+def decode_spans(
+    windows: Sequence[QAWindow],
+    start_logits: Any,
+    end_logits: Any,
+    context: str,
+    *,
+    top_k: int = 1,
+    max_answer_length: int = 30,
+    null_threshold: float | None = None,
+) -> QAPrediction:
+    """Best ``top_k`` answer spans over all windows of ONE example.
+
+    ``start_logits``/``end_logits``: one 1-D row per window (tensor, array or list; a 2-D padded
+    tensor ``(n_windows, >= seq_len)`` also works, rows are cut to each window's length). Spans obey
+    ``start <= end``, ``end - start + 1 <= max_answer_length`` tokens, both ends on context tokens;
+    identical character spans from overlapping windows are kept once (best score). See the module
+    docstring for the score and no-answer conventions.
+    """
+    validate_top_k(top_k)
+    validate_max_answer_length(max_answer_length)
+    if null_threshold is not None and not math.isfinite(null_threshold):
+        raise ValueError(f"null_threshold must be finite or None, got {null_threshold!r}")
+    if not windows:
+        raise ValueError("decode_spans needs at least one window, got 0")
+    if len({w.example_index for w in windows}) != 1:
+        raise ValueError(
+            f"decode_spans decodes one example; got windows of examples {sorted({w.example_index for w in windows})}"
+        )
+    s_rows = _as_logit_rows(start_logits, windows, "start_logits")
+    e_rows = _as_logit_rows(end_logits, windows, "end_logits")
+
+    n_win = len(windows)
+    seq = max(w.num_tokens for w in windows)
+    neg_inf = -math.inf
+    start = torch.full((n_win, seq), neg_inf)  # (W, L)
+    end = torch.full((n_win, seq), neg_inf)  # (W, L)
+    is_ctx = torch.zeros((n_win, seq), dtype=torch.bool)  # (W, L)
+    char_start = torch.full((n_win, seq), -1, dtype=torch.long)  # (W, L)
+    char_end = torch.full((n_win, seq), -1, dtype=torch.long)  # (W, L)
+    for i, w in enumerate(windows):
+        k = w.num_tokens
+        start[i, :k] = s_rows[i]
+        end[i, :k] = e_rows[i]
+        offs = w.offsets.long()  # (k, 2)
+        if int(offs[:, 1].max()) > len(context):
+            raise ValueError(
+                f"window {i} has offsets up to {int(offs[:, 1].max())}, outside the context ({len(context)} chars)"
+            )
+        is_ctx[i, :k] = offs[:, 0] >= 0
+        char_start[i, :k] = offs[:, 0]
+        char_end[i, :k] = offs[:, 1]
+
+    null_per_window = start[:, 0] + end[:, 0]  # (W,)
+    null_window = int(null_per_window.argmin())
+    null_score = float(null_per_window[null_window])
+
+    # One distribution over all windows: every window's context tokens + ONE null position (the
+    # CLS of the min-null window), so scores compare across windows (see the module docstring).
+    pointable = is_ctx.clone()  # (W, L)
+    pointable[null_window, 0] = True
+    log_p_start = _joint_log_softmax(start, pointable)  # (W, L)
+    log_p_end = _joint_log_softmax(end, pointable)  # (W, L)
+
+    # Band of spans (s, s + a) with a in [0, A): gather end-side values by unfolding a padded row.
+    band = min(max_answer_length, seq)
+
+    def _band(x: torch.Tensor, fill: float | bool) -> torch.Tensor:
+        padded = torch.nn.functional.pad(x, (0, band - 1), value=fill)  # (W, L + A - 1)
+        return padded.unfold(1, band, 1)  # (W, L, A)
+
+    valid = is_ctx[:, :, None] & _band(is_ctx, False)  # (W, L, A)
+    log_p = (log_p_start[:, :, None] + _band(log_p_end, neg_inf)).masked_fill(~valid, neg_inf)  # (W, L, A)
+    logit = (start[:, :, None] + _band(end, neg_inf)).masked_fill(~valid, neg_inf)  # (W, L, A)
+
+    n_valid = int(valid.sum())
+    if n_valid == 0:
+        logger.debug("no valid span in %d windows", n_win)
+        return QAPrediction(answers=[], null_score=null_score, no_answer=True)
+    best_span_logit = float(logit.max())
+
+    flat = log_p.reshape(-1)  # (W * L * A,)
+    k = min(n_valid, top_k * n_win)
+    while True:
+        values, indices = flat.topk(k)
+        answers: list[Answer] = []
+        seen: set[tuple[int, int]] = set()
+        for value, index in zip(values.tolist(), indices.tolist(), strict=True):
+            w, rem = divmod(index, seq * band)
+            s, a = divmod(rem, band)
+            cs, ce = int(char_start[w, s]), int(char_end[w, s + a])
+            if (cs, ce) in seen:
+                continue
+            seen.add((cs, ce))
+            answers.append(
+                Answer(
+                    text=context[cs:ce],
+                    score=min(1.0, math.exp(value)),
+                    start=cs,
+                    end=ce,
+                    logit_score=float(logit[w, s, a]),
+                )
+            )
+            if len(answers) == top_k:
+                break
+        if len(answers) == top_k or k == n_valid:
+            break
+        k = min(n_valid, 2 * k)
+
+    no_answer = null_threshold is not None and null_score - best_span_logit > null_threshold
+    return QAPrediction(
+        answers=answers, null_score=null_score, no_answer=no_answer, best_span_logit=best_span_logit
+    )
+
+
+def decode_encoded(
+    encoded: EncodedBatch,
+    start_logits: Any,
+    end_logits: Any,
+    contexts: Sequence[str],
+    *,
+    top_k: int = 1,
+    max_answer_length: int = 30,
+    null_threshold: float | None = None,
+) -> list[QAPrediction]:
+    """Decode every example of an `EncodedBatch`; logits rows follow ``encoded.windows`` order.
+
+    ``start_logits``/``end_logits``: ``(n_windows, >= seq_len)`` tensor or a sequence of 1-D rows.
+    """
+    if len(contexts) != encoded.num_examples:
+        raise ValueError(f"got {len(contexts)} contexts for {encoded.num_examples} examples")
+    n = len(encoded.windows)
+    if len(start_logits) != n or len(end_logits) != n:
+        raise ValueError(f"got {len(start_logits)}/{len(end_logits)} logit rows for {n} windows")
+    rows: list[list[int]] = [[] for _ in range(encoded.num_examples)]
+    for i, w in enumerate(encoded.windows):
+        rows[w.example_index].append(i)
+    return [
+        decode_spans(
+            [encoded.windows[i] for i in idx],
+            [start_logits[i] for i in idx],
+            [end_logits[i] for i in idx],
+            contexts[ex],
+            top_k=top_k,
+            max_answer_length=max_answer_length,
+            null_threshold=null_threshold,
+        )
+        for ex, idx in enumerate(rows)
+    ]

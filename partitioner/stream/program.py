@@ -1,0 +1,140 @@
+"""The forward stream: the rank program that streams micro-batches through a partition's stages.
+
+It is what a serving replica runs, and what ``verify``, ``eval`` and the benchmarks run to get
+span logits from a partitioned model. Stage 0 takes ``Batch`` messages from the driver (``Stop``
+ends the stream and flows down the pipeline behind the last micro-batch); activations go rank to
+rank over torch.distributed (``partitioner/schedules.py``'s ``run_stream``); the last stage's tp
+rank 0 answers each with a ``Result``. The driver side is ``partitioner/stream/gang.py``.
+
+    spec = stream_spec(source, plan, dtype="bfloat16", compile=True, warmup_lengths=(128, 384))
+    StreamGang(spec).start().submit(ids, mask).result()     # (B, S, 2) float32 logits
+
+Ranks on other hosts run it under the name ``serve`` (``STREAM_PROGRAM``; its settings cross as JSON).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.registry import ModelSource
+from partitioner.compiled import compile_stage, warm_up
+from partitioner.p2p import P2PCommunicator
+from partitioner.plan import PartitionPlan
+from partitioner.precision import DTYPES
+from partitioner.runtime.rank import GangSpec, RankContext
+from partitioner.runtime.remote import RemoteProgram
+from partitioner.runtime.wire import register_messages
+from partitioner.schedules import MicroBatch, run_stream
+from partitioner.stages import build_stage
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch for the pipeline (driver -> stage-0 ranks); ``mb_id`` comes back on its ``Result``."""
+
+    mb_id: int
+    input_ids: np.ndarray  # (B, S) int64
+    attention_mask: np.ndarray  # (B, S)
+    token_type_ids: np.ndarray | None = None  # (B, S)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The stream is over: stage 0 passes it down the pipeline behind the last micro-batch."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """Span logits of micro-batch ``mb_id`` (last stage, tp rank 0 -> driver)."""
+
+    mb_id: int
+    logits: np.ndarray  # (B, S, 2) float32
+
+
+register_messages(Batch, Stop, Result)
+
+
+def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None:
+    """Build this rank's stage (compiled and warmed up when ``extra["compile"]``), then stream."""
+    t0 = time.perf_counter()
+    dtype = DTYPES[ctx.spec.dtype]
+    stage = build_stage(
+        ctx.spec.source,
+        ctx.plan,
+        rank=ctx.rank,
+        tp_group=ctx.tp_group,
+        dtype=dtype,
+        head_seed=ctx.spec.head_seed,
+    )
+    info: dict[str, Any] = {"load_s": time.perf_counter() - t0}
+    if ctx.spec.extra.get("compile", False):
+        compile_stage(stage)
+        lengths = ctx.spec.extra.get("warmup_lengths", DEFAULT_WARMUP)
+        info["compile_s"] = warm_up(stage, lengths=lengths, dtype=dtype, device=ctx.device)
+    ready(
+        {
+            **info,
+            "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),
+            "layer_param_bytes": sum(p.numel() * p.element_size() for p in stage.layers.parameters()),
+            "checkpoint_bytes_read": stage.load_report.bytes_read,
+            "layers": [int(k) for k in stage.layers],
+        }
+    )
+
+    def from_driver(_mb: int | None) -> MicroBatch | None:
+        item: Batch | Stop = ctx.link.get()
+        if isinstance(item, Stop):
+            return None
+        types = item.token_type_ids
+        return MicroBatch(
+            item.mb_id,
+            torch.from_numpy(item.input_ids).to(ctx.device),  # (B, S) int64
+            torch.from_numpy(item.attention_mask).to(ctx.device),  # (B, S)
+            torch.from_numpy(types).to(ctx.device) if types is not None else None,
+        )
+
+    def to_driver(mb: int, logits: torch.Tensor) -> None:
+        if ctx.tp_rank == 0:
+            ctx.link.send(Result(mb, logits.cpu().numpy()))  # (B, S, 2) float32
+
+    comm = P2PCommunicator(device=ctx.device, backend=ctx.backend)
+    ex = ctx.stage_executor(stage, comm, get_inputs=from_driver, on_logits=to_driver, forward_only=True)
+    with torch.inference_mode():
+        run_stream(ex, around_step=ctx.micro_batch)
+
+
+DEFAULT_WARMUP = (128,)
+
+
+def stream_spec(
+    source: ModelSource,
+    plan: PartitionPlan,
+    *,
+    compile: bool = False,
+    warmup_lengths: tuple[int, ...] = DEFAULT_WARMUP,
+    **spec: Any,
+) -> GangSpec:
+    """A gang spec that runs the forward stream; ``compile``: each rank compiles its stage and runs
+    ``warmup_lengths`` at batch 1 and 2 before it is ready; ``spec``: the other ``GangSpec`` fields."""
+    extra = {"compile": compile, "warmup_lengths": tuple(warmup_lengths)}
+    return GangSpec(source, plan, program=stream_rank, extra=extra, **spec)
+
+
+def _to_json(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "compile": bool(extra.get("compile", False)),
+        "warmup_lengths": list(extra.get("warmup_lengths", DEFAULT_WARMUP)),
+    }
+
+
+def _from_json(body: dict[str, Any], source: ModelSource) -> tuple[dict[str, Any], ModelSource]:
+    return {"compile": body["compile"], "warmup_lengths": tuple(body["warmup_lengths"])}, source
+
+
+STREAM_PROGRAM = RemoteProgram("serve", stream_rank, to_json=_to_json, from_json=_from_json)

@@ -1,0 +1,136 @@
+"""The pure config dataclasses of serving, built by the front end's settings and read by each room.
+
+A leaf: it imports nothing from ``serving``'s rooms, so the front end (``serving/frontend/settings.py``
+builds these), the engine (``SchedulerConfig``, and the builder reads all three) and the fleet
+(``AutoscalingConfig``, ``FleetConfig``) share one definition without importing each other. Each is
+validated once, on construction; errors print the numbers.
+
+    SchedulerConfig(max_batch_size=16)                  # the batcher and queue knobs (Triton names)
+    AutoscalingConfig(min_replicas=1, max_replicas=4)   # the autoscaler's knobs (Ray Serve names)
+    FleetConfig(device="cpu", pp=2, pool_slots=6)       # where and how replica gangs run
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from partitioner.runtime.remote import GangNetwork
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batcher and queue knobs (Triton names); validated once, errors print the numbers."""
+
+    max_queue_size: int = 256  # requests with windows still waiting for dispatch
+    max_batch_size: int = 32  # windows per micro-batch
+    max_batch_tokens: int = 8192  # padded tokens per micro-batch: batch_size * longest window
+    max_queue_delay_ms: float = 5.0  # oldest window may wait this long for a fuller batch
+    length_buckets: tuple[int, ...] = (64, 128, 256, 384)  # sorted bucket upper bounds (tokens)
+    max_inflight_per_replica: int = 2  # micro-batches in flight per replica
+    default_deadline_s: float = 30.0  # request deadline when submit() gets none
+    deadline_margin_ms: float = 50.0  # release a partial batch once a deadline is this near
+    max_windows_per_request: int = 1024  # windows one request (all its pairs) may need; beyond: 413
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in (
+            "max_queue_size",
+            "max_batch_size",
+            "max_batch_tokens",
+            "max_inflight_per_replica",
+            "max_windows_per_request",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+        for name in ("max_queue_delay_ms", "deadline_margin_ms"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
+        if self.default_deadline_s <= 0:
+            problems.append(f"default_deadline_s={self.default_deadline_s!r} must be > 0")
+        buckets = tuple(self.length_buckets)
+        object.__setattr__(self, "length_buckets", buckets)
+        if not buckets or buckets[0] < 1 or any(a >= b for a, b in itertools.pairwise(buckets)):
+            problems.append(f"length_buckets={buckets} must be non-empty, >= 1 and strictly increasing")
+        elif isinstance(self.max_batch_tokens, int) and self.max_batch_tokens < buckets[-1]:
+            problems.append(
+                f"max_batch_tokens={self.max_batch_tokens} is below the largest length bucket "
+                f"{buckets[-1]}: windows of that bucket could never be batched"
+            )
+        if problems:
+            raise ValueError("invalid SchedulerConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class AutoscalingConfig:
+    """Ray Serve-style autoscaling knobs; validated once, errors print the numbers."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 2.0  # queued + in-flight requests per replica
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    downscale_margin: float = 0.8  # dead-band: scale down only to counts loaded <= margin * target
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("min_replicas", "max_replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+        if not problems and self.min_replicas > self.max_replicas:
+            problems.append(f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}")
+        if self.target_ongoing_requests <= 0:
+            problems.append(f"target_ongoing_requests={self.target_ongoing_requests!r} must be > 0")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
+        if self.look_back_period_s <= 0:
+            problems.append(f"look_back_period_s={self.look_back_period_s!r} must be > 0")
+        if not 0 < self.downscale_margin <= 1:
+            problems.append(f"downscale_margin={self.downscale_margin!r} must be in (0, 1]")
+        if problems:
+            raise ValueError("invalid AutoscalingConfig: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Where and how replica gangs run: the model's partition and positions, the device pool, the
+    ranks' threads / dtype / compile / network, and the gangs' timeouts."""
+
+    device: str = "cpu"  # cpu or cuda
+    pp: int = 1  # pipeline stages per gang
+    tp: int = 1  # tensor-parallel ranks per stage
+    pool_slots: int = 2  # CPU device pool: ranks that may run at once
+    ranks_per_gpu: int = 1  # cuda: ranks that may share one GPU
+    max_seq_len: int = 384  # tokens per window: must fit the model's positions
+    rank_threads: int = 1  # torch intra-op threads per rank
+    dtype: str = "float32"  # the ranks' compute dtype (already resolved for the device)
+    compile: bool = False  # torch.compile each rank's stage
+    network: GangNetwork | None = None  # where gangs listen, which ranks run elsewhere (None: all here)
+    heartbeat_timeout_s: float = 1.5  # a rank silent this long is lost
+    start_timeout_s: float = 300.0  # a gang not ready after this is failed
+    stall_timeout_s: float = 10.0  # a replica with work and no progress this long is failed
+    drain_timeout_s: float = 30.0  # a draining gang's in-flight work gets this long
+    restart_backoff_s: float = 1.0  # pause before restarting a failed gang
+    autoscale_interval_s: float = 0.5  # seconds between autoscaling decisions
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name}={getattr(self, name)!r} must be an integer >= 1"
+            for name in ("pp", "tp", "pool_slots", "ranks_per_gpu", "max_seq_len", "rank_threads")
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1
+        ]
+        if self.device not in ("cpu", "cuda"):
+            problems.append(f"device={self.device!r} must be cpu or cuda")
+        if problems:
+            raise ValueError("invalid FleetConfig: " + "; ".join(problems))
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per gang (pp * tp)."""
+        return self.pp * self.tp

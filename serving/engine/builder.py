@@ -1,0 +1,104 @@
+"""Building a serving engine from configs: the scheduler, the fleet (device pool, gangs, replica
+manager, supervisor) and the engine wired to them (vLLM's ``AsyncLLM.from_config``).
+
+The one place that wires the rooms below the front end: the front end passes the configs its
+settings build (``serving/config.py``) and gets an ``Engine`` whose facade (``serving/engine/core.py``)
+is all it talks to; it never imports ``serving.fleet``. The model is loaded and the device pool
+checked here too, before anything starts (the CLI checks both before the server starts).
+
+    fleet = settings.fleet_config(dtype="float32", compile=False)
+    model = load_model(fleet, "tiny-bert", generation=0)   # ValueError / CheckpointError / OSError
+    replica_cap(fleet)                                      # gangs the device pool holds; ValueError: none
+    engine = build_engine(model=model, fleet=fleet, scheduler=settings.scheduler_config(),
+                          autoscaling=settings.autoscaling_config(), metrics=ServingMetrics())
+    await engine.start(); ...; await engine.shutdown(timeout_s=30)
+
+Tests pass ``backend_factory`` (``tests/serving/fakes.py``) instead of real gangs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from models.qa_windows import WindowConfig
+from serving.config import AutoscalingConfig, FleetConfig, SchedulerConfig
+from serving.engine.core import Engine
+from serving.engine.scheduler import Scheduler
+from serving.fleet import model_loader
+from serving.fleet.gangs import BackendFactory, ModelGeneration, gang_factory
+from serving.fleet.replicas import ReplicaManager
+from serving.fleet.supervisor import Supervisor
+from serving.metrics import ServingMetrics
+
+__all__ = ["BackendFactory", "ModelGeneration", "build_engine", "load_model", "replica_cap"]
+
+
+def load_model(fleet: FleetConfig, name: str, *, generation: int) -> ModelGeneration:
+    """A checked model generation (``serving/fleet/model_loader.py``); raises ValueError /
+    CheckpointError / OSError before any gang starts."""
+    return model_loader.load_generation(fleet, name, generation=generation)
+
+
+def replica_cap(fleet: FleetConfig) -> int:
+    """Replica gangs the device pool of ``fleet`` holds; ValueError (with the numbers) when none fits."""
+    return model_loader.device_pool(fleet).gangs_that_fit(fleet.world_size)
+
+
+def build_engine(
+    *,
+    model: ModelGeneration,
+    fleet: FleetConfig,
+    scheduler: SchedulerConfig,
+    autoscaling: AutoscalingConfig,
+    metrics: ServingMetrics,
+    window: WindowConfig | None = None,
+    null_threshold: float | None = None,
+    max_request_timeout_s: float = 300.0,
+    public_name: Callable[[str], str] | None = None,
+    backend_factory: BackendFactory | None = None,
+) -> Engine:
+    """Scheduler (the in-flight ledger) + replica manager + engine (attached to the manager) +
+    supervisor; nothing starts until ``engine.start()``. ``public_name``: the model's name for
+    clients given the loaded one (default: the loaded one)."""
+    factory = backend_factory or gang_factory(
+        threads_per_rank=fleet.rank_threads,
+        dtype=fleet.dtype,
+        compile=fleet.compile,
+        warmup_lengths=scheduler.length_buckets,
+        heartbeat_timeout_s=fleet.heartbeat_timeout_s,
+        start_timeout_s=fleet.start_timeout_s,
+        network=fleet.network,
+    )
+    ledger = Scheduler(scheduler)  # the one ledger of in-flight work
+    manager = ReplicaManager(
+        factory=factory,
+        pool=model_loader.device_pool(fleet),
+        model=model,
+        metrics=metrics,
+        ledger=ledger,
+        drain_timeout_s=fleet.drain_timeout_s,
+        restart_backoff_s=fleet.restart_backoff_s,
+        fail_fast=True,
+        stall_timeout_s=fleet.stall_timeout_s,
+    )
+    supervisor = Supervisor(
+        ledger=ledger,
+        manager=manager,
+        metrics=metrics,
+        config=autoscaling,
+        interval_s=fleet.autoscale_interval_s,
+    )
+    engine = Engine(
+        scheduler=ledger,
+        manager=manager,
+        supervisor=supervisor,
+        metrics=metrics,
+        fleet=fleet,
+        public_name=public_name,
+        window=window,
+        null_threshold=null_threshold,
+        max_request_timeout_s=max_request_timeout_s,
+        stall_timeout_s=fleet.stall_timeout_s,
+    )
+    manager.attach(engine)  # replica changes wake the engine; a failed replica's work fails over
+    return engine

@@ -1,0 +1,133 @@
+"""A replica's gang as the fleet sees it: the ``Backend`` interface, the factory of real gangs
+(the forward stream, ``partitioner/stream/``), the model generation a gang holds, and the warm-up
+micro-batch a new gang must answer before it is routable.
+
+    factory = gang_factory(threads_per_rank=1, heartbeat_timeout_s=1.5, start_timeout_s=300)
+    backend = factory(source, plan, "tiny-bert-r0"); backend.start(); warm_up(backend, model, timeout_s=60)
+
+Tests use a fake backend with the same interface (``tests/serving/fakes.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from models.qa_windows import WindowConfig, encode_qa, pad_windows
+from models.registry import ModelSource
+from partitioner.plan import ParallelDims, PartitionPlan, make_plan
+from partitioner.runtime.gang import GangError
+from partitioner.runtime.remote import GangNetwork
+
+WARMUP_QUESTION = "What does the warm-up check?"
+WARMUP_CONTEXT = "The warm-up checks that every stage of a new gang answers before traffic is routed to it."
+
+
+class Backend(Protocol):
+    """What the server needs of a gang (``partitioner.stream.gang.StreamGang`` satisfies it)."""
+
+    def start(self) -> Any: ...
+    def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future: ...
+    def stop(self, *, timeout_s: float = 30.0) -> None: ...
+    def kill(self) -> None: ...  # any thread: the ranks die now, a start() waiting for them fails
+    def fail(self, err: GangError) -> None: ...  # the fleet decided it failed: its futures fail with err
+    def pids(self) -> list[int]: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
+
+
+def gang_factory(
+    *,
+    threads_per_rank: int,
+    heartbeat_timeout_s: float,
+    start_timeout_s: float,
+    dtype: str = "float32",
+    compile: bool = False,
+    warmup_lengths: tuple[int, ...] = (128,),
+    network: GangNetwork | None = None,
+) -> BackendFactory:
+    """A factory of real gangs (worker processes) with these settings; ``compile``: each rank compiles
+    its stage and runs ``warmup_lengths`` before ready; ``network``: where the gang listens and which
+    ranks run elsewhere (default: all here, on loopback; ranks elsewhere run the stream as ``serve``)."""
+    from partitioner.stream.gang import StreamGang
+    from partitioner.stream.program import STREAM_PROGRAM, stream_spec
+
+    network = dataclasses.replace(network or GangNetwork(), program=STREAM_PROGRAM)
+
+    def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
+        spec = stream_spec(
+            source,
+            plan,
+            threads_per_rank=threads_per_rank,
+            dtype=dtype,
+            compile=compile,
+            warmup_lengths=warmup_lengths,
+        )
+        return StreamGang(
+            spec,
+            name=name,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            start_timeout_s=start_timeout_s,
+            network=network,
+        )
+
+    return make
+
+
+def _probe(backend: Backend, name: str) -> list | None:
+    """``backend.<name>()`` when the backend has it and can tell, else None."""
+    probe = getattr(backend, name, None)
+    if probe is None:
+        return None
+    try:
+        return probe() or None
+    except (TypeError, ValueError, OSError):
+        return None
+
+
+def rank_processes(backend: Backend) -> list[tuple[str, int] | None] | None:
+    """Per rank: (host, pid) as the rank reports them (None: not heard yet); None when the backend
+    cannot tell (``partitioner.runtime.gang.Gang.rank_processes``)."""
+    return _probe(backend, "rank_processes")
+
+
+def busy_seconds(backend: Backend) -> list[float] | None:
+    """Per rank: seconds spent inside micro-batches so far (None when the backend cannot tell)."""
+    return _probe(backend, "busy_seconds")
+
+
+@dataclass
+class ModelGeneration:
+    """One loaded model: source, base plan, tokenizer (shared by every gang of the generation)."""
+
+    generation: int
+    source: ModelSource
+    dims: ParallelDims
+    tokenizer: Any
+
+    def plan(self, devices: tuple[str, ...] | None = None) -> PartitionPlan:
+        return make_plan(self.source.config, self.dims, devices=devices)
+
+
+def warm_up(backend: Backend, model: ModelGeneration, *, timeout_s: float) -> None:
+    """Send one real micro-batch through every stage; raises if the gang cannot answer."""
+    enc = encode_qa(
+        model.tokenizer,
+        [WARMUP_QUESTION],
+        [WARMUP_CONTEXT],
+        window=WindowConfig(max_seq_len=64, doc_stride=8, max_question_len=16),
+    )
+    batch = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
+    types = batch.token_type_ids if model.source.config.uses_token_types else None
+    out = backend.submit(batch.input_ids, batch.attention_mask, types).result(timeout=timeout_s)
+    if tuple(out.shape[:2]) != tuple(batch.input_ids.shape):
+        raise RuntimeError(
+            f"warm-up logits have shape {tuple(out.shape)} for inputs {tuple(batch.input_ids.shape)}"
+        )

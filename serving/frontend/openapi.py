@@ -1,4 +1,4 @@
-"""The OpenAPI document of the server, kept equal to what the routes really answer (issue 11.10).
+"""The OpenAPI document of the server, kept equal to what the routes really answer.
 
 It owns three things, so that a schema-driven client (or schemathesis ``--checks all``) finds no
 gap between the document and the server:

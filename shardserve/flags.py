@@ -166,8 +166,7 @@ class InvalidSettings(Exception):
         """The first problem as argparse says a bad value: ``argument --seq-len: must be >= 1 (got -5)``."""
         e = self.err.errors()[0]
         loc = [str(x) for x in e.get("loc", ())]
-        item = f" (item {int(loc[1]) + 1})" if len(loc) > 1 and loc[1].isdigit() else ""
-        where = f"argument {flag(loc[0])}{item}: " if loc else ""
+        where = f"argument {flag(loc[0])}{_item(loc)}: " if loc else ""
         return where + _message(e)
 
 
@@ -187,6 +186,11 @@ def build_settings(values: Mapping[str, Any], model: type[BaseModel]) -> BaseMod
         raise InvalidSettings(err, model=model, given=given) from None
 
 
+def _item(loc: list[str]) -> str:
+    """`` (item 2)`` when the error is about one item of a list field (its location's index 1)."""
+    return f" (item {int(loc[1]) + 1})" if len(loc) > 1 and loc[1].isdigit() else ""
+
+
 def _message(e: Any) -> str:
     return str(e.get("msg", "")).removeprefix("Value error, ").removeprefix("invalid settings: ")
 
@@ -204,10 +208,9 @@ def error_line(err: ValidationError, *, model: type[BaseModel], given: Collectio
             continue
         name = loc[0]
         where = flag(name) if name in given else f"{ENV_PREFIX}{name.upper()}"
-        item = f" (item {int(loc[1]) + 1})" if len(loc) > 1 and loc[1].isdigit() else ""
         value = e.get("input")
         shown = f" (got {value!r})" if isinstance(value, int | float | str) and len(repr(value)) < 60 else ""
-        parts.append(f"{where}{item}: {msg}{shown}")
+        parts.append(f"{where}{_item(loc)}: {msg}{shown}")
     line = "; ".join(parts)
     return _flags_in(line, "|".join(sorted(model.model_fields, key=len, reverse=True)))
 

@@ -108,8 +108,8 @@ class DriverChannel:
     def recv(self, timeout_s: float) -> Any | None:
         """The next message from any rank, or None after ``timeout_s``. Heartbeats are consumed
         here (they update ``last_seen`` / ``progress`` / ``busy_since``); one reader at a time."""
-        deadline = self._read_at = time.monotonic()
-        deadline += timeout_s
+        self._read_at = time.monotonic()
+        deadline = self._read_at + timeout_s
         while True:
             wait_ms = max(0, int(1000 * (deadline - time.monotonic())))
             if self._closed or not self._pull.poll(wait_ms):

@@ -59,6 +59,8 @@ class Result:
 
 register_messages(Batch, Stop, Result)
 
+DEFAULT_WARMUP = (128,)  # lengths a compiled stage runs at batch 1 and 2 before it is ready
+
 
 def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None:
     """Build this rank's stage (compiled and warmed up when ``extra["compile"]``), then stream."""
@@ -107,9 +109,6 @@ def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) ->
     ex = ctx.stage_executor(stage, comm, get_inputs=from_driver, on_logits=to_driver, forward_only=True)
     with torch.inference_mode():
         run_stream(ex, around_step=ctx.micro_batch)
-
-
-DEFAULT_WARMUP = (128,)
 
 
 def stream_spec(

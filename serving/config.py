@@ -8,12 +8,15 @@ validated once, on construction; errors print the numbers.
     SchedulerConfig(max_batch_size=16)                  # the batcher and queue knobs (Triton names)
     AutoscalingConfig(min_replicas=1, max_replicas=4)   # the autoscaler's knobs (Ray Serve names)
     FleetConfig(device="cpu", pp=2, pool_slots=6)       # where and how replica gangs run
+    model_flag("a=default"), repository_models(Path("models/"))   # the models of a server
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -134,3 +137,40 @@ class FleetConfig:
     def world_size(self) -> int:
         """Ranks per gang (pp * tp)."""
         return self.pp * self.tp
+
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_model_name(name: str) -> str:
+    """A public model name (letters, digits, ``. _ -``; at most 64); ValueError naming it otherwise."""
+    if not MODEL_NAME.match(name):
+        raise ValueError(
+            f"model name {name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with one"
+        )
+    return name
+
+
+def model_flag(value: str) -> tuple[str | None, str]:
+    """``NAME=MODEL`` -> (NAME, MODEL); a bare ``MODEL`` -> (None, MODEL) (its name comes from it)."""
+    name, sep, ref = value.partition("=")
+    if not sep:
+        return None, value
+    if not ref:
+        raise ValueError(f"model {value!r}: nothing after '=' (NAME=MODEL)")
+    return check_model_name(name), ref
+
+
+def model_name_of(ref: str) -> str:
+    """The public name of a model given without one: a registry name, or its folder's name."""
+    return Path(ref).name or ref
+
+
+def repository_models(root: Path) -> dict[str, str]:
+    """The models of a Triton-style repository folder: each sub-folder ``NAME`` (a Hugging Face model
+    directory, or numbered version folders ``NAME/1``, ``NAME/2``: the highest is served) -> its path."""
+    found: dict[str, str] = {}
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        versions = sorted((int(v.name), v) for v in sub.iterdir() if v.is_dir() and v.name.isdigit())
+        found[sub.name] = str(versions[-1][1] if versions else sub)
+    return found

@@ -2,11 +2,15 @@
 
 GET /metrics renders ``ServingMetrics.render()``. Names are prefixed ``shardserve_``:
 
-- model_info{model,precision,pp,tp} = 1: the served model (``--served-model-name``, else the loaded
-  model's name), its compute dtype and partition; one series, replaced by ``set_model_info`` after
-  ``/admin/reload``. The other metrics carry no model label (a server serves one model): join them
-  with ``* on() group_left(model) shardserve_model_info`` where a model label is wanted.
-- requests_total{endpoint,status}, request_latency_seconds{endpoint} (histogram)
+Every series of a model's work carries its ``model`` label (its public name: ``--model NAME=...``,
+``--served-model-name`` or the loaded model's name); the engine, the dispatcher and the fleet of one
+model write through ``ServingMetrics.for_model(name)`` (a ``ModelMetrics``: the same attribute names,
+the label bound), and ``forget_model`` drops a model's series when it is unloaded.
+
+- model_info{model,precision,pp,tp} = 1: each served model, its compute dtype and partition; one
+  series per model, replaced by ``set_model_info`` after a reload.
+- requests_total{model,endpoint,status}, request_latency_seconds{model,endpoint} (histogram): every
+  HTTP answer; ``model`` is empty for routes of no model (health, metrics, admin)
 - queue_wait_seconds (submit -> last window dispatched), queue_depth_requests / _windows (gauges)
 - batch_size_windows, batch_tokens_padded (histograms), batches_total{reason}, padding_ratio
 - replicas{state}, replica_failures_total, replica_restarts_total, retried_windows_total
@@ -21,11 +25,35 @@ GET /metrics renders ``ServingMetrics.render()``. Names are prefixed ``shardserv
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+# the attributes of ``ServingMetrics`` that a model's engine and fleet write (each labelled ``model`` first)
+MODEL_METRICS = (
+    "queue_wait",
+    "queue_depth",
+    "queue_windows",
+    "inflight_requests",
+    "batch_size",
+    "batch_tokens",
+    "batches",
+    "padding_ratio",
+    "replicas",
+    "replica_failures",
+    "replica_restarts",
+    "retried_windows",
+    "autoscale",
+    "autoscale_target",
+    "stage_busy",
+    "bubble",
+)
 
 
 class ServingMetrics:
@@ -33,102 +61,155 @@ class ServingMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        m = ["model"]
         self.requests = Counter(
             "shardserve_requests_total",
-            "HTTP requests by endpoint and status",
-            ["endpoint", "status"],
+            "HTTP requests by model, endpoint and status",
+            [*m, "endpoint", "status"],
             registry=r,
         )
         self.latency = Histogram(
             "shardserve_request_latency_seconds",
             "end-to-end request latency",
-            ["endpoint"],
+            [*m, "endpoint"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_wait = Histogram(
             "shardserve_queue_wait_seconds",
             "time from admission until the request's last window was dispatched",
+            m,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_depth = Gauge(
-            "shardserve_queue_depth_requests", "requests waiting for dispatch", registry=r
+            "shardserve_queue_depth_requests", "requests waiting for dispatch", m, registry=r
         )
         self.queue_windows = Gauge(
-            "shardserve_queue_depth_windows", "windows waiting for dispatch", registry=r
+            "shardserve_queue_depth_windows", "windows waiting for dispatch", m, registry=r
         )
         self.inflight_requests = Gauge(
-            "shardserve_ongoing_requests", "admitted requests not yet answered", registry=r
+            "shardserve_ongoing_requests", "admitted requests not yet answered", m, registry=r
         )
         self.batch_size = Histogram(
-            "shardserve_batch_size_windows", "windows per micro-batch", buckets=BATCH_SIZE_BUCKETS, registry=r
+            "shardserve_batch_size_windows",
+            "windows per micro-batch",
+            m,
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
         )
         self.batch_tokens = Histogram(
             "shardserve_batch_tokens_padded",
             "padded tokens per micro-batch",
+            m,
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
         self.batches = Counter(
-            "shardserve_batches_total", "micro-batches dispatched by release reason", ["reason"], registry=r
+            "shardserve_batches_total",
+            "micro-batches dispatched by release reason",
+            [*m, "reason"],
+            registry=r,
         )
         self.padding_ratio = Gauge(
-            "shardserve_padding_ratio", "padding tokens / padded tokens over all batches", registry=r
+            "shardserve_padding_ratio", "padding tokens / padded tokens over all batches", m, registry=r
         )
-        self.replicas = Gauge("shardserve_replicas", "replica gangs by state", ["state"], registry=r)
+        self.replicas = Gauge("shardserve_replicas", "replica gangs by state", [*m, "state"], registry=r)
         self.replica_failures = Counter(
             "shardserve_replica_failures_total",
             "replica gangs that failed (a rank died, raised or stalled, or the gang failed to start)",
+            m,
             registry=r,
         )
         self.replica_restarts = Counter(
-            "shardserve_replica_restarts_total", "gangs restarted after a failure", registry=r
+            "shardserve_replica_restarts_total", "gangs restarted after a failure", m, registry=r
         )
         self.retried_windows = Counter(
-            "shardserve_retried_windows_total", "windows re-queued after their replica failed", registry=r
+            "shardserve_retried_windows_total", "windows re-queued after their replica failed", m, registry=r
         )
         self.autoscale = Counter(
-            "shardserve_autoscale_decisions_total", "applied autoscaling decisions", ["direction"], registry=r
+            "shardserve_autoscale_decisions_total",
+            "applied autoscaling decisions",
+            [*m, "direction"],
+            registry=r,
         )
         self.autoscale_target = Gauge(
-            "shardserve_autoscale_target_replicas", "replica count the autoscaler asks for", registry=r
+            "shardserve_autoscale_target_replicas", "replica count the autoscaler asks for", m, registry=r
         )
         self.model_info = Gauge(
             "shardserve_model_info",
-            "the served model (1): its public name, compute dtype and partition (pp x tp ranks per gang)",
-            ["model", "precision", "pp", "tp"],
+            "each served model (1): its public name, compute dtype and partition (pp x tp ranks per gang)",
+            [*m, "precision", "pp", "tp"],
             registry=r,
         )
         self.stage_busy = Counter(
             "shardserve_stage_busy_seconds_total",
             "sampled busy time of each pipeline stage (rank 0 of the stage)",
-            ["replica", "stage"],
+            [*m, "replica", "stage"],
             registry=r,
         )
         self.bubble = Gauge(
             "shardserve_pipeline_bubble_fraction",
             "1 - stage busy time / (stages x time with work in flight), per replica",
-            ["replica"],
+            [*m, "replica"],
             registry=r,
         )
 
-    def set_model_info(self, *, model: str, precision: str, pp: int, tp: int) -> None:
-        """Make ``model_info`` name the model now served (the previous series, if any, is dropped)."""
-        self.model_info.clear()
-        self.model_info.labels(model=model, precision=precision, pp=str(pp), tp=str(tp)).set(1)
+    def for_model(self, model: str) -> ModelMetrics:
+        """The metrics one model's engine and fleet write, with its ``model`` label bound."""
+        return ModelMetrics(self, model)
 
-    def forget_replica(self, replica_id: str) -> None:
-        """Drop the per-replica series (stage busy time, bubble fraction) of a gang that is gone."""
-        for metric, names in ((self.stage_busy, ("replica", "stage")), (self.bubble, ("replica",))):
-            labelled = {
-                tuple(sample.labels[name] for name in names)
-                for family in metric.collect()
-                for sample in family.samples
-                if sample.labels.get("replica") == replica_id
-            }
-            for values in labelled:
-                metric.remove(*values)
+    def forget_model(self, model: str) -> None:
+        """Drop every series of ``model`` (it was unloaded): /metrics names only the models served."""
+        for name in (*MODEL_METRICS, "requests", "latency", "model_info"):
+            _remove_where(getattr(self, name), model=model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _remove_where(metric: MetricWrapperBase, **match: str) -> None:
+    """Remove the series of ``metric`` whose labels include ``match``."""
+    names = metric._labelnames
+    labelled = {
+        tuple(sample.labels[n] for n in names)
+        for family in metric.collect()
+        for sample in family.samples
+        if all(sample.labels.get(k) == v for k, v in match.items())
+    }
+    for values in labelled:
+        metric.remove(*values)
+
+
+class _Bound:
+    """One metric with its ``model`` label bound: ``.labels(**rest)`` for the others, or the child's
+    ``inc`` / ``set`` / ``observe`` when ``model`` is its only label."""
+
+    def __init__(self, metric: MetricWrapperBase, model: str) -> None:
+        self.metric, self.model = metric, model
+
+    def labels(self, **rest: str) -> Any:
+        return self.metric.labels(model=self.model, **rest)
+
+    def __getattr__(self, name: str) -> Any:  # inc, set, observe of the model's own series
+        return getattr(self.metric.labels(model=self.model), name)
+
+
+class ModelMetrics:
+    """The metrics of one model (``ServingMetrics.for_model``): the attributes ``MODEL_METRICS`` names,
+    each with the model's label bound, and the model's ``model_info`` and per-replica series."""
+
+    def __init__(self, metrics: ServingMetrics, model: str) -> None:
+        self.all, self.model = metrics, model
+        for name in MODEL_METRICS:
+            setattr(self, name, _Bound(getattr(metrics, name), model))
+
+    def set_model_info(self, *, precision: str, pp: int, tp: int) -> None:
+        """Make ``model_info`` describe this model as now served (its previous series is dropped)."""
+        _remove_where(self.all.model_info, model=self.model)
+        self.all.model_info.labels(model=self.model, precision=precision, pp=str(pp), tp=str(tp)).set(1)
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop the per-replica series (stage busy time, bubble fraction) of a gang that is gone."""
+        for metric in (self.all.stage_busy, self.all.bubble):
+            _remove_where(metric, model=self.model, replica=replica_id)

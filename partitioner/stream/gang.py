@@ -2,13 +2,20 @@
 
 ``StreamGang`` is a ``Gang`` (``partitioner/runtime/gang.py``) running ``stream_rank``: ``submit()``
 sends a ``Batch`` to every stage-0 rank and returns a future; a monitor thread resolves it from the
-last stage's ``Result``. When the core reports a lost rank (died, raised, or silent for
-``heartbeat_timeout_s``) every pending future fails at once with that ``GangError``; a stall (alive
-but no progress) is for the owner to judge (serving's fleet), which ends the gang with ``fail()``.
+last stage's ``Result``. A gang holding several models (``stream_spec_multi``) takes each
+micro-batch for the model it names (``submit(..., model=)``; default: the gang's first model).
+When the core reports a lost rank (died, raised, or silent for ``heartbeat_timeout_s``) every
+pending future fails at once with that ``GangError``; a stall (alive but no progress) is for the
+owner to judge (serving's fleet), which ends the gang with ``fail()``.
 
     with StreamGang(stream_spec(source, plan)) as gang:
         logits = gang.submit(input_ids, attention_mask).result()   # (B, S, 2) float32 tensor
         outs = gang.run([(ids, mask), (ids2, mask2)], timeout_s=60)  # in order
+    with StreamGang(stream_spec_multi({"bert": (bert, plan_b), "roberta": (roberta, plan_r)})) as gang:
+        gang.models                                              # ("bert", "roberta")
+        logits = gang.submit(ids, mask, model="roberta").result()
+
+Run the tests: ``python -m pytest tests/partitioner/runtime/test_gang.py tests/partitioner/stream -q``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 from partitioner.runtime.channel import ChannelError
 from partitioner.runtime.gang import Gang, GangError
 from partitioner.runtime.messages import RankFailed
+from partitioner.stream.multiplex import gang_models
 from partitioner.stream.program import Batch, Result, Stop
 
 logger = logging.getLogger(__name__)
@@ -42,7 +50,8 @@ class StreamGang(Gang):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pending: dict[int, Future] = {}  # micro-batch id -> its result
+        self._pending: dict[int, tuple[Future, str]] = {}  # micro-batch id -> its result, its model
+        self.models: tuple[str, ...] = tuple(m.name for m in gang_models(self.spec))  # the first: default
         self._lock = threading.Lock()
         self._next_id = 0
         self._monitor: threading.Thread | None = None
@@ -78,8 +87,14 @@ class StreamGang(Gang):
         input_ids: torch.Tensor | np.ndarray,
         attention_mask: torch.Tensor | np.ndarray,
         token_type_ids: torch.Tensor | np.ndarray | None = None,
+        *,
+        model: str | None = None,
     ) -> Future:
-        """Queue one micro-batch ((B, S) each); the future resolves to (B, S, 2) float32 logits."""
+        """Queue one micro-batch ((B, S) each) for ``model`` (one of ``models``; None: the first);
+        the future resolves to (B, S, 2) float32 logits. ``ValueError`` for a model not on the gang."""
+        name = self.models[0] if model is None else model
+        if name not in self.models:
+            raise ValueError(f"{self.name}: no model {model!r} on this gang; it holds {list(self.models)}")
         if self.error is not None:
             raise self.error
         if not self.healthy:
@@ -89,12 +104,12 @@ class StreamGang(Gang):
         with self._lock:
             mb_id = self._next_id
             self._next_id += 1
-            self._pending[mb_id] = fut
+            self._pending[mb_id] = (fut, name)
             self.stats.submitted += 1
             # under the lock: every stage-0 tp rank must see micro-batches in the same order
             try:
                 for rank in self._stage0:
-                    self.send(rank, Batch(mb_id, ids, mask, types))
+                    self.send(rank, Batch(mb_id, ids, mask, types, model=name))
             except ChannelError as err:
                 if self._stopping:  # stop() closed the channel meanwhile: nobody would fail the future
                     del self._pending[mb_id]
@@ -104,9 +119,11 @@ class StreamGang(Gang):
                 self._lost_send = self._lost_send or err
         return fut
 
-    def run(self, batches: list[tuple], *, timeout_s: float | None = None) -> list[torch.Tensor]:
-        """Submit every micro-batch (streamed through the pipeline), return logits in order."""
-        futures = [self.submit(*b) for b in batches]
+    def run(
+        self, batches: list[tuple], *, timeout_s: float | None = None, model: str | None = None
+    ) -> list[torch.Tensor]:
+        """Submit every micro-batch for ``model`` (streamed through the pipeline), return logits in order."""
+        futures = [self.submit(*b, model=model) for b in batches]
         return [f.result(timeout=timeout_s) for f in futures]
 
     # ------------------------------------------------------------------ the core's hooks
@@ -141,10 +158,18 @@ class StreamGang(Gang):
 
     def _resolve(self, result: Result) -> None:
         with self._lock:
-            fut = self._pending.pop(result.mb_id, None)
+            fut, model = self._pending.pop(result.mb_id, (None, None))
             self.stats.completed += 1
-        if fut is not None:
-            fut.set_result(torch.from_numpy(result.logits))
+        if fut is None:
+            return
+        if result.model is not None and result.model != model:  # the tag got lost on the way
+            fut.set_exception(
+                GangError(
+                    f"{self.name}: micro-batch {result.mb_id} was for {model!r}, {result.model!r} answered"
+                )
+            )
+            return
+        fut.set_result(torch.from_numpy(result.logits))  # (B, S, 2) float32
 
     def _on_late(self, msg: Any) -> None:
         """A message met while diagnosing: results still count."""
@@ -154,6 +179,6 @@ class StreamGang(Gang):
     def _fail_pending(self, err: GangError) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for fut, _model in pending.values():
             if not fut.done():
                 fut.set_exception(err)

@@ -7,17 +7,26 @@ reports the largest absolute difference of start/end logits over real (unpadded)
 and the report adds how many windows' best answer span (the argmax of start + end over spans of at
 most ``MAX_ANSWER_TOKENS``) changed; each dtype has its own default tolerance (``TOLERANCES``).
 
+``verify_multiplexed`` checks a gang holding several models (``stream_spec_multi``): each model's
+sample batches, interleaved with the others', must match that model's own reference the same way.
+
 A checkpoint without a QA head (the bundled MiniLM) or with overlays (the default model) is first
 merged into a temporary full ``*ForQuestionAnswering`` directory for the reference; the gang still
 loads from the original source, so the overlay and head-initialisation paths are checked too.
 
     shardserve verify --model tiny-bert --pp 2 --tp 2
+    verify_multiplexed({"bert": resolve_model("tiny-bert"), "roberta": resolve_model("tiny-roberta")},
+                       ParallelDims(pp=2))          # {"bert": VerifyResult, "roberta": VerifyResult}
+
+Run the tests: ``python -m pytest tests/partitioner/stream tests/partitioner/runtime/test_gang.py -q``.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,9 +34,9 @@ import torch
 
 from models.build import build_model
 from models.registry import ModelSource
-from partitioner.plan import ParallelDims, default_devices, make_plan
+from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
 from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import stream_spec
+from partitioner.stream.program import stream_spec_multi
 
 logger = logging.getLogger(__name__)
 
@@ -195,33 +204,91 @@ def verify_partitioned(
     as ``shardserve serve --compile on`` does) and the fp32 CPU reference on the
     sample batches and compare (``tolerance`` defaults to the dtype's entry in ``TOLERANCES``; given,
     it must be > 0; ``threads_per_rank`` >= 1): ``ValueError`` before any rank starts otherwise."""
+    _check_settings(tolerance, threads_per_rank)
+    plan = make_plan(
+        source.config, dims, boundaries=boundaries, devices=default_devices(dims.world_size, device=device)
+    )
+    results = _verify_gang(
+        {source.name: (source, plan)},
+        tolerance=tolerance,
+        threads_per_rank=threads_per_rank,
+        dtype=dtype,
+        compile=compile,
+    )
+    return results[source.name]
+
+
+def verify_multiplexed(
+    sources: Mapping[str, ModelSource],
+    dims: ParallelDims,
+    *,
+    tolerance: float | None = None,
+    threads_per_rank: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    compile: bool = False,
+) -> dict[str, VerifyResult]:
+    """One gang holding every model of ``sources`` (gang name -> model, each split at ``dims`` by
+    its own balanced plan) answers each model's sample batches, interleaved micro-batch by
+    micro-batch with the others'; each model's answers are compared with its own fp32 reference
+    (settings as ``verify_partitioned``). Returns each model's ``VerifyResult`` by name."""
+    _check_settings(tolerance, threads_per_rank)
+    devices = default_devices(dims.world_size, device=device)
+    models = {name: (src, make_plan(src.config, dims, devices=devices)) for name, src in sources.items()}
+    return _verify_gang(
+        models, tolerance=tolerance, threads_per_rank=threads_per_rank, dtype=dtype, compile=compile
+    )
+
+
+def _check_settings(tolerance: float | None, threads_per_rank: int) -> None:
     if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) or threads_per_rank < 1:
         raise ValueError(f"threads_per_rank={threads_per_rank!r} must be an integer >= 1")
     if tolerance is not None and not tolerance > 0:
         raise ValueError(f"tolerance={tolerance!r} must be > 0 (a max |logit difference|)")
-    plan = make_plan(
-        source.config, dims, boundaries=boundaries, devices=default_devices(dims.world_size, device=device)
-    )
-    batches = sample_batches(source)
+
+
+def _verify_gang(
+    models: Mapping[str, tuple[ModelSource, PartitionPlan]],
+    *,
+    tolerance: float | None,
+    threads_per_rank: int,
+    dtype: str,
+    compile: bool,
+) -> dict[str, VerifyResult]:
+    """One gang holding ``models``: each model's sample batches, interleaved, against its reference."""
+    spec = stream_spec_multi(models, threads_per_rank=threads_per_rank, dtype=dtype, compile=compile)
+    dims = spec.plan.dims
+    batches = {name: sample_batches(src) for name, (src, _plan) in models.items()}
+    want: dict[str, list[torch.Tensor]] = {}
     with tempfile.TemporaryDirectory(prefix="shardserve-verify-") as tmp:
-        want = reference_logits(reference_dir(source, Path(tmp)), batches)
-    with StreamGang(
-        stream_spec(source, plan, threads_per_rank=threads_per_rank, dtype=dtype, compile=compile),
-        name=f"verify-pp{dims.pp}-tp{dims.tp}",
-    ) as gang:
-        got = gang.run(
-            [(b["input_ids"], b["attention_mask"], b.get("token_type_ids")) for b in batches], timeout_s=300
-        )
+        for i, (name, (src, _plan)) in enumerate(models.items()):
+            workdir = Path(tmp) / str(i)
+            workdir.mkdir()
+            want[name] = reference_logits(reference_dir(src, workdir), batches[name])
+    label = "multi-" if len(models) > 1 else ""
+    with StreamGang(spec, name=f"verify-{label}pp{dims.pp}-tp{dims.tp}") as gang:
+        futures: dict[str, list[Future]] = {name: [] for name in models}
+        for k in range(max(len(b) for b in batches.values())):  # micro-batch k of every model, in turn
+            for name, bs in batches.items():
+                if k < len(bs):
+                    b = bs[k]
+                    args = (b["input_ids"], b["attention_mask"], b.get("token_type_ids"))
+                    futures[name].append(gang.submit(*args, model=name))
+        got = {name: [f.result(timeout=300) for f in futs] for name, futs in futures.items()}
     tol = TOLERANCES[dtype] if tolerance is None else tolerance
-    result = compare(got, want, batches, tolerance=tol, dtype=dtype)
-    logger.info(
-        "verify pp=%d tp=%d %s: max |diff| start=%.3g end=%.3g, best span changed in %d of %d windows",
-        dims.pp,
-        dims.tp,
-        dtype,
-        result.max_abs_start,
-        result.max_abs_end,
-        result.span_changes,
-        result.windows,
-    )
-    return result
+    results = {}
+    for name in models:
+        result = compare(got[name], want[name], batches[name], tolerance=tol, dtype=dtype)
+        logger.info(
+            "verify %s pp=%d tp=%d %s: max |diff| start=%.3g end=%.3g, best span changed in %d of %d windows",
+            name,
+            dims.pp,
+            dims.tp,
+            dtype,
+            result.max_abs_start,
+            result.max_abs_end,
+            result.span_changes,
+            result.windows,
+        )
+        results[name] = result
+    return results

@@ -33,7 +33,7 @@ class Answered:
     """The answers of one call, and who answered them."""
 
     results: list[PairResult]  # in pair order
-    model_name: str  # the model generation that answered, as loaded (not the public name)
+    model_name: str  # the public name of the model that answered
     job_id: str  # the engine's id of the call
 
 
@@ -82,4 +82,4 @@ async def answer_pairs(
         results = await engine.wait(job, disconnected=disconnected)
     except ClientGone as err:
         raise EngineError(499, "client_closed_request", "the client disconnected") from err
-    return Answered(results=results, model_name=job.model_name, job_id=job.request_id)
+    return Answered(results=results, model_name=engine.name, job_id=job.request_id)

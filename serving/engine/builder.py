@@ -18,19 +18,26 @@ Tests pass ``backend_factory`` (``tests/serving/fakes.py``) instead of real gang
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from models.qa_windows import WindowConfig
 from serving.config import AutoscalingConfig, FleetConfig, SchedulerConfig
 from serving.engine.core import Engine
 from serving.engine.scheduler import Scheduler
 from serving.fleet import model_loader
 from serving.fleet.gangs import BackendFactory, ModelGeneration, gang_factory
+from serving.fleet.pool import DevicePool
 from serving.fleet.replicas import ReplicaManager
 from serving.fleet.supervisor import Supervisor
 from serving.metrics import ServingMetrics
 
-__all__ = ["BackendFactory", "ModelGeneration", "build_engine", "load_model", "replica_cap"]
+__all__ = [
+    "BackendFactory",
+    "DevicePool",
+    "ModelGeneration",
+    "build_engine",
+    "device_pool",
+    "load_model",
+    "replica_cap",
+]
 
 
 def load_model(fleet: FleetConfig, name: str, *, generation: int) -> ModelGeneration:
@@ -44,6 +51,12 @@ def replica_cap(fleet: FleetConfig) -> int:
     return model_loader.device_pool(fleet).gangs_that_fit(fleet.world_size)
 
 
+def device_pool(fleet: FleetConfig) -> DevicePool:
+    """The device pool of ``fleet``, for engines that share it (``pool=`` of ``build_engine``); ValueError
+    (with the numbers) when no gang fits."""
+    return model_loader.device_pool(fleet)
+
+
 def build_engine(
     *,
     model: ModelGeneration,
@@ -54,12 +67,16 @@ def build_engine(
     window: WindowConfig | None = None,
     null_threshold: float | None = None,
     max_request_timeout_s: float = 300.0,
-    public_name: Callable[[str], str] | None = None,
+    name: str | None = None,
     backend_factory: BackendFactory | None = None,
+    pool: DevicePool | None = None,
 ) -> Engine:
     """Scheduler (the in-flight ledger) + replica manager + engine (attached to the manager) +
-    supervisor; nothing starts until ``engine.start()``. ``public_name``: the model's name for
-    clients given the loaded one (default: the loaded one)."""
+    supervisor; nothing starts until ``engine.start()``. ``name``: the model's name for clients
+    (default: the loaded model's), fixed across reloads, and its ``model`` label in ``metrics``;
+    ``pool``: a device pool shared with other models' engines (default: its own, from ``fleet``)."""
+    name = name or model.source.name
+    model_metrics = metrics.for_model(name)
     factory = backend_factory or gang_factory(
         threads_per_rank=fleet.rank_threads,
         dtype=fleet.dtype,
@@ -72,9 +89,9 @@ def build_engine(
     ledger = Scheduler(scheduler)  # the one ledger of in-flight work
     manager = ReplicaManager(
         factory=factory,
-        pool=model_loader.device_pool(fleet),
+        pool=pool or model_loader.device_pool(fleet),
         model=model,
-        metrics=metrics,
+        metrics=model_metrics,
         ledger=ledger,
         drain_timeout_s=fleet.drain_timeout_s,
         restart_backoff_s=fleet.restart_backoff_s,
@@ -84,7 +101,7 @@ def build_engine(
     supervisor = Supervisor(
         ledger=ledger,
         manager=manager,
-        metrics=metrics,
+        metrics=model_metrics,
         config=autoscaling,
         interval_s=fleet.autoscale_interval_s,
     )
@@ -92,9 +109,9 @@ def build_engine(
         scheduler=ledger,
         manager=manager,
         supervisor=supervisor,
-        metrics=metrics,
+        metrics=model_metrics,
         fleet=fleet,
-        public_name=public_name,
+        name=name,
         window=window,
         null_threshold=null_threshold,
         max_request_timeout_s=max_request_timeout_s,

@@ -56,7 +56,7 @@ from serving.fleet import model_loader
 from serving.fleet.gangs import ModelGeneration, busy_seconds, rank_processes
 from serving.fleet.replicas import ReloadError, ReloadInProgress, Replica, ReplicaManager, ReplicaState
 from serving.fleet.supervisor import Supervisor
-from serving.metrics import ServingMetrics
+from serving.metrics import ModelMetrics
 from serving.redact import one_line
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ class Engine:
         *,
         scheduler: Scheduler,
         manager: ReplicaManager,
-        metrics: ServingMetrics,
+        metrics: ModelMetrics,
         supervisor: Supervisor | None = None,
         fleet: FleetConfig | None = None,
-        public_name: Callable[[str], str] | None = None,
+        name: str | None = None,
         window: WindowConfig | None = None,
         null_threshold: float | None = None,
         max_request_timeout_s: float = 300.0,
@@ -87,7 +87,8 @@ class Engine:
         self.manager = manager
         self.supervisor = supervisor  # health + autoscaling loop (None: the replica count is set by hand)
         self.fleet = fleet or FleetConfig()  # how models load on reload, the ranks' dtype (model info)
-        self.public_name = public_name or (lambda loaded: loaded)  # the model's name for clients
+        # the model's name for clients (and its metrics label): fixed for the engine's life, reloads too
+        self.name = name or manager.model.source.name
         self.metrics = metrics
         self.max_request_timeout_s = max_request_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -407,7 +408,7 @@ class Engine:
 
     def model_name(self) -> str:
         """The served model's public name."""
-        return self.public_name(self.manager.model.source.name)
+        return self.name
 
     def public_checkpoint(self) -> dict[str, Any]:
         """The model's ``ModelSource.describe()`` for unauthenticated clients: file names, never
@@ -509,12 +510,10 @@ class Engine:
         return self.supervisor
 
     def _publish_model_info(self) -> None:
-        """``shardserve_model_info``: the public name (kept across reloads), the compute dtype, the
-        partition of the model being served."""
+        """``shardserve_model_info`` of this model (its public name, kept across reloads): the compute
+        dtype and the partition of the generation being served."""
         dims = self.manager.model.dims
-        self.metrics.set_model_info(
-            model=self.model_name(), precision=self.fleet.dtype, pp=dims.pp, tp=dims.tp
-        )
+        self.metrics.set_model_info(precision=self.fleet.dtype, pp=dims.pp, tp=dims.tp)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from serving.engine.output_processor import OutputProcessor
 from serving.engine.qa_types import EngineError
 from serving.engine.scheduler import Outcome, Scheduler
 from serving.fleet.replicas import Replica, ReplicaManager
-from serving.metrics import ServingMetrics
+from serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Dispatcher:
         scheduler: Scheduler,
         manager: ReplicaManager,
         outputs: OutputProcessor,
-        metrics: ServingMetrics,
+        metrics: ModelMetrics,
         wake: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -33,7 +33,7 @@ import torch
 from models.qa_decoding import decode_spans
 from models.qa_windows import EncodedBatch, QAWindow
 from serving.engine.qa_types import EngineError, PairResult, QAPair
-from serving.metrics import ServingMetrics
+from serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Job:
 class OutputProcessor:
     """The job table: collects logits, decodes answers, resolves futures (see module doc)."""
 
-    def __init__(self, *, metrics: ServingMetrics, null_threshold: float | None = None) -> None:
+    def __init__(self, *, metrics: ModelMetrics, null_threshold: float | None = None) -> None:
         self.metrics = metrics
         self.null_threshold = null_threshold  # the server's default; None: the decoder's own
         self._jobs: dict[str, Job] = {}

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from partitioner.runtime.gang import GangError
 from serving.fleet.gangs import Backend, BackendFactory, ModelGeneration, busy_seconds, warm_up
 from serving.fleet.pool import DevicePool
-from serving.metrics import ServingMetrics
+from serving.metrics import ModelMetrics
 from serving.redact import one_line, scrub_paths
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class ReplicaManager:
         factory: BackendFactory,
         pool: DevicePool,
         model: ModelGeneration,
-        metrics: ServingMetrics,
+        metrics: ModelMetrics,
         ledger: InflightLedger,
         drain_timeout_s: float = 30.0,
         restart_backoff_s: float = 1.0,

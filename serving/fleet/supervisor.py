@@ -29,7 +29,7 @@ from typing import Any
 from serving.config import AutoscalingConfig
 from serving.fleet.autoscaler import Autoscaler
 from serving.fleet.replicas import InflightLedger, ReplicaManager
-from serving.metrics import ServingMetrics
+from serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Supervisor:
         *,
         ledger: InflightLedger,
         manager: ReplicaManager,
-        metrics: ServingMetrics,
+        metrics: ModelMetrics,
         config: AutoscalingConfig,
         interval_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,

@@ -159,8 +159,9 @@ class AccessMiddleware:
             endpoint = metrics_endpoint(scope["method"], scope["path"])
             if endpoint is not None and (app := scope.get("app")) is not None:
                 m = app.state.metrics  # every answer counts: 4xx of the guard and of validation too
-                m.requests.labels(endpoint=endpoint, status=str(status or 499)).inc()
-                m.latency.labels(endpoint=endpoint).observe(latency_s)
+                model = state.get("model", "")  # set by the routes of a model (qa_call.engine_for)
+                m.requests.labels(model=model, endpoint=endpoint, status=str(status or 499)).inc()
+                m.latency.labels(model=model, endpoint=endpoint).observe(latency_s)
             access_logger.info(
                 "method=%s path=%s status=%d latency_ms=%.1f windows=%s request_id=%s",
                 scope["method"],

@@ -25,8 +25,10 @@ request's ``Host`` header (an open redirect).
 The status page (``/``), its JSON (``GET /ui/status``) and the offline ``/docs`` / ``/redoc`` are
 ``serving/frontend/pages.py``.
 
-``app.state``: settings, metrics, status (``serving.frontend.status.StatusBoard``), and after startup model
-engine (the front end's one handle on the fleet) and, for tests and the CLI, manager and supervisor; ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
+``app.state``: settings, metrics, status (``serving.frontend.status.StatusBoard``), and after startup
+``models`` (the ``ModelRepository``: each served model's engine, the front end's one handle on the
+fleet) and, for tests and the CLI, the default model's engine, manager and supervisor;
+``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import asyncio
 import gc
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,8 +51,10 @@ from starlette.routing import Mount
 
 from partitioner.compiled import resolve_compile
 from partitioner.precision import DtypeChoice, resolve_dtype
-from serving.engine.builder import BackendFactory, ModelGeneration, build_engine, load_model
-from serving.frontend import content_encoding, kserve_v2, v2_binary
+from serving.engine.builder import BackendFactory, ModelGeneration, build_engine, device_pool, load_model
+from serving.engine.core import Engine
+from serving.engine.repository import ModelRepository
+from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_repository
 from serving.frontend.access import AccessMiddleware, include_protected
 from serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from serving.frontend.pages import install_pages
@@ -66,27 +71,41 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ServeSettings = app.state.settings
     precision: DtypeChoice = app.state.precision
     fleet = settings.fleet_config(dtype=precision.name, compile=app.state.compile)
-    model = app.state.preloaded_model or load_model(fleet, settings.model, generation=0)
-    app.state.preloaded_model = None
-    engine = build_engine(
-        model=model,
-        fleet=fleet,
-        scheduler=settings.scheduler_config(),
-        autoscaling=settings.autoscaling_config(),
+    pool = device_pool(fleet)  # shared by every model's engine
+
+    def build(name: str, model: ModelGeneration) -> Engine:
+        return build_engine(
+            model=model,
+            fleet=fleet,
+            scheduler=settings.scheduler_config(),
+            autoscaling=settings.autoscaling_config(),
+            metrics=app.state.metrics,
+            window=settings.window(),
+            null_threshold=settings.null_threshold,
+            max_request_timeout_s=settings.max_request_timeout_s,
+            name=name,
+            backend_factory=app.state.backend_factory,
+            pool=pool,
+        )
+
+    models = app.state.models = ModelRepository(
+        load=lambda ref, generation: load_model(fleet, ref, generation=generation),
+        build=build,
         metrics=app.state.metrics,
-        window=settings.window(),
-        null_threshold=settings.null_threshold,
-        max_request_timeout_s=settings.max_request_timeout_s,
-        public_name=settings.public_model_name,
-        backend_factory=app.state.backend_factory,
+        root=Path(settings.model_repository).expanduser() if settings.model_repository else None,
+        drain_timeout_s=settings.drain_timeout_s,
+        ready_timeout_s=settings.gang_start_timeout_s,
     )
-    # the fleet's parts, for tests and the CLI's start-up line; the front end itself uses the engine
-    app.state.engine, app.state.manager, app.state.supervisor = engine, engine.manager, engine.supervisor
-    await engine.start()  # the loop, the supervisor (which starts the gangs), the model info metric
+    # the engines start their loops and supervisors (which start the gangs in the background)
+    await models.start(settings.models(), preloaded=app.state.preloaded_models)
+    app.state.preloaded_models = {}
+    # the default model's engine and fleet parts, for tests and the CLI's start-up line
+    if (engine := next(iter(models.engines()), None)) is not None:
+        app.state.engine, app.state.manager, app.state.supervisor = engine, engine.manager, engine.supervisor
     await app.state.status.start()  # samples the metrics registry for the status page
     logger.info(
         "serving %s (pp=%d, tp=%d) in %s (%s), compile %s, replicas %s%s x %d thread(s) per rank, pool %d slots",
-        model.source.name,
+        ", ".join(f"{e.name}={e.model.source.name}" for e in models.engines()) or "no model",
         settings.pp,
         settings.tp,
         precision.name,
@@ -95,7 +114,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.replica_bounds,
         " (auto-sized to the machine)" if settings.auto_sized else "",
         settings.rank_threads,
-        engine.pool_slots,
+        pool.capacity,
     )
     freeze_startup_heap()
     try:
@@ -105,7 +124,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.shutting_down = True
         # the drain's time runs from the signal (serve_cli's handler began the drain) or from now; the
         # gangs get what is left of it (none when stopping now or when no gang was ever ready)
-        await engine.shutdown(timeout_s=settings.drain_timeout_s)
+        await models.shutdown(timeout_s=settings.drain_timeout_s)
         await app.state.status.stop()
         logger.info("shut down")
 
@@ -253,10 +272,10 @@ def build_app(
     settings: ServeSettings | None = None,
     *,
     backend_factory: BackendFactory | None = None,
-    model: ModelGeneration | None = None,
+    models: Mapping[str, ModelGeneration] | None = None,
 ) -> FastAPI:
-    """The server application; ``backend_factory`` replaces real gangs (tests); ``model``: a
-    generation already loaded by ``load_model`` (the CLI checks the model before uvicorn starts)."""
+    """The server application; ``backend_factory`` replaces real gangs (tests); ``models``: generations
+    already loaded by ``load_model``, by public name (the CLI checks the models before uvicorn starts)."""
     settings = settings or ServeSettings()
     app = FastAPI(
         title="shardserve",
@@ -272,7 +291,7 @@ def build_app(
     app.state.metrics = ServingMetrics()
     app.state.status = StatusBoard(app.state.metrics)  # registry history for GET /ui/status
     app.state.backend_factory = backend_factory
-    app.state.preloaded_model = model
+    app.state.preloaded_models = dict(models or {})
     app.state.shutting_down = False
     app.add_middleware(
         RequestGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.client_timeout_s
@@ -285,6 +304,7 @@ def build_app(
     app.include_router(admin_router)
     app.include_router(kserve_v2.open_router)  # Open Inference Protocol: metadata + health (open)
     include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
+    app.include_router(v2_repository.router)  # Triton's repository extension, behind the admin token
     install_pages(app)  # status page at /, GET /ui/status, offline /docs and /redoc
     install_openapi(app, settings)  # the document with the settings' limits (question length, ...)
     no_slash_redirects(app)

@@ -121,15 +121,31 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
     if problem := bind_problem(settings.host, settings.port):  # before the model loads (seconds)
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    logger.info("loading %s", settings.model)
-    try:  # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits
-        fleet = settings.fleet_config()  # the model and the pool are checked at any dtype
-        model = load_model(fleet, settings.model, generation=0)
+    # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits; of several
+    # models, one that fails is reported and the others served (it fails only when none loads)
+    fleet = settings.fleet_config()  # the models and the pool are checked at any dtype
+    try:
         replica_cap(fleet)
-    except (ValueError, OSError, CheckpointError) as err:
+    except ValueError as err:
         print(f"error: {one_line(err, scrub=False)}", file=sys.stderr)
         return 2
-    app = build_app(settings, model=model)
+    models, failed = {}, []
+    for name, ref in settings.models():
+        logger.info("loading %s (%s)", name, ref)
+        try:
+            models[name] = load_model(fleet, ref, generation=0)
+        except (ValueError, OSError, CheckpointError) as err:
+            failed.append(
+                f"{name}: {one_line(err, scrub=False)}"
+                if len(settings.models()) > 1
+                else one_line(err, scrub=False)
+            )
+    if not models:
+        print(f"error: {'; '.join(failed)}", file=sys.stderr)
+        return 2
+    for line in failed:
+        print(f"warning: model {line} (serving the others)", file=sys.stderr)
+    app = build_app(settings, models=models)
     server = DrainingServer(uvicorn_config(settings, app), app)
     signals.check()
     signals.server = server
@@ -182,14 +198,22 @@ def bind_problem(host: str, port: int) -> str | None:
 
 
 def startup_line(state: Any, url: str) -> str:
-    """``shardserve: serving MODEL at URL (precision ..., compile ..., plan ..., replicas ...)``."""
-    settings, model, precision = state.settings, state.engine.model, state.precision
-    plan = model.plan()
+    """``shardserve: serving MODEL at URL (precision ..., compile ..., plan ..., replicas ...)``; with
+    several models, ``NAME=MODEL`` for each (replicas are per model)."""
+    settings, precision, engines = state.settings, state.precision, state.models.engines()
+    if not engines:
+        return f"shardserve: serving no model at {url} (none could be loaded; see the errors above)"
+    plan = engines[0].model.plan()
     stages = ", ".join(f"stage {st.index}: layers {st.layer_start}-{st.layer_end - 1}" for st in plan.stages)
     lo, hi = settings.replica_bounds
     replicas = str(lo) if lo == hi else f"{lo}..{hi} (autoscaling)"
+    if len(engines) == 1:
+        served = engines[0].model.source.name
+    else:
+        served = ", ".join(f"{e.name}={e.model.source.name}" for e in engines)
+        replicas += " per model"
     return (
-        f"shardserve: serving {model.source.name} at {url} (precision {precision.name}: {precision.reason}; "
+        f"shardserve: serving {served} at {url} (precision {precision.name}: {precision.reason}; "
         f"{'compiled stages; ' if state.compile else ''}"
         f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas} x "
         f"{settings.rank_threads} thread(s) per rank, device {settings.device})"
@@ -228,17 +252,18 @@ class DrainingServer(uvicorn.Server):
         print(startup_line(state, self.url), flush=True)
 
     async def on_tick(self, counter: int) -> bool:
-        """uvicorn's 0.1 s tick: print "ready" once, and stop when the first gang cannot start."""
-        manager = getattr(self._app.state, "manager", None)
-        if manager is not None and not self.should_exit:
-            if manager.fatal_error is not None and self.fatal_error is None:
-                self.fatal_error = manager.fatal_error
+        """uvicorn's 0.1 s tick: print "ready" once, and stop when no model's first gang can start."""
+        models = getattr(self._app.state, "models", None)
+        if models is not None and not self.should_exit:
+            if (fatal := models.fatal_error()) is not None and self.fatal_error is None:
+                self.fatal_error = fatal
                 self._app.state.shutting_down = True
                 self.should_exit = True
-            elif not self._announced_ready and manager.ready > 0:
+            elif not self._announced_ready and models.ready():
                 self._announced_ready = True
+                gangs = sum(e.manager.ready for e in models.engines())
                 print(
-                    f"shardserve: ready at {self.url} ({manager.ready} replica gang(s) ready, "
+                    f"shardserve: ready at {self.url} ({gangs} replica gang(s) ready, "
                     f"{time.monotonic() - self._t0:.1f} s after start)",
                     flush=True,
                 )
@@ -252,7 +277,7 @@ class DrainingServer(uvicorn.Server):
         lifespan kills the gangs it started, none was ever ready) and exit 128 + the signal; a third
         signal kills the ranks and exits at once."""
         state = self._app.state
-        engine = getattr(state, "engine", None)
+        models = getattr(state, "models", None)
         self.signals += 1
         if self.startup_signal is not None or not self.started:
             if self.startup_signal is None:
@@ -266,12 +291,12 @@ class DrainingServer(uvicorn.Server):
             if not state.shutting_down:
                 logger.warning("signal %d: readiness -> 503, draining (send it again to stop now)", sig)
             state.shutting_down = True
-            if engine is not None:
-                engine.begin_drain(within_s=state.settings.drain_timeout_s)
+            if models is not None:
+                models.begin_drain(within_s=state.settings.drain_timeout_s)
         elif self.signals == 2:
             logger.warning("signal %d again: stopping now, admitted requests are answered 503", sig)
-            if engine is not None:
-                engine.abort()
+            if models is not None:
+                models.abort()
         else:
             self._kill_now(sig, 130)
         self.should_exit = True

@@ -54,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.engine.core import Engine
 from serving.engine.qa_types import EngineError
+from serving.engine.repository import ModelRepository, ModelState
 from serving.frontend import v2_binary
 from serving.frontend.access import ApiKeyRoute, request_id_of
 from serving.frontend.openapi import RETRY_AFTER_503_S
@@ -67,7 +68,7 @@ INPUTS = ("question", "context")
 OUTPUTS = ("answer", "score", "start", "end", "no_answer")
 REQUEST_PARAMETERS = ("top_k", "max_answer_length", "null_threshold", "timeout_s")
 PROTOCOL_PARAMETERS = ("timeout", "binary_data_output")  # Triton's deadline (µs); the binary extension's
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 ParameterValue = bool | int | float | str
@@ -230,17 +231,21 @@ class V2Route(APIRoute):
         return v2_handler
 
 
-def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def v2_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a v2 route: each status with its meaning, as ``V2Error``."""
     described = {
-        400: "bad request: a tensor's name, shape, datatype or data, a parameter, a text limit",
+        400: "bad request: a tensor's name, shape, datatype or data, a parameter, a text limit; a model "
+        "that cannot be loaded",
+        401: "the token (Authorization: Bearer) is missing or wrong",
         404: "no model of that name",
+        409: "a load or unload of that model is under way",
         408: "the request body did not arrive within client_timeout_s (the connection is closed)",
         413: "body larger than max_body_bytes, or more windows than max_windows_per_request / the deadline",
         415: "a Content-Type other than JSON (none is read as JSON; octet-stream with binary data), "
         "or a Content-Encoding other than gzip / deflate",
         429: "queue full (see Retry-After)",
         500: "span decoding failed (a server bug; the log has it)",
-        503: "not ready, starting, shutting down or replica failed (see Retry-After)",
+        503: "not ready, starting, shutting down, replica failed, or the model not served now (see Retry-After)",
         504: "deadline passed before the request was computed",
     }
     retry = {"Retry-After": {"required": True, "schema": {"type": "integer", "minimum": 0}}}
@@ -265,26 +270,22 @@ model_router = APIRouter(tags=["open inference protocol (v2)"], route_class=V2Mo
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def served_name(request: Request) -> str | None:
-    """The model's public name (None while the server is starting)."""
-    state = request.app.state
-    engine: Engine | None = getattr(state, "engine", None)
-    return state.settings.served_model_name if engine is None else engine.model_name()
-
-
 def _is_ready(request: Request) -> bool:
+    """The server is ready (``ModelRepository.ready``) and not shutting down."""
     state = request.app.state
-    engine: Engine | None = getattr(state, "engine", None)
-    return engine is not None and not state.shutting_down and engine.health()["ready_replicas"] >= 1
+    models: ModelRepository | None = getattr(state, "models", None)
+    return models is not None and not state.shutting_down and models.ready()
 
 
-def _check_model(request: Request, model_name: str) -> JSONResponse | None:
-    name = served_name(request)
-    if name is None:
+def _model_engine(request: Request, model_name: str) -> Engine | JSONResponse:
+    """The engine of ``model_name``, or the v2 error: 503 while starting, 404 unknown, 503 not served now."""
+    models: ModelRepository | None = getattr(request.app.state, "models", None)
+    if models is None:
         return v2_error(503, "the server is starting")
-    if model_name != name:
-        return v2_error(404, f"model {model_name!r} not found; this server serves {name!r}")
-    return None
+    try:
+        return models.engine(model_name)
+    except EngineError as err:
+        return _engine_error(err)
 
 
 def _elements(name: str, data: list[Any], shape: list[int]) -> list[Any]:
@@ -504,12 +505,12 @@ async def server_ready(request: Request) -> Any:
     return JSONResponse({"ready": ready}, status_code=200 if ready else 400)
 
 
-@model_router.get("/v2/models/{model_name}", response_model=V2ModelMetadata, responses=_responses(404, 503))
+@model_router.get("/v2/models/{model_name}", response_model=V2ModelMetadata, responses=v2_responses(404, 503))
 async def model_metadata(model_name: str, request: Request) -> Any:
     """The model's inputs (question, context: BYTES [N]) and outputs (answer, score, start, end, no_answer)."""
-    problem = _check_model(request, model_name)
-    if problem is not None:
-        return problem
+    engine = _model_engine(request, model_name)
+    if isinstance(engine, JSONResponse):
+        return engine
     return V2ModelMetadata(name=model_name, platform=PLATFORM, inputs=MODEL_INPUTS, outputs=MODEL_OUTPUTS)
 
 
@@ -518,15 +519,19 @@ async def model_metadata(model_name: str, request: Request) -> Any:
     response_model=V2ModelReady,
     responses={
         400: {"model": V2ModelReady, "description": "not ready (the spec: a 4xx status is false)"},
-        **_responses(404, 503),
+        **v2_responses(404, 503),
     },
 )
 async def model_ready(model_name: str, request: Request) -> Any:
-    """200 {"name", "ready": true} while the model can answer, else 400 with ready false."""
-    problem = _check_model(request, model_name)
-    if problem is not None:
-        return problem
-    ready = _is_ready(request)
+    """200 {"name", "ready": true} while the model can answer, else 400 with ready false (404: a model
+    the server does not know)."""
+    models: ModelRepository | None = getattr(request.app.state, "models", None)
+    if models is None:
+        return v2_error(503, "the server is starting")
+    if model_name not in models.entries:
+        return v2_error(404, f"model_not_found: model {model_name!r} not found")
+    state = models.entries[model_name].state
+    ready = state is ModelState.READY and not request.app.state.shutting_down
     return JSONResponse({"name": model_name, "ready": ready}, status_code=200 if ready else 400)
 
 
@@ -540,7 +545,7 @@ async def model_ready(model_name: str, request: Request) -> Any:
             "(Inference-Header-Content-Length bytes), then the outputs' data",
             "content": {v2_binary.BINARY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
         },
-        **_responses(400, 404, 408, 413, 415, 429, 500, 503, 504),
+        **v2_responses(400, 404, 408, 413, 415, 429, 500, 503, 504),
     },
 )
 async def infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
@@ -551,9 +556,10 @@ async def infer(model_name: str, body: V2InferenceRequest, request: Request) -> 
 
 
 async def _infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
-    problem = _check_model(request, model_name)
-    if problem is not None:
-        return problem
+    request.state.model = model_name  # the access log's and the metrics' model, 4xx too
+    engine = _model_engine(request, model_name)
+    if isinstance(engine, JSONResponse):
+        return engine
     settings = request.app.state.settings
     try:
         items = decode_request(body, request.state.v2_binary)
@@ -566,14 +572,14 @@ async def _infer(model_name: str, body: V2InferenceRequest, request: Request) ->
             400, f"too_many_items: {len(items)} pairs, max_batch_items={settings.max_batch_items}"
         )
     try:
-        answered = await answer_items(request, items, timeout_s, locate=_v2_field)
+        answered = await answer_items(request, items, timeout_s, model=engine.name, locate=_v2_field)
     except EngineError as err:
         return _engine_error(err)
     results = answered.results
     names = [n for n, _ in requested]
     outputs = encode_outputs([qa_result(r) for r in results], top_k=items[0].top_k, names=names)
     response = V2InferenceResponse(
-        model_name=settings.public_model_name(answered.model_name),
+        model_name=answered.model_name,
         id=body.id if body.id is not None else request_id_of(request) or "",
         outputs=outputs,
     )

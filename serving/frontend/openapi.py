@@ -51,6 +51,7 @@ _CHALLENGE = {
 _STATUS: dict[int, tuple[str, dict[str, Any]]] = {
     400: ("body is not valid UTF-8, or Content-Length is not a number", {}),
     401: ("admin: no admin token is configured, or the bearer token is missing or wrong", _CHALLENGE),
+    404: ("no model of that name (GET /v1/models lists them)", {}),
     408: ("the request body did not arrive within client_timeout_s (the connection is closed)", {}),
     409: ("another reload is running, or the model has another tokenizer", {}),
     413: (
@@ -65,7 +66,10 @@ _STATUS: dict[int, tuple[str, dict[str, Any]]] = {
     422: ("invalid input: a type, a missing or unknown field, a limit, a range", {}),
     429: ("queue full (see Retry-After)", _RETRY_AFTER),
     500: ("span decoding failed (a server bug; the log has it)", {}),
-    503: ("not ready, starting, shutting down or replica failed (see Retry-After)", _RETRY_AFTER),
+    503: (
+        "not ready, starting, shutting down, replica failed, or the model not served now (see Retry-After)",
+        _RETRY_AFTER,
+    ),
     504: ("deadline passed before the request was computed", {}),
 }
 

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.engine.core import Engine
 from serving.engine.qa_types import EngineError
+from serving.engine.repository import ModelRepository
 from serving.frontend.access import (
     ApiKeyRoute,
     Handler,
@@ -62,7 +63,7 @@ from serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = responses(400, 408, 413, 415, 422, 429, 500, 503, 504)  # every status the QA routes answer
+_ERRORS = responses(400, 404, 408, 413, 415, 422, 429, 500, 503, 504)  # every status the QA routes answer
 
 api_router = APIRouter(tags=["question answering"], route_class=ApiKeyRoute)
 health_router = APIRouter(tags=["health"])
@@ -89,23 +90,25 @@ def _error_of(err: EngineError) -> JSONResponse:
     return _error(err.status, err.code, err.detail, headers)
 
 
-async def _answer(request: Request, endpoint: str, items: list[QAItem], timeout_s: float | None) -> Any:
+async def _answer(
+    request: Request, endpoint: str, items: list[QAItem], timeout_s: float | None, model: str | None
+) -> Any:
     """Shared path of /v1/qa and /v1/qa/batch: (results, model name, request id) or an error response.
     Requests are counted (shardserve_requests_total, latency) by ``AccessMiddleware``, every status."""
     try:
-        answered = await answer_items(request, items, timeout_s, locate=_native_field(endpoint))
+        answered = await answer_items(request, items, timeout_s, model=model, locate=_native_field(endpoint))
     except EngineError as err:
         return _error_of(err)
     rid = request_id_of(request) or answered.job_id  # the X-Request-ID (serving/frontend/access.py)
     logger.debug("request %s was engine job %s", rid, answered.job_id)
-    return answered.results, request.app.state.settings.public_model_name(answered.model_name), rid
+    return answered.results, answered.model_name, rid
 
 
 @api_router.post("/v1/qa", response_model=QAResponse, responses=_ERRORS)
 async def qa(body: QARequest, request: Request) -> Any:
     """Answer one question about one context (best ``top_k`` spans; ``context[start:end] == text``)."""
     t0 = time.perf_counter()
-    out = await _answer(request, "qa", [body], body.timeout_s)
+    out = await _answer(request, "qa", [body], body.timeout_s, body.model)
     if isinstance(out, Response):
         return out
     results, model, rid = out
@@ -123,7 +126,7 @@ async def qa_batch(body: QABatchRequest, request: Request) -> Any:
     if len(body.items) > limit:
         out: Any = _error(422, "too_many_items", f"{len(body.items)} items, max_batch_items={limit}")
     else:
-        out = await _answer(request, "batch", body.items, body.timeout_s)
+        out = await _answer(request, "batch", body.items, body.timeout_s, body.model)
     if isinstance(out, Response):
         return out
     results, model, rid = out
@@ -137,19 +140,19 @@ async def qa_batch(body: QABatchRequest, request: Request) -> Any:
 
 @api_router.get("/v1/models", response_model=list[ModelInfo], responses=responses(503))
 async def models(request: Request) -> Any:
-    """The served model: name, checkpoint, partition plan, generation, replica gangs."""
-    engine: Engine | None = getattr(request.app.state, "engine", None)
-    if engine is None:
+    """The served models, the default first: name, checkpoint, partition plan, generation, replica gangs."""
+    models: ModelRepository | None = getattr(request.app.state, "models", None)
+    if models is None:
         return _error(503, "starting", "the server is starting")
-    model = engine.model
     return [
         ModelInfo(
-            model=engine.model_name(),
+            model=engine.name,
             checkpoint=engine.public_checkpoint(),
-            plan=model.plan().to_dict(),
-            generation=model.generation,
+            plan=engine.model.plan().to_dict(),
+            generation=engine.model.generation,
             replicas=[public_replica(r) for r in engine.replicas()],
         )
+        for engine in models.engines()
     ]
 
 
@@ -167,14 +170,15 @@ async def healthz() -> dict[str, str]:
 
 @health_router.get("/readyz", responses=responses(503))
 async def readyz(request: Request) -> Any:
-    """200 only while at least one replica gang is loaded, warm and healthy, and not shutting down."""
+    """200 only while a model has a replica gang loaded, warm and healthy, every model asked for at
+    start has answered once or failed, and the server is not shutting down; the detail is per model."""
     state = request.app.state
-    engine: Engine | None = getattr(state, "engine", None)
-    health = engine.health() if engine is not None else {"ready_replicas": 0, "starting_replicas": 0}
+    models: ModelRepository | None = getattr(state, "models", None)
+    health = {"ready_replicas": 0, "starting_replicas": 0} if models is None else models.health()
     if state.shutting_down:
         return _error(503, "shutting_down", health)
-    if health["ready_replicas"] < 1:
-        code = "failed" if health.get("fatal") else "not_ready"
+    if models is None or not models.ready():
+        code = "failed" if models is not None and models.fatal_error() is not None else "not_ready"
         return _error(503, code, health)
     return {"status": "ready", **health}
 
@@ -220,25 +224,33 @@ class AdminRoute(JsonBodyRoute):
 admin_router = APIRouter(prefix="/admin", tags=["admin"], route_class=AdminRoute)
 
 
-def _engine(request: Request) -> Engine:
-    engine = getattr(request.app.state, "engine", None)
-    if engine is None:
+def _engine(request: Request, name: str | None) -> Engine:
+    """The engine of model ``name`` (None: the default); 503 while starting, 404 / 503 for a model
+    not served."""
+    models: ModelRepository | None = getattr(request.app.state, "models", None)
+    if models is None:
         raise HTTPException(503, {"error": "starting", "detail": "the server is starting"})
-    return engine
+    try:
+        return models.engine(name)
+    except EngineError as err:
+        raise HTTPException(err.status, {"error": err.code, "detail": err.detail}) from err
 
 
-@admin_router.get("/replicas", dependencies=[Depends(require_admin)], responses=responses(401, 503))
-async def get_replicas(request: Request) -> dict[str, Any]:
-    """Replica gangs, target, autoscaling state and decision counts."""
-    return _engine(request).scaling()
+@admin_router.get("/replicas", dependencies=[Depends(require_admin)], responses=responses(401, 404, 503))
+async def get_replicas(request: Request, model: str | None = None) -> dict[str, Any]:
+    """Replica gangs, target, autoscaling state and decision counts of ``?model=`` (default: the first)."""
+    return _engine(request, model).scaling()
 
 
 @admin_router.post(
-    "/replicas", dependencies=[Depends(require_admin)], responses=responses(400, 401, 408, 413, 415, 422, 503)
+    "/replicas",
+    dependencies=[Depends(require_admin)],
+    responses=responses(400, 401, 404, 408, 413, 415, 422, 503),
 )
-async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
-    """``{"replicas": n}`` pins the count (autoscaling pauses); ``{"min_replicas", "max_replicas"}`` resumes it."""
-    engine = _engine(request)
+async def set_replicas(body: ReplicasRequest, request: Request, model: str | None = None) -> Any:
+    """``{"replicas": n}`` pins the count (autoscaling pauses); ``{"min_replicas", "max_replicas"}`` resumes
+    it; of the model ``?model=`` (default: the first)."""
+    engine = _engine(request, model)
     try:
         if body.replicas is not None:
             if body.min_replicas is not None or body.max_replicas is not None:
@@ -256,11 +268,12 @@ async def set_replicas(body: ReplicasRequest, request: Request) -> Any:
 @admin_router.post(
     "/reload",
     dependencies=[Depends(require_admin)],
-    responses=responses(400, 401, 408, 409, 413, 415, 422, 503),
+    responses=responses(400, 401, 404, 408, 409, 413, 415, 422, 503),
 )
 async def reload(body: ReloadRequest, request: Request) -> Any:
-    """Load another checkpoint into fresh gangs, switch traffic to them, drain the old ones."""
-    engine = _engine(request)
+    """Load another checkpoint into fresh gangs of model ``name`` (default: the first), switch its
+    traffic to them, drain the old ones; the other models are not touched."""
+    engine = _engine(request, body.name)
     try:
         model = await engine.reload(body.model)
     except EngineError as err:

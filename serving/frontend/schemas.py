@@ -104,6 +104,11 @@ class QARequest(QAItem):
     timeout_s: float | None = Field(
         None, gt=0, description="deadline in seconds (default: the server's request_timeout_s)"
     )
+    model: str | None = Field(
+        None,
+        max_length=64,
+        description="the served model to ask (GET /v1/models lists them; default: the server's first model)",
+    )
 
 
 class QABatchRequest(BaseModel):
@@ -113,6 +118,11 @@ class QABatchRequest(BaseModel):
 
     items: list[QAItem] = Field(min_length=1, description="the pairs; at most max_batch_items")
     timeout_s: float | None = Field(None, gt=0, description="deadline in seconds for the whole batch")
+    model: str | None = Field(
+        None,
+        max_length=64,
+        description="the served model to ask (GET /v1/models lists them; default: the server's first model)",
+    )
 
 
 class AnswerOut(BaseModel):
@@ -258,3 +268,6 @@ class ReloadRequest(BaseModel):
     model_config = _STRICT
 
     model: str = Field(description="registry name or local Hugging Face directory")
+    name: str | None = Field(
+        None, max_length=64, description="the served model to reload (default: the server's first model)"
+    )

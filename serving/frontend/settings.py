@@ -14,6 +14,7 @@ the environment, the environment over the default. The field descriptions below 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
@@ -24,7 +25,14 @@ from partitioner.command import split_list
 from partitioner.compiled import COMPILE_CHOICES
 from partitioner.precision import DTYPE_CHOICES
 from partitioner.runtime.gang_flags import GangFlags, secret_from_file
-from serving.config import AutoscalingConfig, FleetConfig, SchedulerConfig
+from serving.config import (
+    AutoscalingConfig,
+    FleetConfig,
+    SchedulerConfig,
+    model_flag,
+    model_name_of,
+    repository_models,
+)
 
 
 def available_cores() -> int:
@@ -57,10 +65,21 @@ class ServeSettings(GangFlags):
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
 
     # ---- model and partition
-    model: str = Field(
-        "default",
-        description="model: default (embedded MiniLM QA model), minilm, tiny-bert, tiny-roberta, "
-        "tiny-distilbert, or a local Hugging Face directory",
+    model: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        json_schema_extra={"action": "append", "metavar": "[NAME=]MODEL"},
+        description="a model to serve, repeatable: [NAME=]MODEL, MODEL one of default (embedded MiniLM QA "
+        "model), minilm, tiny-bert, tiny-roberta, tiny-distilbert, or a local Hugging Face directory; NAME its "
+        "public name in requests, /v2/models/NAME and metrics (default: served_model_name, else the MODEL's "
+        "own name). The first is the model of requests that name none (default: default, unless "
+        "model_repository is given; env: comma-separated)",
+    )
+    model_repository: str | None = Field(
+        None,
+        description="a Triton-style model repository folder: every sub-folder NAME (a Hugging Face model "
+        "directory, or numbered version folders of one, the highest served) is loaded at start as model "
+        "NAME, after the model flags; POST /v2/repository/models/NAME/load and /unload (admin token) "
+        "change the served models live",
     )
     pp: int = Field(1, ge=1, description="pipeline-parallel stages per replica gang")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage")
@@ -96,7 +115,7 @@ class ServeSettings(GangFlags):
         None,
         ge=1,
         description="CPU device pool: worker processes (ranks) that may run at once; a gang takes pp*tp "
-        "slots. Default: pp*tp*(max_replicas+1), room for one spare gang used by restarts and reloads",
+        "slots. Default: pp*tp*(max_replicas*models+1), room for one spare gang used by restarts and reloads",
     )
     device: str = Field(
         "cpu",
@@ -231,11 +250,13 @@ class ServeSettings(GangFlags):
     @model_validator(mode="before")
     @classmethod
     def _split_lists(cls, data: Any) -> Any:
-        return split_list(data, "length_buckets")
+        return split_list(data, "length_buckets", "model")
 
     @model_validator(mode="after")
     def _check(self) -> ServeSettings:
-        problems = []
+        problems = self._model_problems()
+        if problems:  # the sizes below count the models
+            raise ValueError("invalid settings: " + "; ".join(problems))
         if self.replicas is not None and (self.min_replicas is not None or self.max_replicas is not None):
             problems.append(
                 f"replicas={self.replicas} cannot be combined with min_replicas={self.min_replicas} / "
@@ -280,6 +301,38 @@ class ServeSettings(GangFlags):
         self.autoscaling_config()
         return self
 
+    def _model_problems(self) -> list[str]:
+        flags = self.model or []
+        if self.served_model_name is not None and (len(flags) > 1 or any("=" in m for m in flags)):
+            return [
+                f"served_model_name={self.served_model_name!r} names one model given without a name, got {flags}"
+            ]
+        if self.model_repository is not None and not Path(self.model_repository).expanduser().is_dir():
+            return [f"model_repository={self.model_repository!r} is not a folder"]
+        try:
+            names = [name for name, _ in self.models()]
+        except ValueError as err:
+            return [str(err)]
+        if not names:
+            return [
+                f"model_repository={self.model_repository!r} holds no model folder and no model was given"
+            ]
+        if len(set(names)) < len(names):
+            return [f"model names must differ, got {names}"]
+        return []
+
+    def models(self) -> list[tuple[str, str]]:
+        """The models to serve at start, in order: (public name, registry name or path); the model
+        flags (default: ``default``, when no repository is given), then the repository's folders."""
+        flags = self.model if self.model is not None else ([] if self.model_repository else ["default"])
+        out = []
+        for value in flags:
+            name, ref = model_flag(value)
+            out.append((name or self.served_model_name or model_name_of(ref), ref))
+        if self.model_repository is not None:
+            out += repository_models(Path(self.model_repository).expanduser()).items()
+        return out
+
     def _gang_problems(self) -> list[str]:
         out = self.gang_problems(world_size=self.world_size, layout=f"pp={self.pp} x tp={self.tp}")
         if self.external_ranks and self.replica_bounds != (1, 1):
@@ -291,10 +344,6 @@ class ServeSettings(GangFlags):
     @property
     def world_size(self) -> int:
         return self.pp * self.tp
-
-    def public_model_name(self, loaded: str) -> str:
-        """The model's name for clients: ``served_model_name``, else the loaded model's ``loaded``."""
-        return self.served_model_name or loaded
 
     @property
     def auto_sized(self) -> bool:
@@ -311,10 +360,11 @@ class ServeSettings(GangFlags):
         """(min_replicas, max_replicas) after applying ``replicas`` and the defaults."""
         if self.replicas is not None:
             return self.replicas, self.replicas
-        if self.auto_sized:
+        if self.auto_sized:  # the machine shared by the models
             n = auto_replicas(
                 device=self.device, world_size=self.world_size, ranks_per_gpu=self.ranks_per_gpu
             )
+            n = max(1, n // self.model_count)
             return n, n
         lo = self.min_replicas if self.min_replicas is not None else 1
         hi = self.max_replicas if self.max_replicas is not None else max(lo, 1)
@@ -327,7 +377,7 @@ class ServeSettings(GangFlags):
             return self.threads_per_rank
         if self.device == "cuda":
             return 1
-        return max(1, available_cores() // (self.world_size * self.replica_bounds[1]))
+        return max(1, available_cores() // (self.world_size * self.replica_bounds[1] * self.model_count))
 
     @property
     def autoscaling(self) -> bool:
@@ -341,7 +391,12 @@ class ServeSettings(GangFlags):
             return self.cpu_slots
         if self.external_ranks:  # one gang on a fixed port: a restart or reload replaces it in place
             return self.world_size
-        return self.world_size * (self.replica_bounds[1] + 1)
+        return self.world_size * (self.replica_bounds[1] * self.model_count + 1)
+
+    @property
+    def model_count(self) -> int:
+        """Models served at start (they share the device pool and the cores)."""
+        return max(1, len(self.models()))
 
     @property
     def inflight_per_replica(self) -> int:

@@ -30,17 +30,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from serving.engine.core import Engine, ReplicaDetail
+from serving.engine.repository import ModelEntry, ModelRepository
 from serving.frontend.status_schemas import (
     AutoscalerStatus,
     Decision,
     LogLine,
+    ModelStatus,
     QueueStatus,
     RankStatus,
     ReplicaStatus,
@@ -86,11 +87,14 @@ def by_label(snap: Snapshot, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def buckets(snap: Snapshot, histogram: str) -> list[tuple[float, float]]:
-    """Cumulative (upper bound, count) of a histogram, summed over its other labels, by bound."""
+def buckets(
+    snap: Snapshot, histogram: str, where: Callable[[dict[str, str]], bool] | None = None
+) -> list[tuple[float, float]]:
+    """Cumulative (upper bound, count) of a histogram, summed over its other labels (those that
+    satisfy ``where``), by bound."""
     acc: dict[float, float] = {}
     for (n, labels), v in snap.items():
-        if n == f"{histogram}_bucket":
+        if n == f"{histogram}_bucket" and (where is None or where(dict(labels))):
             le = float(dict(labels)["le"])
             acc[le] = acc.get(le, 0.0) + v
     return sorted(acc.items())
@@ -277,7 +281,7 @@ def _ms(seconds: float | None) -> float | None:
 # ------------------------------------------------------------------------------ the document
 
 
-def _replica(r: ReplicaDetail, snap: Snapshot, old: Snapshot, dt: float) -> ReplicaStatus:
+def _replica(r: ReplicaDetail, model: str, snap: Snapshot, old: Snapshot, dt: float) -> ReplicaStatus:
     # where each rank runs, as the rank itself reports it (its heartbeats): right for ranks that
     # joined from other hosts too; None for a rank not heard from (yet)
     where, devices = r.processes, r.devices
@@ -299,7 +303,11 @@ def _replica(r: ReplicaDetail, snap: Snapshot, old: Snapshot, dt: float) -> Repl
     for stage in range(r.pp):
 
         def mine(lb: dict[str, str], stage: int = stage) -> bool:
-            return lb.get("replica") == r.replica_id and lb.get("stage") == str(stage)
+            return (
+                lb.get("model") == model
+                and lb.get("replica") == r.replica_id
+                and lb.get("stage") == str(stage)
+            )
 
         measured = probed or any(
             n == "shardserve_stage_busy_seconds_total" and mine(dict(lb)) for n, lb in snap
@@ -313,9 +321,10 @@ def _replica(r: ReplicaDetail, snap: Snapshot, old: Snapshot, dt: float) -> Repl
                 busy_fraction_recent=max(0.0, min(1.0, recent / dt)) if measured and dt > 0 else None,
             )
         )
-    bubble_key: Key = ("shardserve_pipeline_bubble_fraction", (("replica", r.replica_id),))
+    bubble_key: Key = ("shardserve_pipeline_bubble_fraction", (("model", model), ("replica", r.replica_id)))
     return ReplicaStatus(
         id=r.replica_id,
+        model=model,
         state=r.state,
         generation=r.generation,
         hosts=list(dict.fromkeys(k.host for k in ranks if k.host)),
@@ -331,6 +340,37 @@ def _replica(r: ReplicaDetail, snap: Snapshot, old: Snapshot, dt: float) -> Repl
     )
 
 
+def _model_status(entry: ModelEntry, now: Sample, board: StatusBoard) -> ModelStatus:
+    """One model's row: state, generation, gangs, its last minute's answers and latency, its queue."""
+
+    def mine(lb: dict[str, str]) -> bool:
+        return lb.get("model") == entry.name
+
+    old = board.baseline(now, WINDOWS_S[0])
+    dt = max(now.mono - old.mono, 1e-9)
+    lat = _delta(
+        buckets(now.snap, "shardserve_request_latency_seconds", mine),
+        buckets(old.snap, "shardserve_request_latency_seconds", mine),
+    )
+    answered = total(now.snap, "shardserve_requests_total", lambda lb: mine(lb) and _answered(lb)) - total(
+        old.snap, "shardserve_requests_total", lambda lb: mine(lb) and _answered(lb)
+    )
+    engine = entry.engine
+    health = engine.health() if engine is not None else {}
+    return ModelStatus(
+        name=entry.name,
+        state=entry.state.value,
+        reason=entry.reason,
+        checkpoint=engine.public_checkpoint()["checkpoint"] if engine is not None else None,
+        generation=engine.model.generation if engine is not None else None,
+        ready_replicas=health.get("ready_replicas", 0),
+        answered_per_s=max(0.0, answered) / dt,
+        latency_ms={f"p{round(q * 100)}": _ms(histogram_quantile(q, lat)) for q in QUANTILES},
+        queue_depth=int(total(now.snap, "shardserve_queue_depth_requests", mine)),
+        ongoing_requests=int(total(now.snap, "shardserve_ongoing_requests", mine)),
+    )
+
+
 def collect_status(app: FastAPI) -> StatusResponse:
     """The status document of a running (or starting) app."""
     state = app.state
@@ -339,27 +379,30 @@ def collect_status(app: FastAPI) -> StatusResponse:
     now = Sample(time.monotonic(), time.time(), read_registry(state.metrics.registry))
     snap = now.snap
     windows = [board.window(now, w) for w in WINDOWS_S]
-    engine: Engine | None = getattr(state, "engine", None)
+    repository: ModelRepository | None = getattr(state, "models", None)
+    engines = repository.engines() if repository is not None else []
+    engine: Engine | None = engines[0] if engines else None  # the default model: the model section
     replicas: list[ReplicaStatus] = []
-    model: dict[str, Any] = {"name": settings.public_model_name(PurePath(settings.model).name)}  # no paths
+    model: dict[str, Any] = {"name": settings.models()[0][0] if settings.models() else ""}  # no paths
     plan: dict[str, Any] | None = None
     health: dict[str, Any] = {}
     if engine is not None:
         m = engine.model
-        model = {**engine.public_checkpoint(), "name": engine.model_name(), "generation": m.generation}
+        model = {**engine.public_checkpoint(), "name": engine.name, "generation": m.generation}
         plan = m.plan().to_dict()
         old = board.baseline(now, WINDOWS_S[0])
         dt = now.mono - old.mono
-        replicas = [_replica(r, snap, old.snap, dt) for r in engine.replica_details()]
-        health = engine.health()
+        replicas = [_replica(r, e.name, snap, old.snap, dt) for e in engines for r in e.replica_details()]
+    if repository is not None:
+        health = repository.health()
     if state.shutting_down:
         server_state = "shutting_down"
-    elif engine is None:
+    elif repository is None:
         server_state = "starting"
     elif "fatal" in health:
         server_state = "failed"
     else:
-        server_state = "ready" if health["ready_replicas"] > 0 else "not_ready"
+        server_state = "ready" if repository.ready() else "not_ready"
     autoscaler = None
     if engine is not None and engine.supervisor is not None:
         d = engine.scaling()
@@ -381,6 +424,7 @@ def collect_status(app: FastAPI) -> StatusResponse:
         state=server_state,
         uptime_s=round(now.wall - board.started_wall, 3),
         model=model,
+        models=[_model_status(e, now, board) for e in repository.entries.values()] if repository else [],
         precision={
             "dtype": state.precision.name,
             "reason": state.precision.reason,
@@ -404,6 +448,6 @@ def collect_status(app: FastAPI) -> StatusResponse:
         windows=windows,
         series=board.series(now),
         autoscaler=autoscaler,
-        last_failure=health.get("last_failure"),
+        last_failure=engine.health().get("last_failure") if engine is not None else None,
         recent_errors=list(board.log.records)[::-1],
     )

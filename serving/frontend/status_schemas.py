@@ -39,6 +39,7 @@ class StageStatus(BaseModel):
 
 class ReplicaStatus(BaseModel):
     id: str
+    model: str = Field(description="the model the gang serves")
     state: Literal["starting", "ready", "draining", "failed", "stopped"]
     generation: int = Field(description="model generation (grows with each /admin/reload)")
     hosts: list[str] = Field(
@@ -122,13 +123,31 @@ class LogLine(BaseModel):
     message: str = Field(description="one line, file-system paths replaced by <path>")
 
 
+class ModelStatus(BaseModel):
+    """One served model (the repository's view, and its own series of /metrics)."""
+
+    name: str
+    state: Literal["LOADING", "READY", "UNLOADING", "UNAVAILABLE"]
+    reason: str = Field(description="why it is not served (empty when it is)")
+    checkpoint: str | None = Field(description="its checkpoint's folder name (no path); null: not loaded")
+    generation: int | None = Field(description="grows with each reload; null: not loaded")
+    ready_replicas: int
+    answered_per_s: float = Field(description="2xx answers per second over the last minute")
+    latency_ms: dict[str, float | None] = Field(description="latency p50/p95/p99 over the last minute")
+    queue_depth: int
+    ongoing_requests: int
+
+
 class StatusResponse(BaseModel):
     """What the status page shows; every rate is read from the same registry as /metrics."""
 
     time: float = Field(description="server unix time of this document")
     state: Literal["starting", "ready", "not_ready", "failed", "shutting_down"]
     uptime_s: float
-    model: dict[str, Any] = Field(description="name, checkpoint file name, architecture, generation")
+    model: dict[str, Any] = Field(
+        description="the default model (of requests naming none): name, checkpoint file name, architecture, generation"
+    )
+    models: list[ModelStatus] = Field(description="every model of the server, the default first")
     precision: dict[str, str] = Field(
         description="compute dtype, why it was chosen, device, compile (on/off)"
     )

@@ -177,3 +177,84 @@ def test_worker_join_timeout_says_where_it_waits_and_ends_in_one_line(capfd, tmp
     lines = capfd.readouterr().err.strip().splitlines()
     assert lines[0] == f"waiting for the driver at 127.0.0.1:{port} (join timeout 2 s)", lines
     assert len(lines) == 2 and lines[1].startswith(f"error: no gang spec at 127.0.0.1:{port} after 2s"), lines
+
+
+def test_plan_placement_auto_prints_groups_and_attainment(capsys) -> None:
+    """Steady light load: one device per model meets every SLO; auto prefers the smaller groups."""
+    argv = ["plan", "--placement", "auto", "--models", "a=tiny-bert,b=tiny-bert", "--devices", "2"]
+    argv += ["--device-memory-mb", "64", "--single-latency-ms", "20", "--rate", "10", "--duration-s", "20"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("placement auto: 2 devices of 64 MiB; 2 models at 10 req/s")
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("0", "1", "1", "a"), ("1", "1", "1", "b")]
+    models = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("a ", "b "))}
+    assert models["a"][1:3] == ["20.0", "100.0"] and models["a"][4] == "100.0%"  # latency, SLO 5x
+    assert "predicted SLO attainment 100.0%" in out
+
+
+def test_plan_placement_json_and_memory_that_does_not_fit(capsys) -> None:
+    base = ["plan", "--models", "a=tiny-bert,b=tiny-bert", "--single-latency-ms", "20", "--duration-s", "10"]
+    assert (
+        main(
+            [*base, "--placement", "multiplexed", "--device-memory-mb", "64", "--dtype", "float32", "--json"]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "multiplexed" and out["device_memory_bytes"] == 64 * 2**20
+    assert out["groups"] == [
+        {
+            "devices": [0, 1],
+            "pp": 2,
+            "tp": 1,
+            "models": ["a", "b"],
+            "device_bytes": out["groups"][0]["device_bytes"],
+        }
+    ]
+    stage0, stage1 = out["groups"][0]["device_bytes"].values()
+    assert stage0 > stage1 > 0  # stage 0 holds both models' word embeddings
+    assert out["slo_ms"] == {"a": 100.0, "b": 100.0} and out["prediction"]["attainment"] == 1.0
+    assert set(out["prediction"]["models"]) == {"a", "b"}
+    # a whole tiny-bert (fp32 weights + one micro-batch's activations, ~33 MiB) does not fit 10 MiB
+    assert main([*base, "--placement", "dedicated", "--device-memory-mb", "10", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("error: dedicated placement holds a whole model per device: a needs ")
+        and "\n" not in err
+    )
+    assert "> 10.0 MiB per device" in err
+
+
+def test_plan_without_placement_ignores_the_placement_flags(capsys) -> None:
+    assert main(["plan", "--model", "tiny-bert", "--pp", "2", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "tiny-bert", "--pp", "2", "--json", "--devices", "4", "--rate", "9"]) == 0
+    assert json.loads(capsys.readouterr().out) == plain and "groups" not in plain
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--devices", "0"], "argument --devices: must be >= 1 (got 0)"),
+        (["--rate", "0"], "argument --rate: must be a number > 0 (got 0)"),
+        (["--cv", "-2"], "argument --cv: must be a number > 0 (got -2)"),
+        (["--slo-scale", "nan"], "argument --slo-scale: must be a number > 0 (got nan)"),
+        (["--duration-s", "0"], "argument --duration-s: must be a number > 0 (got 0)"),
+        (["--device-memory-mb", "0"], "argument --device-memory-mb: must be a number > 0 (got 0)"),
+        (["--single-latency-ms", "-1"], "argument --single-latency-ms: must be a number > 0 (got -1)"),
+        (["--hop-ms", "-1"], "argument --hop-ms: must be a number >= 0 (got -1)"),
+        (
+            ["--models", "a=default,b="],
+            "argument --models (item 2): must be NAME=MODEL or a model name (got 'b=')",
+        ),
+        (
+            ["--models", "a=default,a=minilm"],
+            "argument --models: model names must be distinct (a given twice)",
+        ),
+        (["--placement", "best"], "argument --placement: invalid choice: 'best'"),
+    ],
+)
+def test_placement_flags_bad_values_are_one_line_errors(capsys, flags: list[str], needle: str) -> None:
+    err = _argparse_error(capsys, ["plan", "--placement", "auto", *flags])
+    assert needle in err, err

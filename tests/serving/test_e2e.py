@@ -150,8 +150,8 @@ def test_kill9_of_a_rank_under_concurrent_requests(live: TestClient) -> None:
     assert ready_codes == [200]
     assert all(p not in victim_pids for r in manager.routable() for p in r.backend.pids())
     text = live.get("/metrics").text
-    assert "shardserve_replica_failures_total 1.0" in text
-    assert "shardserve_replica_restarts_total 1.0" in text
+    assert 'shardserve_replica_failures_total{model="tiny-bert"} 1.0' in text
+    assert 'shardserve_replica_restarts_total{model="tiny-bert"} 1.0' in text
     busy = [
         float(x.split()[-1])
         for x in text.splitlines()

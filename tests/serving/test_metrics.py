@@ -16,18 +16,22 @@ BUBBLE = "shardserve_pipeline_bubble_fraction"
 
 
 def _replicas_in(text: str, name: str) -> set[str]:
-    return set(re.findall(rf'^{name}\{{replica="(r\d+)"', text, re.M))
+    return set(re.findall(rf'^{name}\{{model="[^"]*",replica="(r\d+)"', text, re.M))
 
 
 def test_forget_replica_drops_only_the_series_of_that_gang() -> None:
-    m = ServingMetrics()
+    everything = ServingMetrics()
+    m, other = everything.for_model("a"), everything.for_model("b")
     for replica, busy in (("r0", 1.5), ("r1", 2.25)):
         for stage in ("0", "1"):
             m.stage_busy.labels(replica=replica, stage=stage).inc(busy)
         m.bubble.labels(replica=replica).set(busy / 10)
+    other.bubble.labels(replica="r0").set(0.5)  # another model's r0 is another gang
     m.forget_replica("r0")
     m.forget_replica("r9")  # never had series: nothing happens
-    snap = read_registry(m.registry)
+    snap = read_registry(everything.registry)
+    assert snap[(BUBBLE, (("model", "b"), ("replica", "r0")))] == 0.5
+    snap = {k: v for k, v in snap.items() if dict(k[1]).get("model") == "a"}
     busy = {dict(lb)["replica"] + "/" + dict(lb)["stage"]: v for (n, lb), v in snap.items() if n == BUSY}
     bubble = {dict(lb)["replica"]: v for (n, lb), v in snap.items() if n == BUBBLE}
     assert busy == {"r1/0": 2.25, "r1/1": 2.25} and bubble == {"r1": 0.225}  # the live gang's values kept
@@ -45,7 +49,7 @@ def test_metrics_forget_a_failed_gang_after_its_restart() -> None:
         wait_until(lambda: _replicas_in(client.get("/metrics").text, BUSY) == {"r0"}, what="r0 busy series")
         assert ask(client).status_code == 200
         text = client.get("/metrics").text
-        assert re.search(rf'^{BUSY}\{{replica="r0",stage="0"\}} 0\.75$', text, re.M), text
+        assert re.search(rf'^{BUSY}\{{model="tiny-bert",replica="r0",stage="0"\}} 0\.75$', text, re.M), text
         gang.kill()
         wait_until(
             lambda: (
@@ -58,7 +62,9 @@ def test_metrics_forget_a_failed_gang_after_its_restart() -> None:
         wait_until(lambda: not _replicas_in(client.get("/metrics").text, BUSY), what="r0 series dropped")
         text = client.get("/metrics").text
         assert _replicas_in(text, BUSY) == set() and _replicas_in(text, BUBBLE) == set(), text
-        assert "shardserve_replica_restarts_total 1.0" in text  # the server-wide counters stay
+        assert (
+            'shardserve_replica_restarts_total{model="tiny-bert"} 1.0' in text
+        )  # the server-wide counters stay
         # the restart kept the target where it was: no autoscaling decision happened (the lower-bound
         # "up" during the restart back-off used to be counted at every autoscaler tick)
         assert not re.search(r'^shardserve_autoscale_decisions_total\{direction="up"\} [1-9]', text, re.M), (
@@ -90,8 +96,25 @@ def test_every_answer_to_a_qa_request_is_counted_whoever_gave_it() -> None:
     counted = {
         (endpoint, status): float(value)
         for endpoint, status, value in re.findall(
-            r'^shardserve_requests_total\{endpoint="(\w+)",status="(\d+)"\} (\S+)$', text, re.M
+            r'^shardserve_requests_total\{endpoint="(\w+)",model="[^"]*",status="(\d+)"\} (\S+)$', text, re.M
         )
     }
     assert counted == {("qa", "422"): 1.0, ("qa", "401"): 1.0, ("qa", "200"): 1.0, ("batch", "413"): 1.0}
-    assert re.search(r'^shardserve_request_latency_seconds_count\{endpoint="qa"\} 3\.0$', text, re.M), text
+    # refused before a route read the body (the API key, the JSON): no model named yet, model=""
+    latency = re.findall(
+        r'^shardserve_request_latency_seconds_count\{endpoint="qa",model="([^"]*)"\} (\S+)$', text, re.M
+    )
+    assert sorted(latency) == [("", "2.0"), ("tiny-bert", "1.0")], text
+
+
+def test_forget_model_drops_every_series_of_that_model_only() -> None:
+    everything = ServingMetrics()
+    for name in ("a", "b"):
+        m = everything.for_model(name)
+        m.queue_depth.set(2)
+        m.batches.labels(reason="full").inc()
+        m.set_model_info(precision="float32", pp=1, tp=1)
+        everything.requests.labels(model=name, endpoint="qa", status="200").inc()
+    everything.forget_model("a")
+    models = {dict(lb).get("model") for (_, lb), _ in read_registry(everything.registry).items()}
+    assert models == {"b"}

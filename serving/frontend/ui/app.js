@@ -88,6 +88,22 @@ function renderModel(s) {
   ]);
 }
 
+function renderModels(s) {
+  const ms = (v) => (v === null || v === undefined ? "—" : `${v.toFixed(1)} ms`);
+  rows($("models").tBodies[0], s.models, (m) => [
+    m.name,
+    badge(m.state),
+    m.checkpoint || "—",
+    m.generation === null ? "—" : String(m.generation),
+    String(m.ready_replicas),
+    m.answered_per_s.toFixed(2),
+    `${ms(m.latency_ms.p50)} / ${ms(m.latency_ms.p99)}`,
+    String(m.queue_depth),
+    String(m.ongoing_requests),
+    m.reason,
+  ]);
+}
+
 function renderReplicas(s) {
   const counts = Object.entries(s.replica_counts).filter(([, n]) => n > 0).map(([k, n]) => `${n} ${k}`);
   $("replica-summary").textContent =
@@ -95,6 +111,7 @@ function renderReplicas(s) {
     ` · windows retried ${s.retried_windows}`;
   rows($("replicas").tBodies[0], s.replicas, (r) => [
     r.id,
+    r.model,
     badge(r.state),
     r.hosts.length ? r.hosts.join(", ") : el("span", { class: "na", title: "no rank heard from yet" }, "—"),
     ranksOf(r),
@@ -208,6 +225,7 @@ function render(s) {
   apiKeyRequired = s.api_key_required;
   $("api-key-row").hidden = !apiKeyRequired && !$("api-key").value;
   renderModel(s);
+  renderModels(s);
   renderReplicas(s);
   renderTraffic(s);
   renderStages(s);

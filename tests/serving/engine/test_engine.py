@@ -58,7 +58,7 @@ def run_engine(
     factory = FakeFactory()
 
     async def main() -> None:
-        metrics = ServingMetrics()
+        metrics = ServingMetrics().for_model("m")
         cfg = {"max_queue_delay_ms": 50.0, "max_inflight_per_replica": 2, **sched}
         scheduler = Scheduler(SchedulerConfig(**cfg))
         manager = ReplicaManager(
@@ -270,7 +270,7 @@ def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGener
     ticks = iter(100.0 + 0.01 * k for k in range(10_000))  # every clock read advances 10 ms
 
     async def main() -> None:
-        metrics = ServingMetrics()
+        metrics = ServingMetrics().for_model("m")
         scheduler = Scheduler(SchedulerConfig(max_queue_delay_ms=15.0, default_deadline_s=30.0))
         manager = ReplicaManager(
             factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics, ledger=scheduler
@@ -328,7 +328,7 @@ def test_failed_replica_work_fails_over_through_the_attached_listener(model: Mod
 
 def test_engine_refuses_to_start_unwired(model: ModelGeneration) -> None:
     async def main() -> None:
-        metrics = ServingMetrics()
+        metrics = ServingMetrics().for_model("m")
         scheduler = Scheduler(SchedulerConfig())
         manager = ReplicaManager(
             factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics, ledger=scheduler
@@ -345,7 +345,7 @@ def test_stop_now_kills_a_gang_that_is_still_starting(model: ModelGeneration) ->
     its start (a rank hung while loading held the server until the 300 s start timeout)."""
 
     async def main() -> None:
-        metrics = ServingMetrics()
+        metrics = ServingMetrics().for_model("m")
         scheduler = Scheduler(SchedulerConfig())
         factory = FakeFactory()
         manager = ReplicaManager(

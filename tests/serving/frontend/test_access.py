@@ -280,7 +280,10 @@ def test_served_model_name_names_the_model_everywhere() -> None:
             "/admin/reload", json={"model": "tiny-roberta"}, headers={"Authorization": f"Bearer {TOKEN}"}
         )
         assert reload.status_code == 200, reload.text
-        assert [m["model"] for m in model_info(client.get("/metrics").text)] == ["tiny-roberta"]  # one series
+        # the public name is the model's from its start (as a repository's NAME): a reload is a new version
+        assert ask(client).json()["model"] == "tiny-bert"
+        assert client.get("/v1/models").json()[0]["checkpoint"]["name"] == "tiny-roberta"
+        assert [m["model"] for m in model_info(client.get("/metrics").text)] == ["tiny-bert"]  # one series
 
 
 def model_info(exposition: str) -> list[dict[str, str]]:

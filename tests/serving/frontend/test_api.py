@@ -379,7 +379,7 @@ def test_full_queue_answers_429_with_retry_after() -> None:
             factory.gate.set()
             assert [f.result(timeout=10).status_code for f in held] == [200, 200, 200]
         metrics = client.get("/metrics").text
-        assert 'shardserve_requests_total{endpoint="qa",status="429"} 1.0' in metrics
+        assert 'shardserve_requests_total{endpoint="qa",model="tiny-bert",status="429"} 1.0' in metrics
 
 
 def test_deadline_passed_before_compute_is_504_and_never_computed() -> None:
@@ -406,12 +406,12 @@ def test_metrics_exports_requests_batches_queue_and_replicas() -> None:
             assert ask(client).status_code == 200
         text = client.get("/metrics").text
     for needle in (
-        'shardserve_requests_total{endpoint="qa",status="200"} 3.0',
-        'shardserve_request_latency_seconds_count{endpoint="qa"} 3.0',
-        "shardserve_queue_wait_seconds_count 3.0",
+        'shardserve_requests_total{endpoint="qa",model="tiny-bert",status="200"} 3.0',
+        'shardserve_request_latency_seconds_count{endpoint="qa",model="tiny-bert"} 3.0',
+        'shardserve_queue_wait_seconds_count{model="tiny-bert"} 3.0',
         "shardserve_batch_size_windows_count",
-        "shardserve_queue_depth_requests 0.0",
-        'shardserve_replicas{state="ready"} 1.0',
+        'shardserve_queue_depth_requests{model="tiny-bert"} 0.0',
+        'shardserve_replicas{model="tiny-bert",state="ready"} 1.0',
         "shardserve_pipeline_bubble_fraction",
         "shardserve_stage_busy_seconds_total",
     ):
@@ -435,7 +435,7 @@ def test_bubble_fraction_is_near_zero_for_a_one_stage_gang_at_light_load() -> No
         assert (
             5 * 0.03 <= replica.active_s < 5 * 0.03 + 0.2
         )  # the batches, plus dispatch overhead; no idle gap
-        pattern = r'shardserve_pipeline_bubble_fraction\{replica="r\d+"\} (\S+)'
+        pattern = r'shardserve_pipeline_bubble_fraction\{model="tiny-bert",replica="r\d+"\} (\S+)'
         text = wait_until(lambda: re.search(pattern, client.get("/metrics").text), what="a bubble sample")
         assert 0.0 <= float(text.group(1)) < 0.4
 
@@ -486,7 +486,7 @@ def test_killed_replica_in_flight_work_is_retried_on_another() -> None:
             factory.gate.set()
             statuses = [f.result(timeout=10).status_code for f in futures]
         assert statuses == [200] * 6
-        assert client.app.state.metrics.retried_windows._value.get() >= 1
+        assert client.app.state.metrics.retried_windows.labels(model="tiny-bert")._value.get() >= 1
         wait_until(lambda: manager.ready == 2 and manager.restarts == 1, what="gang restarted")
         assert client.get("/readyz").status_code == 200
 
@@ -549,7 +549,7 @@ def test_autoscaler_scales_up_under_a_load_step_and_back_down() -> None:
         sup = client.app.state.supervisor
         assert sup.autoscaler.counts["up"] >= 1 and sup.autoscaler.counts["down"] >= 1
         text = client.get("/metrics").text
-        assert 'shardserve_autoscale_decisions_total{direction="up"}' in text
+        assert 'shardserve_autoscale_decisions_total{direction="up",model="tiny-bert"}' in text
 
 
 # ------------------------------------------------------------------------------------- reload, drain
@@ -580,7 +580,7 @@ def test_hot_reload_switches_model_without_failed_requests() -> None:
         assert factory.models == ["tiny-bert", "tiny-roberta"]
         assert factory.gangs[0].healthy is False and factory.gangs[1].healthy
         assert factory.gangs[1].token_types_seen[-1] is False  # roberta: no token_type_ids
-        assert ask(client).json()["model"] == "tiny-roberta"
+        assert ask(client).json()["model"] == "tiny-bert"  # the public name stays; a new generation serves
         assert client.get("/v1/models").json()[0]["generation"] == 1
 
 
@@ -604,7 +604,7 @@ def test_reload_while_a_gang_starts_ends_that_start_and_keeps_serving() -> None:
         assert r.json()["model"] == "tiny-roberta" and set(readiness) == {200}
         wait_until(lambda: manager.ready == 2, what="two gangs of the new model")
         assert factory.models == ["tiny-bert", "tiny-bert", "tiny-roberta", "tiny-roberta"]
-        assert manager.start_failures == 0 and ask(client).json()["model"] == "tiny-roberta"
+        assert manager.start_failures == 0 and ask(client).json()["model"] == "tiny-bert"
 
 
 def test_reload_to_a_broken_checkpoint_keeps_the_old_gangs() -> None:
@@ -736,8 +736,8 @@ def test_serve_flags_and_environment_map_onto_settings(monkeypatch: pytest.Monke
     monkeypatch.delenv("SHARDSERVE_LENGTH_BUCKETS")
     d = settings_from_args(build_parser().parse_args(["serve"]))
     cores = available_cores()
-    assert (d.model, d.host, d.port, d.replica_bounds, d.pp, d.tp, d.dtype) == (
-        "default",
+    assert (d.models(), d.host, d.port, d.replica_bounds, d.pp, d.tp, d.dtype) == (
+        [("default", "default")],
         "0.0.0.0",
         8000,
         (
@@ -888,7 +888,7 @@ def test_first_gang_that_cannot_start_is_fatal_not_retried_forever() -> None:
         fatal = r.json()["detail"]["fatal"]
         assert "no weights found" in fatal and "/srv/" not in fatal and "\n" not in fatal
         assert "/srv/models/secret-run/final" in manager.fatal_error  # the operator's terminal: the path
-        assert "shardserve_replica_failures_total 1.0" in client.get("/metrics").text
+        assert 'shardserve_replica_failures_total{model="tiny-bert"} 1.0' in client.get("/metrics").text
 
 
 def test_later_start_failures_back_off_and_show_in_metrics_and_readiness() -> None:
@@ -908,7 +908,7 @@ def test_later_start_failures_back_off_and_show_in_metrics_and_readiness() -> No
         failures = [
             float(line.split()[-1])
             for line in client.get("/metrics").text.splitlines()
-            if line.startswith("shardserve_replica_failures_total ")
+            if line.startswith("shardserve_replica_failures_total{")
         ]
         assert failures and failures[0] >= 4  # the kill + three failed restarts
         starts = len(factory.gangs)
@@ -1114,7 +1114,7 @@ def test_hung_replica_leaves_readiness_and_its_requests_are_retried_in_time() ->
         assert statuses == [200] * 6
         assert elapsed < 20.0  # stall timeout 8 s + retry, well inside the 30 s deadline
         assert victim.state is not ReplicaState.READY and "stalled" in (victim.error or "")
-        assert client.app.state.metrics.retried_windows._value.get() >= 1
+        assert client.app.state.metrics.retried_windows.labels(model="tiny-bert")._value.get() >= 1
         wait_until(lambda: manager.ready == 2, timeout=15, what="replacement gang")
 
 

@@ -64,7 +64,7 @@ def test_server_metadata_and_health() -> None:
         assert (
             meta["name"] == "shardserve"
             and isinstance(meta["version"], str)
-            and meta["extensions"] == ["binary_tensor_data"]
+            and meta["extensions"] == ["binary_tensor_data", "model_repository"]
         )
         live = client.get("/v2/health/live")
         assert live.status_code == 200 and live.json() == {"live": True}
@@ -151,7 +151,7 @@ def test_batch_of_two_returns_typed_tensors_with_exact_offsets() -> None:
         assert [res["answers"][0]["text"] for res in native] == out["answer"]["data"]
         assert [res["answers"][0]["start"] for res in native] == out["start"]["data"]
         metrics = client.get("/metrics").text
-        assert 'shardserve_requests_total{endpoint="v2_infer",status="200"} 1.0' in metrics
+        assert f'shardserve_requests_total{{endpoint="v2_infer",model="{NAME}",status="200"}} 1.0' in metrics
 
 
 def test_shape_n_by_1_nested_data_and_top_k_rows() -> None:

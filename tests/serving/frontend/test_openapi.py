@@ -168,7 +168,7 @@ def test_schemathesis_open_inference_protocol_routes_with_an_api_key(
         live_server_with_api_key,
         tmp_path,
         "--include-path-regex",
-        "^/v2",
+        "^/v2(?!/repository)",  # the repository routes take the admin token: the admin run has them
         token=None,
         extra=V2_EXTRA,
         api_key=True,
@@ -178,13 +178,18 @@ def test_schemathesis_open_inference_protocol_routes_with_an_api_key(
 
 
 def test_schemathesis_admin_routes_with_the_token(live_server: str, tmp_path: Path) -> None:
-    """/admin/* authenticated, every check (ignored_auth also probes each route without and with a
-    wrong token): 0 failures. It pins and rescales replicas, hence its own server."""
+    """/admin/* and the v2 repository routes authenticated, every check (ignored_auth also probes each
+    route without and with a wrong token): 0 failures. It pins and rescales replicas, hence its own server."""
     proc = run_schemathesis(
-        live_server, tmp_path, "--include-path-regex", "^/admin/", token=TOKEN, extra=ADMIN_EXTRA
+        live_server,
+        tmp_path,
+        "--include-path-regex",
+        "^/(admin/|v2/repository)",
+        token=TOKEN,
+        extra=ADMIN_EXTRA,
     )
     assert proc.returncode == 0, _report(proc)
-    assert "Tested: 3" in proc.stdout, _report(proc)
+    assert "Tested: 7" in proc.stdout, _report(proc)
 
 
 def test_schemathesis_admin_routes_without_a_token(live_server: str, tmp_path: Path) -> None:
@@ -268,9 +273,9 @@ def test_admin_statuses_and_auth_are_documented() -> None:
             "description": "the server's admin_token (401 when unset or wrong)",
         }
         expected = {
-            ("/admin/replicas", "get"): {"200", "401", "503"},
-            ("/admin/replicas", "post"): {"200", "400", "401", "408", "413", "415", "422", "503"},
-            ("/admin/reload", "post"): {"200", "400", "401", "408", "409", "413", "415", "422", "503"},
+            ("/admin/replicas", "get"): {"200", "401", "404", "503"},
+            ("/admin/replicas", "post"): {"200", "400", "401", "404", "408", "413", "415", "422", "503"},
+            ("/admin/reload", "post"): {"200", "400", "401", "404", "408", "409", "413", "415", "422", "503"},
         }
         for (path, method), statuses in expected.items():
             op = doc["paths"][path][method]

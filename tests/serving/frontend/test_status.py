@@ -56,7 +56,9 @@ def test_status_reads_the_metrics_registry_and_nulls_what_is_not_measured() -> N
         s = client.get("/ui/status").json()
         w = s["windows"][0]
         metrics = client.get("/metrics").text
-        served = re.search(r'shardserve_requests_total\{endpoint="qa",status="200"\} (\S+)', metrics)
+        served = re.search(
+            r'shardserve_requests_total\{endpoint="qa",model="tiny-bert",status="200"\} (\S+)', metrics
+        )
         assert served is not None and w["requests"] == 5 and float(served.group(1)) == 4.0
         assert w["error_responses"] == {"422": 1}
         assert w["answered_per_s"] > 0 and w["windows_per_s"] > 0 and w["mean_batch_windows"] == 1.0

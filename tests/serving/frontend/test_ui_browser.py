@@ -136,10 +136,12 @@ def test_status_page_shows_a_ready_gang_and_moves_with_traffic(
     assert page.locator("#plan tbody tr").count() == 2  # pp=2: two stages, layers split between them
     assert "pp=2" in page.locator("#model").inner_text()
     assert "default" in page.locator("#model-name").inner_text()
-    ranks = _cell(page, "replicas", 0, 3)
+    assert _cell(page, "replicas", 0, 1) == "default"  # the model the gang serves
+    assert _cell(page, "models", 0, 0) == "default" and _cell(page, "models", 0, 1) == "READY"
+    ranks = _cell(page, "replicas", 0, 4)
     assert "0 (0/0): pid " in ranks and "1 (1/0): pid " in ranks, ranks  # pids as the ranks report them
-    assert _cell(page, "replicas", 0, 2) == socket.gethostname()  # where the ranks say they run
-    assert _cell(page, "replicas", 0, 4) == "0"  # this gang's own restarts
+    assert _cell(page, "replicas", 0, 3) == socket.gethostname()  # where the ranks say they run
+    assert _cell(page, "replicas", 0, 5) == "0"  # this gang's own restarts
     page.screenshot(path=str(tmp_path / "status-before.png"), full_page=True)
     before = int(_cell(page, "windows", 0, 1))
     assert "—" in _cell(page, "windows", 0, 4)  # no request yet: percentiles shown as not measured

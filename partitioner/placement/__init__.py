@@ -1,0 +1,61 @@
+"""Multi-model placement (AlpaServe, OSDI'23): which device groups serve which models, chosen by simulation.
+
+Several models share a group of devices, each split across the whole group as a pipeline, so a burst
+for one model is served by every device of the group instead of the one it would own alone. The
+placement is chosen by simulating the workload; everything here is PURE LOGIC (no processes, no
+torch at simulation time):
+
+- ``workload.py``: arrival processes (Gamma, per model), traces, burst scenarios;
+- ``latency.py``: a model's stage latencies per parallel config and its memory (``ModelProfile``);
+- ``cost_profile.py``: such a profile from the analytic cost model and one single-request latency;
+- ``layout.py``: ``Group`` / ``Placement`` and the per-device memory check;
+- ``simulator.py``: discrete-event simulation of the server's scheduler -> ``SimResult``;
+- ``search.py``: the policies ``dedicated``, ``multiplexed``, ``auto`` and ``replan``.
+
+    shardserve plan --placement auto --models a=default,b=default --devices 2 --rate 40 --cv 3
+    python -m pytest tests/partitioner/placement -q
+"""
+
+from partitioner.placement.latency import LatencyModel, ModelProfile, PlacementError
+from partitioner.placement.layout import Group, Placement
+from partitioner.placement.search import (
+    PlacementChoice,
+    auto,
+    choose_placement,
+    dedicated,
+    multiplexed,
+    replan,
+)
+from partitioner.placement.simulator import ModelStats, SimConfig, SimResult, simulate
+from partitioner.placement.workload import (
+    ArrivalSpec,
+    Trace,
+    Workload,
+    alternating_bursts,
+    load_trace,
+    steady,
+)
+
+__all__ = [
+    "ArrivalSpec",
+    "Group",
+    "LatencyModel",
+    "ModelProfile",
+    "ModelStats",
+    "Placement",
+    "PlacementChoice",
+    "PlacementError",
+    "SimConfig",
+    "SimResult",
+    "Trace",
+    "Workload",
+    "alternating_bursts",
+    "auto",
+    "choose_placement",
+    "dedicated",
+    "load_trace",
+    "multiplexed",
+    "replan",
+    "simulate",
+    "steady",
+]

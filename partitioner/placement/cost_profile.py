@@ -1,0 +1,130 @@
+"""A ``ModelProfile`` from the analytic cost model, anchored to one measured single-request latency.
+
+Owns the translation of ``partitioner/cost.py`` (per-unit costs, the balanced pipeline split, the
+per-stage parameter counts and activation bytes) into the simulator's latency table. The cost model
+gives relative costs; ``single_latency_s`` (one request at pp=1, tp=1, measured or assumed) fixes
+the scale. For each ``(pp, tp)``:
+
+    stage_k(b) = single_latency_s * cost_k / total_cost * (fixed_share + (1 - fixed_share) * b) / tp
+                 + hop_s                           (pp > 1: sending the boundary activations on)
+                 + 2 * layers_k * allreduce_s      (tp > 1: two all-reduces per layer)
+
+``fixed_share`` is the part of a micro-batch's time that does not grow with its size (weights read,
+kernel launches): 0 means no batching gain, as on a CPU that is already compute bound. Memory:
+weights at ``dtype_bytes`` per parameter (the largest tensor rank of each stage, so stage 0 carries
+the embeddings) and an activation allowance of one ``max_batch_size x seq_len`` micro-batch.
+
+    profile = profile_from_cost_model("a", config, single_latency_s=0.02, hop_s=0.001, max_devices=4)
+    estimated_single_latency_s(config, seq_len=384, device="cpu")   # when nothing was measured
+    python -m pytest tests/partitioner/placement/test_cost_profile.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from models.config import EncoderConfig
+from partitioner.cost import (
+    analytic_costs,
+    balanced_split,
+    serving_memory_bytes,
+    stage_costs,
+    stage_param_counts,
+)
+from partitioner.placement.latency import LatencyModel, ModelProfile, ParallelConfig, PlacementError
+
+logger = logging.getLogger(__name__)
+
+# Sustained FLOP/s assumed for a forward pass when no latency was measured: conservative figures
+# (a few CPU cores in fp32; a data-center GPU far below its peak at small batches).
+ASSUMED_FLOPS = {"cpu": 50e9, "cuda": 5e12}
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def estimated_single_latency_s(config: EncoderConfig, *, seq_len: int, device: str = "cpu") -> float:
+    """One request's forward time from the analytic FLOPs at ``seq_len`` and ``ASSUMED_FLOPS[device]``."""
+    if device not in ASSUMED_FLOPS:
+        raise PlacementError(f"no assumed FLOP/s for device {device!r} (have {sorted(ASSUMED_FLOPS)})")
+    flops = sum(u.cost for u in analytic_costs(config, seq_len=seq_len)) * seq_len
+    return flops / ASSUMED_FLOPS[device]
+
+
+def parallel_configs(
+    config: EncoderConfig, *, max_devices: int, tensor_parallel: bool = False
+) -> list[ParallelConfig]:
+    """Every ``(pp, tp)`` with ``pp * tp <= max_devices`` the model can be split into: ``pp`` at most
+    its layer count; ``tp`` (only when ``tensor_parallel``) dividing its heads and MLP width."""
+    out = []
+    for size in range(1, max_devices + 1):
+        for tp in range(1, size + 1):
+            if size % tp or (tp > 1 and not tensor_parallel):
+                continue
+            if tp > 1 and (config.num_heads % tp or config.intermediate_size % tp):
+                continue
+            pp = size // tp
+            if pp <= config.num_layers:
+                out.append((pp, tp))
+    return out
+
+
+def profile_from_cost_model(
+    name: str,
+    config: EncoderConfig,
+    *,
+    single_latency_s: float,
+    configs: Sequence[ParallelConfig] | None = None,
+    max_devices: int = 1,
+    seq_len: int = 384,
+    hop_s: float = 0.0,
+    allreduce_s: float = 0.0,
+    fixed_share: float = 0.0,
+    max_batch_size: int = 32,
+    dtype_bytes: int = 4,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+) -> ModelProfile:
+    """The profile of ``config`` for ``configs`` (default: ``parallel_configs(max_devices)``; see module doc)."""
+    problems = []
+    if not (math.isfinite(single_latency_s) and single_latency_s > 0):
+        problems.append(f"single_latency_s={single_latency_s!r} must be > 0")
+    for label, value in (("hop_s", hop_s), ("allreduce_s", allreduce_s)):
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"{label}={value!r} must be >= 0")
+    if not 0 <= fixed_share < 1:
+        problems.append(f"fixed_share={fixed_share!r} must be in [0, 1)")
+    if max_batch_size < 1 or dtype_bytes < 1:
+        problems.append(f"max_batch_size={max_batch_size} and dtype_bytes={dtype_bytes} must be >= 1")
+    if problems:
+        raise PlacementError(f"invalid cost profile for {name!r}: " + "; ".join(problems))
+    costs = analytic_costs(config, seq_len=seq_len)
+    total = sum(u.cost for u in costs)
+    wanted = list(configs) if configs is not None else parallel_configs(config, max_devices=max_devices)
+    table: dict[ParallelConfig, dict[int, tuple[float, ...]]] = {}
+    stage_bytes: dict[ParallelConfig, tuple[int, ...]] = {}
+    for pp, tp in wanted:
+        if pp > config.num_layers:
+            raise PlacementError(f"pp={pp} stages need at most num_layers={config.num_layers} for {name!r}")
+        bounds = balanced_split(costs, pp)
+        shares = [c / total for c in stage_costs(costs, bounds)]
+        fixed = [
+            (hop_s if pp > 1 else 0.0) + (2 * (b - a) * allreduce_s if tp > 1 else 0.0) for a, b in bounds
+        ]
+        table[(pp, tp)] = {
+            bs: tuple(
+                single_latency_s * share * (fixed_share + (1 - fixed_share) * bs) / tp + extra
+                for share, extra in zip(shares, fixed, strict=True)
+            )
+            for bs in batch_sizes
+        }
+        stage_bytes[(pp, tp)] = tuple(p * dtype_bytes for p in stage_param_counts(costs, bounds, tp))
+    activation = serving_memory_bytes(
+        0, config, n_layers=1, batch_size=max_batch_size, seq_len=seq_len, tp=1, dtype_bytes=dtype_bytes
+    )
+    return ModelProfile(
+        name,
+        param_bytes=sum(u.params for u in costs) * dtype_bytes,
+        latency=LatencyModel(table),
+        activation_bytes=activation,
+        stage_bytes=stage_bytes,
+    )

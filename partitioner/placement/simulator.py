@@ -1,0 +1,303 @@
+"""Discrete-event simulation of a placement serving a request stream: predicted SLO attainment.
+
+Owns the simulated scheduler and its result (``SimConfig``, ``simulate``, ``SimResult``). It mirrors
+the server's engine (``serving/engine/batcher.py``, ``admission.py``; knobs of ``SchedulerConfig``
+in ``serving/config.py``, which this package may not import: ``SimConfig.from_scheduler`` reads the
+same-named attributes) with one window per request:
+
+- each model has a FIFO queue; a request's deadline is its arrival + the model's SLO;
+- admission: at arrival, a request is refused when more than ``max_batch_size`` requests of its
+  model are queued ahead and those plus itself cannot be computed before its deadline at the
+  model's service rate (``LatencyModel.capacity`` at full micro-batches, the rate the server's
+  measured rate tends to under load, shared evenly with the other busy models of each group, summed
+  over the groups holding it);
+- a group takes a micro-batch when it has fewer than ``max_inflight`` in flight: of ONE model, up to
+  ``max_batch_size`` requests, the group's models served round-robin among those with queued work;
+  a batch goes at once unless ``max_queue_delay_s`` > 0 (then a partial batch waits until its oldest
+  request has waited that long); requests whose deadline passed while queued expire (never computed);
+- a micro-batch runs stage by stage: each stage computes one micro-batch at a time in arrival order,
+  so latency = sum of stages on an idle pipeline and throughput is bounded by the slowest stage;
+- a request arriving for a model on several groups goes to the least-loaded one with room (fewest
+  micro-batches in flight, then the lowest index); queued work goes to whichever group frees first.
+
+A request meets its SLO when it finishes within it; refused, expired and late requests are misses.
+PURE LOGIC: a heap of completion (and batch-timer) events merged with the sorted arrivals.
+
+    result = simulate(placement, profiles, trace, slo_s=0.05)
+    result.attainment, result.per_model["a"].p99_s
+    python -m pytest tests/partitioner/placement/test_simulator.py -q
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from partitioner.placement.latency import ModelProfile, PlacementError, by_name
+from partitioner.placement.layout import Placement
+from partitioner.placement.workload import Trace
+
+logger = logging.getLogger(__name__)
+
+_COMPLETE, _TIMER = 0, 1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The scheduler knobs the simulation uses (``SchedulerConfig`` names; ``max_inflight`` is its
+    ``max_inflight_per_replica``)."""
+
+    max_batch_size: int = 32
+    max_inflight: int = 2
+    max_queue_delay_s: float = 0.0
+    admission: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("max_batch_size", "max_inflight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be an integer >= 1")
+        if not (math.isfinite(self.max_queue_delay_s) and self.max_queue_delay_s >= 0):
+            problems.append(f"max_queue_delay_s={self.max_queue_delay_s!r} must be >= 0")
+        if problems:
+            raise PlacementError("invalid SimConfig: " + "; ".join(problems))
+
+    @classmethod
+    def from_scheduler(cls, scheduler: Any, *, admission: bool = True) -> SimConfig:
+        """From a ``serving.config.SchedulerConfig`` (read by attribute name)."""
+        return cls(
+            max_batch_size=scheduler.max_batch_size,
+            max_inflight=scheduler.max_inflight_per_replica,
+            max_queue_delay_s=scheduler.max_queue_delay_ms / 1000.0,
+            admission=admission,
+        )
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """One model's (or, as ``"*"``, every model's) outcome."""
+
+    model: str
+    requests: int
+    good: int  # finished within the SLO
+    late: int  # finished after it
+    rejected: int  # refused at arrival (admission, or no group holds the model)
+    expired: int  # deadline passed while queued
+    p50_s: float  # latency percentiles of the finished requests (nan when none)
+    p99_s: float
+
+    @property
+    def attainment(self) -> float:
+        """Fraction of the requests finished within the SLO (1.0 when there were none)."""
+        return self.good / self.requests if self.requests else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("requests", "good", "late", "rejected", "expired")}
+        out.update(
+            attainment=round(self.attainment, 6),
+            p50_ms=None if math.isnan(self.p50_s) else round(self.p50_s * 1000, 3),
+            p99_ms=None if math.isnan(self.p99_s) else round(self.p99_s * 1000, 3),
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Per-model and overall stats of one simulation over ``duration_s``."""
+
+    per_model: dict[str, ModelStats]
+    overall: ModelStats
+    duration_s: float
+
+    @property
+    def attainment(self) -> float:
+        """Fraction of all requests finished within their SLO."""
+        return self.overall.attainment
+
+    @property
+    def goodput(self) -> float:
+        """Requests/s finished within their SLO."""
+        return self.overall.good / self.duration_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "attainment": round(self.attainment, 6),
+            "goodput_rps": round(self.goodput, 3),
+            "overall": self.overall.to_dict(),
+            "models": {
+                m: {**s.to_dict(), "goodput_rps": round(s.good / self.duration_s, 3)}
+                for m, s in self.per_model.items()
+            },
+        }
+
+
+class _Group:
+    """Mutable simulation state of one group."""
+
+    __slots__ = ("free_at", "inflight", "models", "pp", "rr", "timer_at", "tp")
+
+    def __init__(self, pp: int, tp: int, models: tuple[str, ...]) -> None:
+        self.pp, self.tp, self.models = pp, tp, models
+        self.free_at = [0.0] * pp  # when each stage finishes its last accepted micro-batch
+        self.inflight = 0
+        self.rr = 0  # round-robin position over models
+        self.timer_at = math.inf  # pending max_queue_delay wake-up
+
+
+def simulate(
+    placement: Placement,
+    profiles: Sequence[ModelProfile] | Mapping[str, ModelProfile],
+    trace: Trace,
+    *,
+    slo_s: float | Mapping[str, float],
+    config: SimConfig | None = None,
+) -> SimResult:
+    """Serve ``trace`` with ``placement`` (see module doc); per-model ``slo_s`` or one for all."""
+    cfg = config or SimConfig()
+    prof = by_name(profiles)
+    models = tuple(dict.fromkeys((*(m for m in prof if m in trace.models), *trace.models, *placement.models)))
+    if isinstance(slo_s, Mapping) and (no_slo := [m for m in trace.models if m not in slo_s]):
+        raise PlacementError(f"no SLO for models {no_slo} (have {sorted(slo_s)})")
+    slo = {m: slo_s[m] if isinstance(slo_s, Mapping) else slo_s for m in models if m in trace.models}
+    for m, s in slo.items():
+        if not (math.isfinite(s) and s > 0):
+            raise PlacementError(f"SLO of model {m!r} is {s!r} s: must be > 0")
+    for g in placement.groups:
+        for m in g.models:
+            if m not in prof:
+                raise PlacementError(f"no profile for model {m!r} placed on devices {g.devices}")
+            if not prof[m].latency.has(g.pp, g.tp):
+                raise PlacementError(
+                    f"model {m!r} has no latencies for pp={g.pp} tp={g.tp} "
+                    f"(have {list(prof[m].latency.configs)})"
+                )
+    groups = [_Group(g.pp, g.tp, g.models) for g in placement.groups]
+    holders = {m: [k for k, g in enumerate(placement.groups) if m in g.models] for m in models}
+    # full-batch service rate of each (model, group): admission's estimate
+    full_rate = {
+        (m, k): prof[m].latency.capacity(g.pp, g.tp, cfg.max_batch_size, max_inflight=cfg.max_inflight)
+        for k, g in enumerate(placement.groups)
+        for m in g.models
+    }
+    queues: dict[str, deque[tuple[float, float]]] = {m: deque() for m in models}  # (arrival, deadline)
+    busy = dict.fromkeys(models, 0)  # micro-batches in flight per model
+    latencies: dict[str, list[float]] = {m: [] for m in models}
+    counts = {m: {"requests": 0, "good": 0, "late": 0, "rejected": 0, "expired": 0} for m in models}
+    events: list[tuple[float, int, int, int, str, tuple[float, ...]]] = []
+    seq = 0
+    delay, max_b = cfg.max_queue_delay_s, cfg.max_batch_size
+
+    def service_rate(m: str) -> float:
+        rate = 0.0
+        for k in holders[m]:
+            others = sum(1 for o in groups[k].models if o != m and (queues[o] or busy[o]))
+            rate += full_rate[(m, k)] / (1 + others)
+        return rate
+
+    def dispatch(k: int, now: float) -> None:
+        nonlocal seq
+        g = groups[k]
+        n = len(g.models)
+        while g.inflight < cfg.max_inflight:
+            chosen, wait_until = None, math.inf
+            for step in range(n):
+                m = g.models[(g.rr + step) % n]
+                q = queues[m]
+                while q and q[0][1] <= now:  # deadline passed while queued: expires uncomputed
+                    q.popleft()
+                    counts[m]["expired"] += 1
+                if not q:
+                    continue
+                ready_at = q[0][0] + delay
+                if len(q) >= max_b or ready_at <= now:
+                    chosen = (step, m)
+                    break
+                wait_until = min(wait_until, ready_at)
+            if chosen is None:
+                if wait_until < g.timer_at:
+                    g.timer_at = wait_until
+                    heapq.heappush(events, (wait_until, seq, _TIMER, k, "", ()))
+                    seq += 1
+                return
+            step, m = chosen
+            g.rr = (g.rr + step + 1) % n
+            q = queues[m]
+            batch = [q.popleft() for _ in range(min(max_b, len(q)))]
+            t = now
+            for s, lat in enumerate(prof[m].latency.stages(g.pp, g.tp, len(batch))):
+                t = max(t, g.free_at[s]) + lat
+                g.free_at[s] = t
+            g.inflight += 1
+            busy[m] += 1
+            arrivals = tuple(a for a, _ in batch)
+            heapq.heappush(events, (t, seq, _COMPLETE, k, m, arrivals))
+            seq += 1
+
+    requests = trace.requests
+    i, n_req = 0, len(requests)
+    while i < n_req or events:
+        if events and (i >= n_req or events[0][0] <= requests[i][0]):
+            now, _, kind, k, m, arrivals = heapq.heappop(events)
+            if kind == _COMPLETE:
+                groups[k].inflight -= 1
+                busy[m] -= 1
+                c, limit = counts[m], slo[m]
+                for a in arrivals:
+                    lat = now - a
+                    latencies[m].append(lat)
+                    if lat <= limit + 1e-12:
+                        c["good"] += 1
+                    else:
+                        c["late"] += 1
+            elif groups[k].timer_at == now:
+                groups[k].timer_at = math.inf
+            dispatch(k, now)
+            continue
+        now, m = requests[i]
+        i += 1
+        c = counts[m]
+        c["requests"] += 1
+        if not holders[m]:
+            c["rejected"] += 1
+            continue
+        q = queues[m]
+        if cfg.admission and len(q) > max_b:
+            rate = service_rate(m)
+            if rate <= 0 or (len(q) + 1) / rate > slo[m]:
+                c["rejected"] += 1
+                continue
+        q.append((now, now + slo[m]))
+        for k in sorted(holders[m], key=lambda k: (groups[k].inflight, k)):
+            if groups[k].inflight < cfg.max_inflight:
+                dispatch(k, now)
+                if not q:
+                    break
+    for m, q in queues.items():  # still queued at the end: unreachable (the loop drains), kept honest
+        counts[m]["expired"] += len(q)
+    return _result(models, counts, latencies, trace.duration_s)
+
+
+def _result(
+    models: tuple[str, ...],
+    counts: dict[str, dict[str, int]],
+    latencies: dict[str, list[float]],
+    duration_s: float,
+) -> SimResult:
+    def stats(name: str, c: Mapping[str, int], lat: list[float]) -> ModelStats:
+        p50, p99 = np.percentile(lat, [50, 99]).tolist() if lat else (math.nan, math.nan)
+        return ModelStats(name, c["requests"], c["good"], c["late"], c["rejected"], c["expired"], p50, p99)
+
+    per_model = {m: stats(m, counts[m], latencies[m]) for m in models if counts[m]["requests"]}
+    total = {
+        k: sum(counts[m][k] for m in models) for k in ("requests", "good", "late", "rejected", "expired")
+    }
+    overall = stats("*", total, [x for m in models for x in latencies[m]])
+    return SimResult(per_model, overall, duration_s)

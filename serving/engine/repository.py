@@ -1,0 +1,312 @@
+"""The model repository: the models one server serves, each its own engine, loaded and unloaded live.
+
+Triton's model repository (and its repository extension) over shardserve's engines: a model has a
+public name (``--model NAME=MODEL``, a sub-folder of ``--model-repository``, or the loaded model's
+name) and its own ``Engine`` (``serving/engine/core.py``): its own admission and queue, batcher,
+replica gangs, autoscaler and metrics series (``model`` label), so a burst or a failure of one model
+never reaches another's queue or gangs. The engines share the device pool (``pool=`` of
+``build_engine``), so together they never hold more slots than the machine has.
+
+Each model is in one state (Triton's names): ``LOADING`` (checked, its first gang starting),
+``READY`` (a gang answers), ``UNLOADING`` (draining), ``UNAVAILABLE`` (failed to load, or a folder of
+the repository not loaded; ``reason`` says which, without server paths). ``load`` adds a model (or
+reloads one: its new gangs are ready before the old ones drain, ``Engine.reload``), ``unload`` drains
+and stops one; the others keep serving throughout.
+
+    repo = ModelRepository(load=check_model, build=make_engine, metrics=metrics, root=None)
+    await repo.start([("a", "default"), ("b", "minilm")])   # each failure is reported, the rest serve
+    engine = repo.engine("b")                                # EngineError 404 / 503 with the reason
+    await repo.load("c", "/models/c"); await repo.unload("a")
+    repo.index()                                             # [{"name", "version", "state", "reason"}]
+    await repo.shutdown(timeout_s=30)
+
+Tests: ``pytest tests/serving/engine/test_repository.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from models.config import ModelConfigError
+from models.hf_weights import CheckpointError
+from serving.config import check_model_name, repository_models
+from serving.engine.core import Engine
+from serving.engine.qa_types import EngineError
+from serving.fleet.gangs import ModelGeneration
+from serving.metrics import ServingMetrics
+from serving.redact import one_line
+
+logger = logging.getLogger(__name__)
+
+READY_POLL_S = 0.05
+
+LoadModel = Callable[[str, int], ModelGeneration]  # (model reference, generation) -> a checked model
+BuildEngine = Callable[[str, ModelGeneration], Engine]  # (public name, model) -> an engine, not started
+
+
+class ModelState(StrEnum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass
+class ModelEntry:
+    """One model of the repository."""
+
+    name: str  # public name: the routes' and the metrics' ``model``
+    ref: str  # what it loads: a registry name or a server path (never shown to clients)
+    engine: Engine | None = None
+    unavailable: str | None = None  # why it is not served (load failed, not loaded), path-free
+    unloading: bool = False
+    loaded_at: float = 0.0  # time.time() of its last load
+
+    @property
+    def state(self) -> ModelState:
+        if self.engine is None:
+            return ModelState.UNAVAILABLE if self.unavailable is not None else ModelState.LOADING
+        if self.unloading:
+            return ModelState.UNLOADING
+        health = self.engine.health()
+        if health["ready_replicas"] >= 1:
+            return ModelState.READY
+        return ModelState.UNAVAILABLE if health.get("fatal") else ModelState.LOADING
+
+    @property
+    def reason(self) -> str:
+        if self.engine is not None and not self.unloading and self.engine.health().get("fatal"):
+            return "its gangs could not start (the server log has the reason)"
+        return self.unavailable or ""
+
+
+class ModelRepository:
+    """The served models by public name, in the order given (the first is the default)."""
+
+    def __init__(
+        self,
+        *,
+        load: LoadModel,
+        build: BuildEngine,
+        metrics: ServingMetrics,
+        root: Path | None = None,
+        drain_timeout_s: float = 30.0,
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        self._load, self._build, self.metrics = load, build, metrics
+        self.root = root
+        self.drain_timeout_s = drain_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.entries: dict[str, ModelEntry] = {}
+        self._busy: set[str] = set()  # names with a load or unload under way
+        self._starting: set[str] = set()  # start-up models that have neither answered nor failed yet
+        self._stopping = False
+        if root is not None:
+            for name, path in repository_models(root).items():
+                self.entries[name] = ModelEntry(name, path, unavailable="not loaded")
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def default_name(self) -> str | None:
+        """The first model being served or loading (requests naming no model go to it)."""
+        return next((e.name for e in self.entries.values() if e.engine is not None), None)
+
+    def engines(self) -> list[Engine]:
+        return [e.engine for e in self.entries.values() if e.engine is not None]
+
+    def engine(self, name: str | None = None) -> Engine:
+        """The engine of ``name`` (None: the default model). EngineError 404 ``model_not_found`` for a
+        name the server does not know, 503 ``model_unavailable`` for one it does not serve now."""
+        key = self.default_name if name is None else name
+        entry = self.entries.get(key) if key is not None else None
+        if entry is None:
+            served = ", ".join(repr(n) for n in self.entries) or "none"
+            raise EngineError(404, "model_not_found", f"model {name!r} not found; models: {served}")
+        if entry.engine is None or entry.unloading:
+            why = entry.unavailable or ("unloading" if entry.unloading else "loading")
+            raise EngineError(503, "model_unavailable", f"model {entry.name!r} is not served now: {why}")
+        return entry.engine
+
+    def index(self) -> list[dict[str, Any]]:
+        """Triton's repository index: each model's name, version (its generation), state and reason."""
+        out = []
+        for e in self.entries.values():
+            version = "" if e.engine is None else str(e.engine.model.generation + 1)
+            out.append({"name": e.name, "version": version, "state": e.state.value, "reason": e.reason})
+        return out
+
+    def ready(self) -> bool:
+        """Server readiness: a model is served, and every model asked for at start-up has answered
+        once or failed (one still starting holds it back; a model loaded later never does)."""
+        settled = (ModelState.READY, ModelState.UNAVAILABLE)
+        self._starting = {
+            n for n in self._starting if n in self.entries and self.entries[n].state not in settled
+        }
+        return not self._starting and any(e.state is ModelState.READY for e in self.entries.values())
+
+    def health(self) -> dict[str, Any]:
+        """Readiness detail, safe for unauthenticated clients: ready / starting gangs of all models,
+        and each model's state, reason and its engine's health (counts, one path-free line)."""
+        per_model = {}
+        for e in self.entries.values():
+            detail = (
+                e.engine.health() if e.engine is not None else {"ready_replicas": 0, "starting_replicas": 0}
+            )
+            per_model[e.name] = {"state": e.state.value, "reason": e.reason, **detail}
+        default = self.engines()[0].health() if self.engines() else {}
+        out: dict[str, Any] = {
+            **default,  # the default model's detail (failed starts, last failure), as a one-model server's
+            "ready_replicas": sum(m["ready_replicas"] for m in per_model.values()),
+            "starting_replicas": sum(m["starting_replicas"] for m in per_model.values()),
+            "models": per_model,
+        }
+        out.pop("fatal", None)  # the server failed only when no model can serve: then each one's line
+        if self.fatal_error() is not None:
+            lines = [m.get("fatal") or f"model {name!r} {m['reason']}" for name, m in per_model.items()]
+            out["fatal"] = lines[0] if len(lines) == 1 else "; ".join(lines)
+        return out
+
+    def fatal_error(self) -> str | None:
+        """Why no model can serve, once every model failed (its load, or its first gang's start);
+        None while one serves or may still."""
+        reasons = []
+        for e in self.entries.values():
+            if e.engine is None and e.unavailable is None:
+                return None  # still loading
+            fatal = (
+                e.engine.manager.fatal_error if e.engine is not None else f"model {e.name!r} {e.unavailable}"
+            )
+            if fatal is None:
+                return None
+            reasons.append(fatal)
+        return "; ".join(reasons) if reasons else None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(
+        self, models: Iterable[tuple[str, str]], *, preloaded: dict[str, ModelGeneration] | None = None
+    ) -> None:
+        """Load and start ``models`` ((name, reference) pairs; ``preloaded``: models the CLI already
+        checked). A model that fails is reported (state UNAVAILABLE with its reason) and the others
+        start; the server is ready once every one has answered once or failed (``ready``)."""
+        preloaded = preloaded or {}
+        pending = []
+        for name, ref in models:
+            check_model_name(name)
+            entry = self.entries.setdefault(name, ModelEntry(name, ref))
+            entry.ref, entry.unavailable = ref, None
+            pending.append(entry)
+        self._starting = {e.name for e in pending}
+        for entry in pending:
+            model = preloaded.get(entry.name)
+            try:
+                await self._start_entry(entry, model)
+            except EngineError as err:
+                logger.error("model %s is unavailable: %s", entry.name, err.detail)
+
+    async def _start_entry(self, entry: ModelEntry, model: ModelGeneration | None) -> None:
+        """Check and build ``entry``'s model and start its engine; EngineError 400 ``load_failed``
+        (entry UNAVAILABLE, the reason path-free) when it cannot be loaded."""
+        try:
+            if model is None:
+                model = await asyncio.to_thread(self._load, entry.ref, 0)
+            engine = self._build(entry.name, model)
+        except (ModelConfigError, CheckpointError, OSError) as err:
+            logger.info("model %s (%s) failed to load: %s", entry.name, entry.ref, err)
+            entry.unavailable = "failed to load: not a loadable model (the server log has the reason)"
+            raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}") from err
+        except ValueError as err:  # loads, but does not fit the settings: the numbers, no paths
+            entry.unavailable = f"failed to load: {one_line(err)}"
+            raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}") from err
+        entry.engine, entry.unavailable, entry.loaded_at = engine, None, time.time()
+        await engine.start()
+        logger.info("model %s: %s loaded, its gangs starting", entry.name, model.source.name)
+
+    async def load(self, name: str, ref: str | None = None) -> ModelEntry:
+        """Load model ``name`` from ``ref`` (a registry name or a server path; None: where the
+        repository has it, or what it was loaded from) and wait until a gang of it answers. A model
+        already served is reloaded (new gangs ready before the old drain). EngineError: 400
+        ``load_failed``, 404 ``model_not_found``, 409 ``load_in_progress``, 503 ``shutting_down``."""
+        check_model_name(name)
+        if self._stopping:
+            raise EngineError(503, "shutting_down", "the server is shutting down")
+        entry = self.entries.get(name)
+        if ref is None and entry is None:
+            where = "is not in the model repository" if self.root is not None else "is not known"
+            raise EngineError(404, "model_not_found", f"model {name!r} {where}: give parameters.path")
+        if name in self._busy:
+            raise EngineError(409, "load_in_progress", f"model {name!r} is being loaded or unloaded")
+        self._busy.add(name)
+        try:
+            if entry is not None and entry.engine is not None and not entry.unloading:
+                await entry.engine.reload(ref or entry.ref)  # EngineError 409 / 422 as /admin/reload
+                entry.ref, entry.loaded_at = ref or entry.ref, time.time()
+                return entry
+            entry = self.entries.setdefault(name, ModelEntry(name, ref or ""))
+            entry.ref, entry.unavailable = ref or entry.ref, None
+            await self._start_entry(entry, None)
+            await self._wait_ready(entry)
+            return entry
+        finally:
+            self._busy.discard(name)
+
+    async def _wait_ready(self, entry: ModelEntry) -> None:
+        """Until a gang of ``entry`` answers; a model whose gangs cannot start is stopped and reported."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while entry.state is ModelState.LOADING and time.monotonic() < deadline:
+            await asyncio.sleep(READY_POLL_S)
+        if entry.state is not ModelState.READY:
+            reason = entry.reason or f"no gang ready within {self.ready_timeout_s:g} s"
+            await self._stop_entry(entry, timeout_s=0.0)
+            entry.unavailable = f"failed to load: {reason}"
+            raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}")
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``: new requests for it are refused (503), admitted ones finish (within
+        the drain time), then its gangs stop and its series leave /metrics. EngineError 404 / 409."""
+        entry = self.entries.get(name)
+        if entry is None or entry.engine is None:
+            raise EngineError(
+                404 if entry is None else 400, "model_not_found", f"model {name!r} is not loaded"
+            )
+        if name in self._busy:
+            raise EngineError(409, "load_in_progress", f"model {name!r} is being loaded or unloaded")
+        self._busy.add(name)
+        try:
+            await self._stop_entry(entry, timeout_s=self.drain_timeout_s)
+        finally:
+            self._busy.discard(name)
+        if self.root is not None and name in repository_models(self.root):
+            entry.unavailable = "unloaded"
+        else:
+            del self.entries[name]
+        logger.info("model %s unloaded", name)
+
+    async def _stop_entry(self, entry: ModelEntry, *, timeout_s: float) -> None:
+        engine, entry.unloading = entry.engine, True
+        if engine is not None:
+            await engine.shutdown(timeout_s=timeout_s)
+        entry.engine, entry.unloading = None, False
+        entry.unavailable = entry.unavailable or "unloaded"
+        self.metrics.forget_model(entry.name)
+
+    def begin_drain(self, *, within_s: float | None = None) -> None:
+        """Every model refuses new requests (503) and finishes the admitted ones (signal-safe)."""
+        for engine in self.engines():
+            engine.begin_drain(within_s=within_s)
+
+    def abort(self) -> None:
+        """Every model answers what it admitted 503 now (a second signal; signal-safe)."""
+        for engine in self.engines():
+            engine.abort()
+
+    async def shutdown(self, *, timeout_s: float) -> None:
+        """Drain every model within ``timeout_s`` (together, not one after the other), stop their gangs."""
+        self._stopping = True
+        await asyncio.gather(*(e.shutdown(timeout_s=timeout_s) for e in self.engines()))

@@ -1,0 +1,69 @@
+"""A ModelProfile from the analytic cost model: anchored to the measured latency, hops and memory counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.config import EncoderConfig
+from partitioner.cost import analytic_costs
+from partitioner.placement.cost_profile import (
+    estimated_single_latency_s,
+    parallel_configs,
+    profile_from_cost_model,
+)
+from partitioner.placement.latency import PlacementError
+
+MINILM = EncoderConfig(
+    arch="bert",
+    vocab_size=30522,
+    hidden_size=384,
+    num_layers=6,
+    num_heads=12,
+    intermediate_size=1536,
+    max_position_embeddings=512,
+)
+
+
+def test_pp1_batch1_is_the_measured_latency_and_stages_add_hops() -> None:
+    prof = profile_from_cost_model(
+        "a", MINILM, single_latency_s=0.020, max_devices=4, hop_s=0.001, seq_len=384
+    )
+    assert prof.latency.configs == ((1, 1), (2, 1), (3, 1), (4, 1))
+    assert prof.latency.latency(1, 1, 1) == pytest.approx(0.020)
+    two = prof.latency.stages(2, 1, 1)
+    assert sum(two) == pytest.approx(0.020 + 2 * 0.001)  # the same compute, plus one hop per stage
+    assert max(two) < 0.012  # the balanced split: no stage carries much more than half
+    assert prof.latency.latency(1, 1, 8) == pytest.approx(8 * 0.020)  # fixed_share 0: no batching gain
+    batched = profile_from_cost_model("a", MINILM, single_latency_s=0.020, fixed_share=0.5)
+    assert batched.latency.latency(1, 1, 8) == pytest.approx(0.020 * (0.5 + 0.5 * 8))
+
+
+def test_memory_is_the_parameters_with_stage_zero_holding_the_embeddings() -> None:
+    prof = profile_from_cost_model("a", MINILM, single_latency_s=0.02, max_devices=2, dtype_bytes=2)
+    params = sum(u.params for u in analytic_costs(MINILM, seq_len=384))
+    assert prof.param_bytes == 2 * params
+    first, last = prof.stage_bytes[(2, 1)]
+    assert first > last and first + last == prof.param_bytes  # word embeddings sit in stage 0
+    assert prof.weight_bytes(2, 1, 0) == first and prof.weight_bytes(1, 1, 0) == prof.param_bytes
+    assert prof.activation_bytes > 0
+
+
+def test_tensor_parallel_configs_only_when_asked_and_when_heads_divide() -> None:
+    assert parallel_configs(MINILM, max_devices=4) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    with_tp = parallel_configs(MINILM, max_devices=4, tensor_parallel=True)
+    assert (1, 2) in with_tp and (2, 2) in with_tp and (1, 4) in with_tp and (1, 3) in with_tp
+    assert (1, 5) not in parallel_configs(MINILM, max_devices=5, tensor_parallel=True)  # 12 heads
+    prof = profile_from_cost_model(
+        "a", MINILM, single_latency_s=0.02, configs=[(1, 1), (1, 2)], allreduce_s=0.0005
+    )
+    assert prof.latency.latency(1, 2, 1) == pytest.approx(0.01 + 2 * 6 * 0.0005)
+
+
+def test_estimate_and_bad_values() -> None:
+    # MiniLM at 384 tokens is about 9.6 GFLOP: ~0.19 s at the assumed 50 GFLOP/s of a CPU
+    assert estimated_single_latency_s(MINILM, seq_len=384, device="cpu") == pytest.approx(0.19, rel=0.05)
+    assert estimated_single_latency_s(MINILM, seq_len=384, device="cuda") < 0.01
+    with pytest.raises(PlacementError, match=r"single_latency_s=0 must be > 0; hop_s=-1 must be >= 0"):
+        profile_from_cost_model("a", MINILM, single_latency_s=0, hop_s=-1)
+    with pytest.raises(PlacementError, match="pp=7 stages need at most num_layers=6"):
+        profile_from_cost_model("a", MINILM, single_latency_s=0.01, configs=[(7, 1)])

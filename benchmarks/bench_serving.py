@@ -426,15 +426,16 @@ def _batch_stats(port: int) -> str:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     except httpx.HTTPError:
         return ""
-    values = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key in (
+    values: dict[str, float] = {}
+    for line in text.splitlines():  # summed over the model label (one model here)
+        key, _, value = line.rpartition(" ")
+        name = key.split("{", 1)[0]
+        if name in (
             "shardserve_batch_size_windows_sum",
             "shardserve_batch_size_windows_count",
             "shardserve_padding_ratio",
         ):
-            values[key] = float(value)
+            values[name] = values.get(name, 0.0) + float(value)
     n = values.get("shardserve_batch_size_windows_count", 0.0)
     if not n:
         return ""

@@ -406,10 +406,6 @@ class Engine:
         """The model generation being served (the newest after a reload)."""
         return self.manager.model
 
-    def model_name(self) -> str:
-        """The served model's public name."""
-        return self.name
-
     def public_checkpoint(self) -> dict[str, Any]:
         """The model's ``ModelSource.describe()`` for unauthenticated clients: file names, never
         absolute paths."""

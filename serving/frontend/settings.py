@@ -14,6 +14,7 @@ the environment, the environment over the default. The field descriptions below 
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -323,7 +324,12 @@ class ServeSettings(GangFlags):
 
     def models(self) -> list[tuple[str, str]]:
         """The models to serve at start, in order: (public name, registry name or path); the model
-        flags (default: ``default``, when no repository is given), then the repository's folders."""
+        flags (default: ``default``, when no repository is given), then the repository's folders
+        (read once: the sizes and the start-up count them)."""
+        return list(self._models)
+
+    @cached_property
+    def _models(self) -> tuple[tuple[str, str], ...]:
         flags = self.model if self.model is not None else ([] if self.model_repository else ["default"])
         out = []
         for value in flags:
@@ -331,7 +337,7 @@ class ServeSettings(GangFlags):
             out.append((name or self.served_model_name or model_name_of(ref), ref))
         if self.model_repository is not None:
             out += repository_models(Path(self.model_repository).expanduser()).items()
-        return out
+        return tuple(out)
 
     def _gang_problems(self) -> list[str]:
         out = self.gang_problems(world_size=self.world_size, layout=f"pp={self.pp} x tp={self.tp}")

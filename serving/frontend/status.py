@@ -87,14 +87,11 @@ def by_label(snap: Snapshot, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def buckets(
-    snap: Snapshot, histogram: str, where: Callable[[dict[str, str]], bool] | None = None
-) -> list[tuple[float, float]]:
-    """Cumulative (upper bound, count) of a histogram, summed over its other labels (those that
-    satisfy ``where``), by bound."""
+def buckets(snap: Snapshot, histogram: str) -> list[tuple[float, float]]:
+    """Cumulative (upper bound, count) of a histogram, summed over its other labels, by bound."""
     acc: dict[float, float] = {}
     for (n, labels), v in snap.items():
-        if n == f"{histogram}_bucket" and (where is None or where(dict(labels))):
+        if n == f"{histogram}_bucket":
             le = float(dict(labels)["le"])
             acc[le] = acc.get(le, 0.0) + v
     return sorted(acc.items())
@@ -215,10 +212,15 @@ class StatusBoard:
                 return s
         return self.history[0] if self.history else now
 
-    def window(self, now: Sample, window_s: float) -> WindowStats:
+    def window(self, now: Sample, window_s: float, *, model: str | None = None) -> WindowStats:
+        """Rates and percentiles over the last ``window_s``; of one model's series when ``model`` is given."""
         old = self.baseline(now, window_s)
         dt = max(now.mono - old.mono, 1e-9)
         new_s, old_s = now.snap, old.snap
+        if model is not None:
+            new_s, old_s = (
+                {k: v for k, v in snap.items() if dict(k[1]).get("model") == model} for snap in (new_s, old_s)
+            )
 
         def diff(name: str, where: Callable[[dict[str, str]], bool] | None = None) -> float:
             return max(0.0, total(new_s, name, where) - total(old_s, name, where))
@@ -346,15 +348,7 @@ def _model_status(entry: ModelEntry, now: Sample, board: StatusBoard) -> ModelSt
     def mine(lb: dict[str, str]) -> bool:
         return lb.get("model") == entry.name
 
-    old = board.baseline(now, WINDOWS_S[0])
-    dt = max(now.mono - old.mono, 1e-9)
-    lat = _delta(
-        buckets(now.snap, "shardserve_request_latency_seconds", mine),
-        buckets(old.snap, "shardserve_request_latency_seconds", mine),
-    )
-    answered = total(now.snap, "shardserve_requests_total", lambda lb: mine(lb) and _answered(lb)) - total(
-        old.snap, "shardserve_requests_total", lambda lb: mine(lb) and _answered(lb)
-    )
+    last_minute = board.window(now, WINDOWS_S[0], model=entry.name)
     engine = entry.engine
     health = engine.health() if engine is not None else {}
     return ModelStatus(
@@ -364,8 +358,8 @@ def _model_status(entry: ModelEntry, now: Sample, board: StatusBoard) -> ModelSt
         checkpoint=engine.public_checkpoint()["checkpoint"] if engine is not None else None,
         generation=engine.model.generation if engine is not None else None,
         ready_replicas=health.get("ready_replicas", 0),
-        answered_per_s=max(0.0, answered) / dt,
-        latency_ms={f"p{round(q * 100)}": _ms(histogram_quantile(q, lat)) for q in QUANTILES},
+        answered_per_s=last_minute.answered_per_s,
+        latency_ms=last_minute.latency_ms,
         queue_depth=int(total(now.snap, "shardserve_queue_depth_requests", mine)),
         ongoing_requests=int(total(now.snap, "shardserve_ongoing_requests", mine)),
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
@@ -29,11 +28,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.command import Command, Settings, at_least, positive_number, split_list
 from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
-from partitioner.placement.cost_profile import (
-    ASSUMED_FLOPS,
-    estimated_single_latency_s,
-    profile_from_cost_model,
-)
+from partitioner.placement.cost_profile import ASSUMED_FLOPS, cost_profiles, default_device_memory_bytes
 from partitioner.placement.latency import ModelProfile, PlacementError
 from partitioner.placement.search import PlacementChoice, choose_placement
 from partitioner.placement.simulator import SimConfig
@@ -263,47 +258,24 @@ def cmd_plan(args: PlanSettings) -> int:
     return 0
 
 
-def default_device_memory_bytes(device: str, devices: int) -> int:
-    """One device's memory: the first GPU's with ``cuda``; else the machine's memory / ``devices``."""
-    if device == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-        logger.warning("--device cuda but no GPU visible: using the machine's memory / devices")
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
-
-
 def placement_profiles(args: PlanSettings) -> tuple[list[ModelProfile], dict[str, float], str]:
     """The models' profiles from the cost model, each one's single-request latency (s) and where that
     latency came from."""
-    dtype_bytes = resolve_dtype(args.dtype, "cuda" if args.device == "cuda" else "cpu").itemsize
-    profiles, single = [], {}
-    for item in args.models:
-        name, model = _name_and_model(item)
-        cfg = resolve_model(model).config
-        if args.single_latency_ms is not None:
-            single[name] = args.single_latency_ms / 1000.0
-        else:
-            single[name] = estimated_single_latency_s(cfg, seq_len=args.seq_len, device=args.device)
-        profiles.append(
-            profile_from_cost_model(
-                name,
-                cfg,
-                single_latency_s=single[name],
-                max_devices=args.devices,
-                seq_len=args.seq_len,
-                hop_s=args.hop_ms / 1000.0,
-                max_batch_size=args.batch_size,
-                dtype_bytes=dtype_bytes,
-            )
-        )
-    how = (
-        "as given by --single-latency-ms"
-        if args.single_latency_ms is not None
-        else (f"estimated from analytic FLOPs at {ASSUMED_FLOPS[args.device] / 1e9:g} GFLOP/s")
+    profiles, single, how = cost_profiles(
+        {name: resolve_model(model).config for name, model in map(_name_and_model, args.models)},
+        devices=args.devices,
+        seq_len=args.seq_len,
+        max_batch_size=args.batch_size,
+        dtype_bytes=resolve_dtype(args.dtype, "cuda" if args.device == "cuda" else "cpu").itemsize,
+        device=args.device,
+        single_latency_s=None if args.single_latency_ms is None else args.single_latency_ms / 1000.0,
+        hop_s=args.hop_ms / 1000.0,
     )
-    return profiles, single, how
+    return (
+        profiles,
+        single,
+        ("as given by --single-latency-ms" if args.single_latency_ms is not None else how),
+    )
 
 
 def cmd_placement(args: PlanSettings) -> int:

@@ -8,6 +8,7 @@ validated once, on construction; errors print the numbers.
     SchedulerConfig(max_batch_size=16)                  # the batcher and queue knobs (Triton names)
     AutoscalingConfig(min_replicas=1, max_replicas=4)   # the autoscaler's knobs (Ray Serve names)
     FleetConfig(device="cpu", pp=2, pool_slots=6)       # where and how replica gangs run
+    PlacementConfig(policy="auto", devices=2, device_memory_bytes=2**30)  # several models on shared devices
     model_flag("a=default"), repository_models(Path("models/"))   # the models of a server
 """
 
@@ -137,6 +138,72 @@ class FleetConfig:
     def world_size(self) -> int:
         """Ranks per gang (pp * tp)."""
         return self.pp * self.tp
+
+
+PLACEMENT_POLICIES = ("dedicated", "multiplexed", "auto")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """How a server places its models on its devices (``--placement``; AlpaServe's policies in
+    ``partitioner/placement/``): the policy, the devices and each one's memory, the workload the
+    choice is simulated for (declared; auto re-plans from the observed one) and the SLO."""
+
+    policy: str  # dedicated, multiplexed or auto
+    devices: int  # devices the groups are made of (cpu: one core each; cuda: GPU slots)
+    # what one device may hold: its stages of every model on it (None: the GPU's memory /
+    # ranks_per_gpu on cuda, the machine's / devices on cpu)
+    device_memory_bytes: int | None = None
+    labels: tuple[str, ...] = ()  # each device's torch device (default: cpu, or the GPUs round-robin)
+    rate: float = 10.0  # declared total requests/s, shared evenly by the models
+    cv: float = 1.0  # declared inter-arrival coefficient of variation (Gamma; 1 is Poisson)
+    slo_scale: float = 5.0  # each model's SLO: this many times its single-request latency
+    single_latency_s: float | None = None  # measured single-request latency at pp=1 (None: estimated)
+    seq_len: int = 384  # the windows' length the latencies and activation memory are for
+    dtype_bytes: int = 4  # bytes per weight on the devices
+    device: str = "cpu"
+    ranks_per_gpu: int = 1  # cuda: devices (ranks) per GPU
+    simulate_s: float = 60.0  # seconds of the declared workload simulated per candidate
+    replan_interval_s: float = 60.0  # auto: seconds between re-plans from the observed load (0: never)
+    look_back_s: float = 120.0  # auto: the observed arrivals a re-plan fits
+    min_gain: float = 0.02  # auto: attainment a new placement must add to be rolled out
+    min_requests: int = 50  # auto: fewer observed requests than this: no re-plan
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.policy not in PLACEMENT_POLICIES:
+            problems.append(f"policy={self.policy!r} must be one of {', '.join(PLACEMENT_POLICIES)}")
+        if self.devices < 1 or (self.device_memory_bytes or 1) < 1:
+            problems.append(
+                f"devices={self.devices} and device_memory_bytes={self.device_memory_bytes} must be >= 1"
+            )
+        if self.labels and len(self.labels) != self.devices:
+            problems.append(f"{len(self.labels)} device labels for devices={self.devices}")
+        for name in ("rate", "cv", "slo_scale", "simulate_s", "look_back_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.single_latency_s is not None and not self.single_latency_s > 0:
+            problems.append(f"single_latency_s={self.single_latency_s!r} must be > 0")
+        if self.replan_interval_s < 0 or self.min_gain < 0:
+            problems.append(
+                f"replan_interval_s={self.replan_interval_s!r} and min_gain={self.min_gain!r} must be >= 0"
+            )
+        if problems:
+            raise ValueError("invalid PlacementConfig: " + "; ".join(problems))
+        if self.device == "cuda" and (not self.labels or self.device_memory_bytes is None):
+            import torch
+
+            gpus = max(1, torch.cuda.device_count())
+            if not self.labels:  # as the device pool deals them: a gang's ranks on different GPUs first
+                object.__setattr__(self, "labels", tuple(f"cuda:{s % gpus}" for s in range(self.devices)))
+        if not self.labels:
+            object.__setattr__(self, "labels", (self.device,) * self.devices)
+        if self.device_memory_bytes is None:
+            from partitioner.placement.cost_profile import default_device_memory_bytes
+
+            share = self.ranks_per_gpu if self.device == "cuda" else 1
+            memory = default_device_memory_bytes(self.device, self.devices) // share
+            object.__setattr__(self, "device_memory_bytes", memory)
 
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -16,6 +16,9 @@ the embeddings) and an activation allowance of one ``max_batch_size x seq_len`` 
 
     profile = profile_from_cost_model("a", config, single_latency_s=0.02, hop_s=0.001, max_devices=4)
     estimated_single_latency_s(config, seq_len=384, device="cpu")   # when nothing was measured
+    profiles, single, how = cost_profiles({"a": config_a, "b": config_b}, devices=2, seq_len=384,
+                                          max_batch_size=8, dtype_bytes=2, single_latency_s=None)
+    default_device_memory_bytes("cpu", devices=2)                   # the machine's memory / devices
     python -m pytest tests/partitioner/placement/test_cost_profile.py -q
 """
 
@@ -23,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 from models.config import EncoderConfig
 from partitioner.cost import (
@@ -128,3 +132,54 @@ def profile_from_cost_model(
         activation_bytes=activation,
         stage_bytes=stage_bytes,
     )
+
+
+def cost_profiles(
+    configs: Mapping[str, EncoderConfig],
+    *,
+    devices: int,
+    seq_len: int,
+    max_batch_size: int,
+    dtype_bytes: int,
+    device: str = "cpu",
+    single_latency_s: float | None = None,
+    hop_s: float = 0.001,
+) -> tuple[list[ModelProfile], dict[str, float], str]:
+    """Each model's profile for groups of up to ``devices`` devices, its single-request latency (s:
+    ``single_latency_s`` as measured, else ``estimated_single_latency_s``) and where that came from."""
+    profiles, single = [], {}
+    for name, config in configs.items():
+        single[name] = (
+            single_latency_s
+            if single_latency_s is not None
+            else estimated_single_latency_s(config, seq_len=seq_len, device=device)
+        )
+        profiles.append(
+            profile_from_cost_model(
+                name,
+                config,
+                single_latency_s=single[name],
+                max_devices=devices,
+                seq_len=seq_len,
+                hop_s=hop_s,
+                max_batch_size=max_batch_size,
+                dtype_bytes=dtype_bytes,
+            )
+        )
+    how = (
+        "as measured"
+        if single_latency_s is not None
+        else f"estimated from analytic FLOPs at {ASSUMED_FLOPS[device] / 1e9:g} GFLOP/s"
+    )
+    return profiles, single, how
+
+
+def default_device_memory_bytes(device: str, devices: int) -> int:
+    """One device's memory: the first GPU's with ``cuda``; else the machine's memory / ``devices``."""
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+        logger.warning("device cuda but no GPU visible: using the machine's memory / devices")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices

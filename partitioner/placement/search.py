@@ -116,12 +116,12 @@ def _key(result: SimResult) -> tuple[float, float]:
 def _greedy_fill(pb: _Problem, start: Placement) -> tuple[Placement, SimResult]:
     """Add (model, group) pairs one at a time, the best simulated one each step (see module doc).
 
-    Models of the trace not placed yet go first (each step places one of them, where it does best),
-    so a replica of a busy model never takes the memory a model without any would need; then
-    replicas, while the attainment rises."""
+    Models not placed yet go first, with requests in the trace or not (a server serves every model it
+    holds; each step places one of them, where it does best), so a replica of a busy model never takes
+    the memory a model without any would need; then replicas, while the attainment rises."""
     current, best = start, pb.run(start)
     while True:
-        unplaced = [m for m in pb.profiles if m in pb.trace.models and not current.replicas(m)]
+        unplaced = [m for m in pb.profiles if not current.replicas(m)]
         candidates = _candidates(pb, current, unplaced) if unplaced else []
         if not candidates:
             unplaced = []
@@ -183,11 +183,11 @@ def dedicated(
     order = list(pb.profiles)
     for d in range(pb.num_devices):
         placed = {m for g in groups for m in g.models}
-        unplaced = [m for m in order if m in pb.trace.models and m not in placed]
+        unplaced = [m for m in order if m not in placed]
         options = []
         for i, m in enumerate(order):
             if unplaced and m not in unplaced:
-                continue  # every model with requests gets a device before any gets a replica
+                continue  # every model gets a device before any gets a replica
             cand = Placement((*groups, Group((d,), 1, 1, (m,))))
             res = pb.run(cand)
             replicas = sum(1 for g in groups if m in g.models)

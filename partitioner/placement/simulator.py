@@ -11,14 +11,16 @@ same-named attributes) with one window per request:
   model's service rate (``LatencyModel.capacity`` at full micro-batches, the rate the server's
   measured rate tends to under load, shared evenly with the other busy models of each group, summed
   over the groups holding it);
-- a group takes a micro-batch when it has fewer than ``max_inflight`` in flight: of ONE model, up to
-  ``max_batch_size`` requests, the group's models served round-robin among those with queued work;
-  a batch goes at once unless ``max_queue_delay_s`` > 0 (then a partial batch waits until its oldest
-  request has waited that long); requests whose deadline passed while queued expire (never computed);
-- a micro-batch runs stage by stage: each stage computes one micro-batch at a time in arrival order,
-  so latency = sum of stages on an idle pipeline and throughput is bounded by the slowest stage;
-- a request arriving for a model on several groups goes to the least-loaded one with room (fewest
-  micro-batches in flight, then the lowest index); queued work goes to whichever group frees first.
+- a micro-batch holds ONE model's requests, up to ``max_batch_size``; each model sends its batches
+  to the groups holding it, at most ``max_inflight`` in flight on each (a model's own cap on a shared
+  group, as each model's engine keeps it on a shared gang: a burst of one model delays another's
+  micro-batch by at most that many of its own), to the least-loaded one with room (fewest of its
+  micro-batches in flight, then the lowest index); a batch goes at once unless
+  ``max_queue_delay_s`` > 0 (then a partial batch waits until its oldest request has waited that
+  long); requests whose deadline passed while queued expire (never computed);
+- a micro-batch runs stage by stage: each stage computes one micro-batch at a time in the order
+  they were sent (whatever their model), so latency = sum of stages on an idle pipeline and
+  throughput is bounded by the slowest stage.
 
 A request meets its SLO when it finishes within it; refused, expired and late requests are misses.
 PURE LOGIC: a heap of completion (and batch-timer) events merged with the sorted arrivals.
@@ -142,14 +144,12 @@ class SimResult:
 class _Group:
     """Mutable simulation state of one group."""
 
-    __slots__ = ("free_at", "inflight", "models", "pp", "rr", "timer_at", "tp")
+    __slots__ = ("free_at", "inflight", "models", "pp", "tp")
 
     def __init__(self, pp: int, tp: int, models: tuple[str, ...]) -> None:
         self.pp, self.tp, self.models = pp, tp, models
         self.free_at = [0.0] * pp  # when each stage finishes its last accepted micro-batch
-        self.inflight = 0
-        self.rr = 0  # round-robin position over models
-        self.timer_at = math.inf  # pending max_queue_delay wake-up
+        self.inflight = dict.fromkeys(models, 0)  # micro-batches in flight per model
 
 
 def simulate(
@@ -189,6 +189,7 @@ def simulate(
     }
     queues: dict[str, deque[tuple[float, float]]] = {m: deque() for m in models}  # (arrival, deadline)
     busy = dict.fromkeys(models, 0)  # micro-batches in flight per model
+    timer_at = dict.fromkeys(models, math.inf)  # pending max_queue_delay wake-up per model
     latencies: dict[str, list[float]] = {m: [] for m in models}
     counts = {m: {"requests": 0, "good": 0, "late": 0, "rejected": 0, "expired": 0} for m in models}
     events: list[tuple[float, int, int, int, str, tuple[float, ...]]] = []
@@ -202,43 +203,36 @@ def simulate(
             rate += full_rate[(m, k)] / (1 + others)
         return rate
 
-    def dispatch(k: int, now: float) -> None:
+    def dispatch(m: str, now: float) -> None:
+        """Send model ``m``'s releasable batches to its least-loaded groups with room."""
         nonlocal seq
-        g = groups[k]
-        n = len(g.models)
-        while g.inflight < cfg.max_inflight:
-            chosen, wait_until = None, math.inf
-            for step in range(n):
-                m = g.models[(g.rr + step) % n]
-                q = queues[m]
-                while q and q[0][1] <= now:  # deadline passed while queued: expires uncomputed
-                    q.popleft()
-                    counts[m]["expired"] += 1
-                if not q:
-                    continue
-                ready_at = q[0][0] + delay
-                if len(q) >= max_b or ready_at <= now:
-                    chosen = (step, m)
-                    break
-                wait_until = min(wait_until, ready_at)
-            if chosen is None:
-                if wait_until < g.timer_at:
-                    g.timer_at = wait_until
-                    heapq.heappush(events, (wait_until, seq, _TIMER, k, "", ()))
+        q = queues[m]
+        while True:
+            while q and q[0][1] <= now:  # deadline passed while queued: expires uncomputed
+                q.popleft()
+                counts[m]["expired"] += 1
+            if not q:
+                return
+            ready_at = q[0][0] + delay
+            if len(q) < max_b and ready_at > now:  # a partial batch waits for more
+                if ready_at < timer_at[m]:
+                    timer_at[m] = ready_at
+                    heapq.heappush(events, (ready_at, seq, _TIMER, -1, m, ()))
                     seq += 1
                 return
-            step, m = chosen
-            g.rr = (g.rr + step + 1) % n
-            q = queues[m]
+            room = [k for k in holders[m] if groups[k].inflight[m] < cfg.max_inflight]
+            if not room:
+                return
+            k = min(room, key=lambda k: (groups[k].inflight[m], k))
+            g = groups[k]
             batch = [q.popleft() for _ in range(min(max_b, len(q)))]
             t = now
             for s, lat in enumerate(prof[m].latency.stages(g.pp, g.tp, len(batch))):
-                t = max(t, g.free_at[s]) + lat
+                t = max(t, g.free_at[s]) + lat  # each stage takes micro-batches in the order sent
                 g.free_at[s] = t
-            g.inflight += 1
+            g.inflight[m] += 1
             busy[m] += 1
-            arrivals = tuple(a for a, _ in batch)
-            heapq.heappush(events, (t, seq, _COMPLETE, k, m, arrivals))
+            heapq.heappush(events, (t, seq, _COMPLETE, k, m, tuple(a for a, _ in batch)))
             seq += 1
 
     requests = trace.requests
@@ -247,7 +241,7 @@ def simulate(
         if events and (i >= n_req or events[0][0] <= requests[i][0]):
             now, _, kind, k, m, arrivals = heapq.heappop(events)
             if kind == _COMPLETE:
-                groups[k].inflight -= 1
+                groups[k].inflight[m] -= 1
                 busy[m] -= 1
                 c, limit = counts[m], slo[m]
                 for a in arrivals:
@@ -257,9 +251,9 @@ def simulate(
                         c["good"] += 1
                     else:
                         c["late"] += 1
-            elif groups[k].timer_at == now:
-                groups[k].timer_at = math.inf
-            dispatch(k, now)
+            elif timer_at[m] == now:
+                timer_at[m] = math.inf
+            dispatch(m, now)
             continue
         now, m = requests[i]
         i += 1
@@ -275,11 +269,7 @@ def simulate(
                 c["rejected"] += 1
                 continue
         q.append((now, now + slo[m]))
-        for k in sorted(holders[m], key=lambda k: (groups[k].inflight, k)):
-            if groups[k].inflight < cfg.max_inflight:
-                dispatch(k, now)
-                if not q:
-                    break
+        dispatch(m, now)
     for m, q in queues.items():  # still queued at the end: unreachable (the loop drains), kept honest
         counts[m]["expired"] += len(q)
     return _result(models, counts, latencies, trace.duration_s)

@@ -13,17 +13,25 @@ checked here too, before anything starts (the CLI checks both before the server 
                           autoscaling=settings.autoscaling_config(), metrics=ServingMetrics())
     await engine.start(); ...; await engine.shutdown(timeout_s=30)
 
+With ``--placement``, ``build_placement`` makes the device groups several models share, and each
+model's engine is built with ``gangs=placed.gangs(name)`` (``serving/engine/placement.py``).
+
 Tests pass ``backend_factory`` (``tests/serving/fakes.py``) instead of real gangs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from models.qa_windows import WindowConfig
-from serving.config import AutoscalingConfig, FleetConfig, SchedulerConfig
+from partitioner.placement.simulator import SimConfig
+from serving.config import AutoscalingConfig, FleetConfig, PlacementConfig, SchedulerConfig
 from serving.engine.core import Engine
+from serving.engine.placement import PlacedModels
 from serving.engine.scheduler import Scheduler
 from serving.fleet import model_loader
-from serving.fleet.gangs import BackendFactory, ModelGeneration, gang_factory
+from serving.fleet.gangs import BackendFactory, GangSource, ModelGeneration, OwnGangs, gang_factory
+from serving.fleet.groups import DeviceGroups
 from serving.fleet.pool import DevicePool
 from serving.fleet.replicas import ReplicaManager
 from serving.fleet.supervisor import Supervisor
@@ -33,7 +41,9 @@ __all__ = [
     "BackendFactory",
     "DevicePool",
     "ModelGeneration",
+    "PlacedModels",
     "build_engine",
+    "build_placement",
     "device_pool",
     "load_model",
     "replica_cap",
@@ -44,6 +54,35 @@ def load_model(fleet: FleetConfig, name: str, *, generation: int) -> ModelGenera
     """A checked model generation (``serving/fleet/model_loader.py``); raises ValueError /
     CheckpointError / OSError before any gang starts."""
     return model_loader.load_generation(fleet, name, generation=generation)
+
+
+def gang_factory_for(fleet: FleetConfig, scheduler: SchedulerConfig) -> BackendFactory:
+    """Real gangs as ``fleet`` wants them (threads, dtype, compile warmed over the length buckets)."""
+    return gang_factory(
+        threads_per_rank=fleet.rank_threads,
+        dtype=fleet.dtype,
+        compile=fleet.compile,
+        warmup_lengths=scheduler.length_buckets,
+        heartbeat_timeout_s=fleet.heartbeat_timeout_s,
+        start_timeout_s=fleet.start_timeout_s,
+        network=fleet.network,
+    )
+
+
+def build_placement(
+    config: PlacementConfig,
+    *,
+    fleet: FleetConfig,
+    scheduler: SchedulerConfig,
+    backend_factory: BackendFactory | None = None,
+) -> PlacedModels:
+    """The placement of several models on shared devices (``--placement``): its device groups run
+    gangs from ``backend_factory`` (default: real ones, as ``fleet`` wants them); its simulation
+    batches as ``scheduler`` does."""
+    groups = DeviceGroups(
+        factory=backend_factory or gang_factory_for(fleet, scheduler), labels=list(config.labels)
+    )
+    return PlacedModels(config, groups=groups, sim=SimConfig.from_scheduler(scheduler))
 
 
 def replica_cap(fleet: FleetConfig) -> int:
@@ -70,26 +109,23 @@ def build_engine(
     name: str | None = None,
     backend_factory: BackendFactory | None = None,
     pool: DevicePool | None = None,
+    gangs: GangSource | None = None,
+    roll: Callable[[ModelGeneration], Awaitable[None]] | None = None,
 ) -> Engine:
     """Scheduler (the in-flight ledger) + replica manager + engine (attached to the manager) +
     supervisor; nothing starts until ``engine.start()``. ``name``: the model's name for clients
     (default: the loaded model's), fixed across reloads, and its ``model`` label in ``metrics``;
-    ``pool``: a device pool shared with other models' engines (default: its own, from ``fleet``)."""
+    ``pool``: a device pool shared with other models' engines (default: its own, from ``fleet``);
+    ``gangs``: where its replica gangs come from instead (a placement's device groups, with ``roll``
+    its reloads: ``serving/engine/placement.py``)."""
     name = name or model.source.name
     model_metrics = metrics.for_model(name)
-    factory = backend_factory or gang_factory(
-        threads_per_rank=fleet.rank_threads,
-        dtype=fleet.dtype,
-        compile=fleet.compile,
-        warmup_lengths=scheduler.length_buckets,
-        heartbeat_timeout_s=fleet.heartbeat_timeout_s,
-        start_timeout_s=fleet.start_timeout_s,
-        network=fleet.network,
-    )
+    if gangs is None:
+        factory = backend_factory or gang_factory_for(fleet, scheduler)
+        gangs = OwnGangs(pool or model_loader.device_pool(fleet), factory)
     ledger = Scheduler(scheduler)  # the one ledger of in-flight work
     manager = ReplicaManager(
-        factory=factory,
-        pool=pool or model_loader.device_pool(fleet),
+        gangs=gangs,
         model=model,
         metrics=model_metrics,
         ledger=ledger,
@@ -116,6 +152,7 @@ def build_engine(
         null_threshold=null_threshold,
         max_request_timeout_s=max_request_timeout_s,
         stall_timeout_s=fleet.stall_timeout_s,
+        roll=roll,
     )
     manager.attach(engine)  # replica changes wake the engine; a failed replica's work fails over
     return engine

@@ -37,6 +37,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -45,6 +46,7 @@ from typing import Any
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
 from models.qa_windows import EncodedBatch, WindowConfig
+from partitioner.placement.latency import PlacementError
 from serving.config import AutoscalingConfig, FleetConfig
 from serving.engine.batcher import ReplicaView
 from serving.engine.dispatcher import Dispatcher
@@ -63,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 SAFETY_MARGIN_S = 5.0  # wait() gives up this long after deadline + stall timeout (a last resort)
 MAX_IDLE_S = 0.25  # the loop re-checks the scheduler at least this often
+ARRIVALS_KEPT = 100_000  # arrival times kept for the observed workload
 
 
 class Engine:
@@ -81,6 +84,7 @@ class Engine:
         null_threshold: float | None = None,
         max_request_timeout_s: float = 300.0,
         stall_timeout_s: float = 30.0,
+        roll: Callable[[ModelGeneration], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
@@ -92,7 +96,12 @@ class Engine:
         self.metrics = metrics
         self.max_request_timeout_s = max_request_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        # how a reload's new generation reaches the gangs: the manager's own roll, or (``roll``) the
+        # placement's, which rolls every model sharing its device groups too
+        self._roll = roll or manager.reload
         self.clock = clock
+        # when requests arrived (admitted or not): the observed workload auto placement re-plans for
+        self.arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)
         self.inputs = InputProcessor(
             tokenizer=lambda: manager.model.tokenizer, window=window or WindowConfig()
         )
@@ -188,6 +197,7 @@ class Engine:
     def submit(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
         """Tokenize (on the calling thread) and admit one call; raises EngineError (429 / 503 / 413 /
         422), ``QAInputError`` / ``ValueError`` for text the tokenizer refuses."""
+        self.arrivals.append(self.clock())
         self._check_admissible(timeout_s)
         return self._admit(pairs, self.inputs.encode(pairs), timeout_s=timeout_s)
 
@@ -199,6 +209,7 @@ class Engine:
         tokenizer count against max_queue_size), so a full server answers 429 at once and the work
         (and memory) waiting for the tokenizer is bounded by the queue size.
         """
+        self.arrivals.append(self.clock())
         self._check_admissible(timeout_s)
         arrived_at = self.clock()
         # a request that cannot fit max_windows_per_request however it tokenizes: 413 before the work
@@ -418,7 +429,7 @@ class Engine:
     @property
     def pool_slots(self) -> int:
         """Rank slots of the device pool."""
-        return self.manager.pool.capacity
+        return self.manager.gangs.capacity
 
     def health(self) -> dict[str, Any]:
         """Readiness detail: ``ready_replicas``, ``starting_replicas``; ``fatal`` when the first gang
@@ -433,7 +444,8 @@ class Engine:
         """Each replica gang as the status page shows it (state, ranks' devices and processes)."""
         m = self.manager
         return [
-            ReplicaDetail.of(r, m.pool.devices(r.slots) if r.slots else ()) for r in list(m.replicas.values())
+            ReplicaDetail.of(r, m.gangs.devices(r.slots) if r.slots else ())
+            for r in list(m.replicas.values())
         ]
 
     def scaling(self) -> dict[str, Any]:
@@ -491,7 +503,9 @@ class Engine:
                 f"{name!r} has another tokenizer than {current.source.name!r}; restart instead",
             )
         try:
-            await self.manager.reload(model)
+            await self._roll(model)
+        except PlacementError as err:  # the new generation does not fit the devices beside the others
+            raise EngineError(422, "invalid_model", f"{name!r}: {one_line(err)}") from err
         except ReloadInProgress as err:
             raise EngineError(409, "reload_in_progress", str(err)) from err
         except ReloadError as err:

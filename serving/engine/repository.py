@@ -5,7 +5,11 @@ public name (``--model NAME=MODEL``, a sub-folder of ``--model-repository``, or 
 name) and its own ``Engine`` (``serving/engine/core.py``): its own admission and queue, batcher,
 replica gangs, autoscaler and metrics series (``model`` label), so a burst or a failure of one model
 never reaches another's queue or gangs. The engines share the device pool (``pool=`` of
-``build_engine``), so together they never hold more slots than the machine has.
+``build_engine``), so together they never hold more slots than the machine has. With a placement
+(``--placement``, ``serving/engine/placement.py``) they share device groups instead: every model is
+loaded before any engine is built, the placement chosen for all of them, and each engine draws its
+replicas from the groups holding its model; a load, an unload or a reload re-places the models and
+rolls the engines whose places changed.
 
 Each model is in one state (Triton's names): ``LOADING`` (checked, its first gang starting),
 ``READY`` (a gang answers), ``UNLOADING`` (draining), ``UNAVAILABLE`` (failed to load, or a folder of
@@ -36,8 +40,10 @@ from typing import Any
 
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
+from partitioner.placement.latency import PlacementError
 from serving.config import check_model_name, repository_models
 from serving.engine.core import Engine
+from serving.engine.placement import PlacedModels
 from serving.engine.qa_types import EngineError
 from serving.fleet.gangs import ModelGeneration
 from serving.metrics import ServingMetrics
@@ -99,8 +105,10 @@ class ModelRepository:
         root: Path | None = None,
         drain_timeout_s: float = 30.0,
         ready_timeout_s: float = 300.0,
+        placement: PlacedModels | None = None,
     ) -> None:
         self._load, self._build, self.metrics = load, build, metrics
+        self.placement = placement
         self.root = root
         self.drain_timeout_s = drain_timeout_s
         self.ready_timeout_s = ready_timeout_s
@@ -203,6 +211,9 @@ class ModelRepository:
             entry.ref, entry.unavailable = ref, None
             pending.append(entry)
         self._starting = {e.name for e in pending}
+        if self.placement is not None:
+            await self._start_placed(pending, preloaded)
+            return
         for entry in pending:
             model = preloaded.get(entry.name)
             try:
@@ -210,13 +221,38 @@ class ModelRepository:
             except EngineError as err:
                 logger.error("model %s is unavailable: %s", entry.name, err.detail)
 
-    async def _start_entry(self, entry: ModelEntry, model: ModelGeneration | None) -> None:
-        """Check and build ``entry``'s model and start its engine; EngineError 400 ``load_failed``
-        (entry UNAVAILABLE, the reason path-free) when it cannot be loaded."""
+    async def _start_placed(self, pending: list[ModelEntry], preloaded: dict[str, ModelGeneration]) -> None:
+        """Load every model, place them all, then build and start each placed one's engine."""
+        assert self.placement is not None
+        models: dict[str, ModelGeneration] = {}
+        for entry in pending:
+            try:
+                models[entry.name] = preloaded.get(entry.name) or await self._load_entry(entry)
+            except EngineError as err:
+                logger.error("model %s is unavailable: %s", entry.name, err.detail)
         try:
-            if model is None:
-                model = await asyncio.to_thread(self._load, entry.ref, 0)
-            engine = self._build(entry.name, model)
+            placed = self.placement.place(models) if models else {}
+        except (PlacementError, ValueError) as err:
+            logger.error("no placement of the models fits: %s", err)
+            for name in models:
+                self.entries[name].unavailable = f"failed to load: {one_line(err)}"
+            return
+        for name in models:
+            entry = self.entries[name]
+            if name not in placed:
+                entry.unavailable = self.placement.why.get(name, "not placed")
+                continue
+            try:
+                await self._start_entry(entry, placed[name])
+            except EngineError as err:
+                logger.error("model %s is unavailable: %s", entry.name, err.detail)
+        self.placement.start()
+
+    async def _load_entry(self, entry: ModelEntry, generation: int = 0) -> ModelGeneration:
+        """Check and load ``entry``'s model; EngineError 400 ``load_failed`` (entry UNAVAILABLE, the
+        reason path-free) when it cannot be loaded."""
+        try:
+            return await asyncio.to_thread(self._load, entry.ref, generation)
         except (ModelConfigError, CheckpointError, OSError) as err:
             logger.info("model %s (%s) failed to load: %s", entry.name, entry.ref, err)
             entry.unavailable = "failed to load: not a loadable model (the server log has the reason)"
@@ -224,7 +260,20 @@ class ModelRepository:
         except ValueError as err:  # loads, but does not fit the settings: the numbers, no paths
             entry.unavailable = f"failed to load: {one_line(err)}"
             raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}") from err
+
+    async def _start_entry(self, entry: ModelEntry, model: ModelGeneration | None) -> None:
+        """Check and build ``entry``'s model and start its engine; EngineError 400 ``load_failed``
+        (entry UNAVAILABLE, the reason path-free) when it cannot be loaded."""
+        if model is None:
+            model = await self._load_entry(entry)
+        try:
+            engine = self._build(entry.name, model)
+        except ValueError as err:  # does not fit the settings: the numbers, no paths
+            entry.unavailable = f"failed to load: {one_line(err)}"
+            raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}") from err
         entry.engine, entry.unavailable, entry.loaded_at = engine, None, time.time()
+        if self.placement is not None:
+            self.placement.attach(entry.name, engine)
         await engine.start()
         logger.info("model %s: %s loaded, its gangs starting", entry.name, model.source.name)
 
@@ -250,11 +299,31 @@ class ModelRepository:
                 return entry
             entry = self.entries.setdefault(name, ModelEntry(name, ref or ""))
             entry.ref, entry.unavailable = ref or entry.ref, None
-            await self._start_entry(entry, None)
+            await self._start_entry(entry, await self._place_new(entry))
             await self._wait_ready(entry)
             return entry
         finally:
             self._busy.discard(name)
+
+    async def _place_new(self, entry: ModelEntry) -> ModelGeneration | None:
+        """With a placement: load ``entry``'s model, place it beside the others (rolling those whose
+        places change) and return it as placed; EngineError 400 ``load_failed`` when it is not placed.
+        Without one: None (``_start_entry`` loads it)."""
+        if self.placement is None:
+            return None
+        model = await self._load_entry(entry)
+        try:
+            await self.placement.change(
+                {**self.placement.models, entry.name: model}, reason=f"model {entry.name} loaded"
+            )
+        except (PlacementError, ValueError) as err:
+            entry.unavailable = f"failed to load: {one_line(err)}"
+            raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}") from err
+        placed = self.placement.placed(entry.name)
+        if placed is None:
+            entry.unavailable = f"failed to load: {self.placement.why.get(entry.name, 'not placed')}"
+            raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}")
+        return placed
 
     async def _wait_ready(self, entry: ModelEntry) -> None:
         """Until a gang of ``entry`` answers; a model whose gangs cannot start is stopped and reported."""
@@ -295,6 +364,14 @@ class ModelRepository:
         entry.engine, entry.unloading = None, False
         entry.unavailable = entry.unavailable or "unloaded"
         self.metrics.forget_model(entry.name)
+        if self.placement is not None and entry.name in self.placement.models and not self._stopping:
+            # the others are placed again without it (its stages leave the shared gangs)
+            self.placement.detach(entry.name)
+            others = {n: m for n, m in self.placement.models.items() if n != entry.name}
+            try:
+                await self.placement.change(others, reason=f"model {entry.name} unloaded")
+            except (PlacementError, ValueError) as err:
+                logger.error("placing the models again without %s failed: %s", entry.name, err)
 
     def begin_drain(self, *, within_s: float | None = None) -> None:
         """Every model refuses new requests (503) and finishes the admitted ones (signal-safe)."""
@@ -309,4 +386,6 @@ class ModelRepository:
     async def shutdown(self, *, timeout_s: float) -> None:
         """Drain every model within ``timeout_s`` (together, not one after the other), stop their gangs."""
         self._stopping = True
+        if self.placement is not None:
+            await self.placement.stop()
         await asyncio.gather(*(e.shutdown(timeout_s=timeout_s) for e in self.engines()))

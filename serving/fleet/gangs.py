@@ -1,9 +1,13 @@
 """A replica's gang as the fleet sees it: the ``Backend`` interface, the factory of real gangs
-(the forward stream, ``partitioner/stream/``), the model generation a gang holds, and the warm-up
-micro-batch a new gang must answer before it is routable.
+(the forward stream, ``partitioner/stream/``; a gang may hold several models), the model generation a
+replica serves, where a model's replica gangs come from (``GangSource``: ``OwnGangs``, a gang of its
+own from the device pool; ``serving/fleet/groups.py``, a place on a device group shared with other
+models), and the warm-up micro-batch a new gang must answer before it is routable.
 
     factory = gang_factory(threads_per_rank=1, heartbeat_timeout_s=1.5, start_timeout_s=300)
-    backend = factory(source, plan, "tiny-bert-r0"); backend.start(); warm_up(backend, model, timeout_s=60)
+    backend = factory({"tiny-bert": (source, plan)}, "tiny-bert-r0"); backend.start()
+    gangs = OwnGangs(DevicePool.for_device("cpu", cpu_slots=4), factory)
+    slots = gangs.acquire(2); backend = gangs.make(model, slots, "tiny-bert-r0"); warm_up(backend, model, timeout_s=60)
 
 Tests use a fake backend with the same interface (``tests/serving/fakes.py``).
 """
@@ -11,7 +15,7 @@ Tests use a fake backend with the same interface (``tests/serving/fakes.py``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,16 +25,20 @@ from models.registry import ModelSource
 from partitioner.plan import ParallelDims, PartitionPlan, make_plan
 from partitioner.runtime.gang import GangError
 from partitioner.runtime.remote import GangNetwork
+from serving.fleet.pool import DevicePool
 
 WARMUP_QUESTION = "What does the warm-up check?"
 WARMUP_CONTEXT = "The warm-up checks that every stage of a new gang answers before traffic is routed to it."
 
 
 class Backend(Protocol):
-    """What the server needs of a gang (``partitioner.stream.gang.StreamGang`` satisfies it)."""
+    """What the server needs of a gang (``partitioner.stream.gang.StreamGang`` satisfies it); ``submit``'s
+    ``model``: which of the gang's models (None: its first)."""
 
     def start(self) -> Any: ...
-    def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future: ...
+    def submit(
+        self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None, *, model: str | None = None
+    ) -> Future: ...
     def stop(self, *, timeout_s: float = 30.0) -> None: ...
     def kill(self) -> None: ...  # any thread: the ranks die now, a start() waiting for them fails
     def fail(self, err: GangError) -> None: ...  # the fleet decided it failed: its futures fail with err
@@ -40,7 +48,10 @@ class Backend(Protocol):
     def healthy(self) -> bool: ...
 
 
-BackendFactory = Callable[[ModelSource, PartitionPlan, str], Backend]
+GangModels = Mapping[
+    str, tuple[ModelSource, PartitionPlan]
+]  # a gang's models by name; the first: its default
+BackendFactory = Callable[[GangModels, str], Backend]  # (models, gang name) -> a gang, not started
 
 
 def gang_factory(
@@ -53,18 +64,18 @@ def gang_factory(
     warmup_lengths: tuple[int, ...] = (128,),
     network: GangNetwork | None = None,
 ) -> BackendFactory:
-    """A factory of real gangs (worker processes) with these settings; ``compile``: each rank compiles
-    its stage and runs ``warmup_lengths`` before ready; ``network``: where the gang listens and which
-    ranks run elsewhere (default: all here, on loopback; ranks elsewhere run the stream as ``serve``)."""
+    """A factory of real gangs (worker processes) with these settings, each holding its stage of every
+    model it is given; ``compile``: each rank compiles its stages and runs ``warmup_lengths`` before
+    ready; ``network``: where the gang listens and which ranks run elsewhere (default: all here, on
+    loopback; ranks elsewhere run the stream as ``serve``)."""
     from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import STREAM_PROGRAM, stream_spec
+    from partitioner.stream.program import STREAM_PROGRAM, stream_spec_multi
 
     network = dataclasses.replace(network or GangNetwork(), program=STREAM_PROGRAM)
 
-    def make(source: ModelSource, plan: PartitionPlan, name: str) -> Backend:
-        spec = stream_spec(
-            source,
-            plan,
+    def make(models: GangModels, name: str) -> Backend:
+        spec = stream_spec_multi(
+            models,
             threads_per_rank=threads_per_rank,
             dtype=dtype,
             compile=compile,
@@ -114,6 +125,58 @@ class ModelGeneration:
 
     def plan(self, devices: tuple[str, ...] | None = None) -> PartitionPlan:
         return make_plan(self.source.config, self.dims, devices=devices)
+
+
+class GangSource(Protocol):
+    """Where one model's replica gangs come from (what its ``ReplicaManager`` draws on): device slots
+    for a gang, and the gang on them. ``OwnGangs``: a gang of its own per replica, from the device
+    pool; ``serving.fleet.groups``: a place on each device group the placement put the model on."""
+
+    @property
+    def capacity(self) -> int: ...  # device slots in all (messages)
+    @property
+    def free(self) -> int: ...  # slots a new gang of this model could take now
+
+    def cap(self, world_size: int) -> int: ...  # gangs of ``world_size`` ranks it can hold at most
+    def acquire(self, world_size: int) -> list[int] | None: ...  # a new gang's slots; None: no room
+    def release(self, slots: list[int]) -> None: ...
+    def devices(self, slots: list[int]) -> tuple[str, ...]: ...
+    def current(self, slots: list[int]) -> bool: ...  # False: a place of an older placement (roll it)
+    def make(self, model: ModelGeneration, slots: list[int], name: str) -> Backend: ...  # not started
+
+
+class OwnGangs:
+    """Each replica a gang of its own, holding only its model, on slots of the device pool (which the
+    engines of several models may share: together they never hold more slots than it has)."""
+
+    def __init__(self, pool: DevicePool, factory: BackendFactory) -> None:
+        self.pool, self.factory = pool, factory
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def free(self) -> int:
+        return self.pool.free
+
+    def cap(self, world_size: int) -> int:
+        return self.pool.gangs_that_fit(world_size)
+
+    def acquire(self, world_size: int) -> list[int] | None:
+        return self.pool.acquire(world_size)
+
+    def release(self, slots: list[int]) -> None:
+        self.pool.release(slots)
+
+    def devices(self, slots: list[int]) -> tuple[str, ...]:
+        return self.pool.devices(slots)
+
+    def current(self, slots: list[int]) -> bool:
+        return True
+
+    def make(self, model: ModelGeneration, slots: list[int], name: str) -> Backend:
+        return self.factory({model.source.name: (model.source, model.plan(self.devices(slots)))}, name)
 
 
 def warm_up(backend: Backend, model: ModelGeneration, *, timeout_s: float) -> None:

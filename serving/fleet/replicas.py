@@ -16,13 +16,15 @@ set changed and the moment a replica failed, so that its in-flight work is retri
 
 The manager runs on the server's event loop; blocking gang calls (start, warm-up, stop) run in
 threads. ``reconcile()`` moves the set of gangs toward ``target`` (set by ``--replicas``, the
-autoscaler or POST /admin/replicas); ``reload()`` rolls every gang onto another checkpoint. The
-device pool bounds how many gangs fit: CPU slots (one per rank, ``--cpu-slots``) or CUDA devices.
+autoscaler, POST /admin/replicas or the placement); ``reload()`` rolls every gang onto another
+checkpoint (or another placement). Its ``GangSource`` (``serving/fleet/gangs.py``) bounds how many
+gangs fit and makes them: gangs of its own on the device pool (CPU slots, one per rank,
+``--cpu-slots``, or CUDA devices), or places on the device groups of a placement, each shared with
+the other models of its group (``serving/fleet/groups.py``).
 
-    pool = DevicePool.for_device("cpu", cpu_slots=4)
+    gangs = OwnGangs(DevicePool.for_device("cpu", cpu_slots=4), gang_factory(...))
     scheduler = Scheduler(settings.scheduler_config())  # the in-flight ledger
-    manager = ReplicaManager(factory=gang_factory(settings), pool=pool, model=generation,
-                             ledger=scheduler, ...)
+    manager = ReplicaManager(gangs=gangs, model=generation, ledger=scheduler, ...)
     manager.attach(engine)         # the engine hears of replica changes and failures
     manager.set_target(2)          # starts gangs in the background; manager.routable() lists READY ones
 """
@@ -38,8 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from partitioner.runtime.gang import GangError
-from serving.fleet.gangs import Backend, BackendFactory, ModelGeneration, busy_seconds, warm_up
-from serving.fleet.pool import DevicePool
+from serving.fleet.gangs import Backend, GangSource, ModelGeneration, busy_seconds, warm_up
 from serving.metrics import ModelMetrics
 from serving.redact import one_line, scrub_paths
 
@@ -142,8 +143,7 @@ class ReplicaManager:
     def __init__(
         self,
         *,
-        factory: BackendFactory,
-        pool: DevicePool,
+        gangs: GangSource,
         model: ModelGeneration,
         metrics: ModelMetrics,
         ledger: InflightLedger,
@@ -153,8 +153,7 @@ class ReplicaManager:
         fail_fast: bool = False,
         stall_timeout_s: float | None = None,
     ) -> None:
-        self.factory = factory
-        self.pool = pool
+        self.gangs = gangs
         self.model = model
         self.metrics = metrics
         self.ledger = ledger
@@ -211,7 +210,7 @@ class ReplicaManager:
         return self.count(ReplicaState.STARTING)
 
     def pool_limit(self) -> int:
-        return self.pool.gangs_that_fit(self.model.dims.world_size)
+        return self.gangs.cap(self.model.dims.world_size)
 
     def describe(self) -> list[dict[str, Any]]:
         return [r.describe() for r in self.replicas.values()]
@@ -279,12 +278,12 @@ class ReplicaManager:
     def _launch(self, model: ModelGeneration, *, heir: tuple[str, int] | None = None) -> Replica | None:
         """Take pool slots and start a gang in the background; None when the pool is full.
         ``heir``: (id, restarts) of the failed gang this one replaces."""
-        slots = self.pool.acquire(model.dims.world_size)
+        slots = self.gangs.acquire(model.dims.world_size)
         if slots is None:
             logger.warning(
                 "device pool full: %d of %d slots free, a gang needs %d",
-                self.pool.free,
-                self.pool.capacity,
+                self.gangs.free,
+                self.gangs.capacity,
                 model.dims.world_size,
             )
             return None
@@ -303,8 +302,9 @@ class ReplicaManager:
         model = replica.model
         t0 = time.monotonic()
         try:
-            plan = model.plan(self.pool.devices(replica.slots))
-            replica.backend = self.factory(model.source, plan, f"{model.source.name}-{replica.replica_id}")
+            replica.backend = self.gangs.make(
+                model, replica.slots, f"{model.source.name}-{replica.replica_id}"
+            )
             replica.stage_busy_s = [0.0] * model.dims.pp
             replica.busy_seen = [0.0] * model.dims.pp
             await asyncio.to_thread(replica.backend.start)
@@ -388,7 +388,7 @@ class ReplicaManager:
                 await asyncio.to_thread(replica.backend.stop, timeout_s=wait_s)
             except Exception as err:
                 logger.warning("stopping replica %s: %s", replica.replica_id, err)
-        self.pool.release(replica.slots)
+        self.gangs.release(replica.slots)
         replica.slots = []
         self.replicas.pop(replica.replica_id, None)
         self.metrics.forget_replica(replica.replica_id)  # ids are never reused: its series would stay
@@ -472,28 +472,32 @@ class ReplicaManager:
                 self.metrics.bubble.labels(replica=r.replica_id).set(min(1.0, max(0.0, frac)))
 
     # ------------------------------------------------------------------ reload / shutdown
-    async def reload(self, model: ModelGeneration) -> None:
-        """Roll every gang onto ``model``: start a new gang, route to it, drain an old one; repeat.
-        Gangs still starting (a scale-up, a restart) are ended first: they would hold slots.
+    async def reload(self, model: ModelGeneration, *, replicas: int | None = None) -> None:
+        """Roll onto ``model`` and the places the gang source offers now: start a new gang, route to
+        it, drain an outgoing one; repeat. Outgoing: a gang of another generation, or on a place of an
+        older placement (``GangSource.current``); the others stay. ``replicas``: the target from now
+        on (default: the current one, at least 1). Gangs still starting (a scale-up, a restart) are
+        ended first: they would hold slots.
 
         Raises ReloadError (old gangs keep serving) when a new gang fails to start.
         """
         if self._reloading:
             raise ReloadInProgress("a reload is already in progress")
         self._reloading = True
+        started: list[Replica] = []
         try:
             await self._end_starts()  # gangs of the outgoing generation still starting would hold slots
-            old = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
-            want = max(1, self.target)
-            started: list[Replica] = []
-            for i in range(want):
-                if self.pool.free < model.dims.world_size and old:
+            ready = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
+            old = [r for r in ready if r.model is not model or not self.gangs.current(r.slots)]
+            want = max(1, self.target) if replicas is None else replicas
+            for i in range(max(0, want - (len(ready) - len(old)))):
+                if self.gangs.free < model.dims.world_size and old:
                     # no room for a new gang next to the old ones: give one old gang back first
                     await self.drain(old.pop(0))
                 replica = self._launch(model)
                 if replica is None:
                     raise ReloadError(
-                        f"device pool has {self.pool.free} free slots, a gang of {model.source.name} needs "
+                        f"device pool has {self.gangs.free} free slots, a gang of {model.source.name} needs "
                         f"{model.dims.world_size}"
                     )
                 started.append(replica)
@@ -503,7 +507,7 @@ class ReplicaManager:
                     await self.drain(old.pop(0))
             for r in old:
                 await self.drain(r)
-            self.model = model
+            self.model, self.target = model, want
             logger.info("reloaded: %s generation %d on %d gangs", model.source.name, model.generation, want)
         except BaseException:
             for r in started:

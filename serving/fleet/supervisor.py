@@ -81,13 +81,14 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def pin(self, n: int) -> int:
-        """Run exactly ``n`` gangs; autoscaling pauses. Over the device pool's cap: ValueError naming the cap."""
+    def pin(self, n: int, *, source: str = "admin", reason: str | None = None) -> int:
+        """Run exactly ``n`` gangs; autoscaling pauses. Over the device pool's cap: ValueError naming the cap.
+        ``source`` / ``reason``: who asked and why, for the history (default: POST /admin/replicas)."""
         self._check_cap("replicas", n)
         self.pinned = n
         before = self.manager.target
         applied = self.manager.set_target(n)
-        self._record("admin", before, applied, f"pinned to {n} replica(s)")
+        self._record(source, before, applied, reason or f"pinned to {n} replica(s)")
         self.metrics.autoscale_target.set(applied)
         logger.info("replicas pinned to %d (asked %d)", applied, n)
         return applied
@@ -110,7 +111,7 @@ class Supervisor:
         if value > cap:
             raise ValueError(
                 f"{name}={value} exceeds the cap of {cap} replica gang(s): the device pool has "
-                f"{self.manager.pool.capacity} slot(s) and a gang takes {self.manager.model.dims.world_size}"
+                f"{self.manager.gangs.capacity} slot(s) and a gang takes {self.manager.model.dims.world_size}"
             )
 
     def describe(self) -> dict[str, Any]:

@@ -34,6 +34,8 @@ fleet) and, for tests and the CLI, the default model's engine, manager and super
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -51,7 +53,14 @@ from starlette.routing import Mount
 
 from partitioner.compiled import resolve_compile
 from partitioner.precision import DtypeChoice, resolve_dtype
-from serving.engine.builder import BackendFactory, ModelGeneration, build_engine, device_pool, load_model
+from serving.engine.builder import (
+    BackendFactory,
+    ModelGeneration,
+    build_engine,
+    build_placement,
+    device_pool,
+    load_model,
+)
 from serving.engine.core import Engine
 from serving.engine.repository import ModelRepository
 from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_repository
@@ -72,13 +81,29 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     precision: DtypeChoice = app.state.precision
     fleet = settings.fleet_config(dtype=precision.name, compile=app.state.compile)
     pool = device_pool(fleet)  # shared by every model's engine
+    placement_config = settings.placement_config(dtype=precision.name)
+    placed = (
+        None
+        if placement_config is None
+        else build_placement(
+            placement_config,
+            fleet=fleet,
+            scheduler=settings.scheduler_config(),
+            backend_factory=app.state.backend_factory,
+        )
+    )
 
     def build(name: str, model: ModelGeneration) -> Engine:
+        autoscaling, where = settings.autoscaling_config(), {}
+        if placed is not None:  # its replicas: its places on the device groups, as many as they are
+            n = placed.replicas(name)
+            autoscaling = dataclasses.replace(autoscaling, min_replicas=n, max_replicas=n)
+            where = {"gangs": placed.gangs(name), "roll": functools.partial(placed.reload, name)}
         return build_engine(
             model=model,
             fleet=fleet,
             scheduler=settings.scheduler_config(),
-            autoscaling=settings.autoscaling_config(),
+            autoscaling=autoscaling,
             metrics=app.state.metrics,
             window=settings.window(),
             null_threshold=settings.null_threshold,
@@ -86,6 +111,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             name=name,
             backend_factory=app.state.backend_factory,
             pool=pool,
+            **where,
         )
 
     models = app.state.models = ModelRepository(
@@ -95,6 +121,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         root=Path(settings.model_repository).expanduser() if settings.model_repository else None,
         drain_timeout_s=settings.drain_timeout_s,
         ready_timeout_s=settings.gang_start_timeout_s,
+        placement=placed,
     )
     # the engines start their loops and supervisors (which start the gangs in the background)
     await models.start(settings.models(), preloaded=app.state.preloaded_models)
@@ -104,10 +131,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.engine, app.state.manager, app.state.supervisor = engine, engine.manager, engine.supervisor
     await app.state.status.start()  # samples the metrics registry for the status page
     logger.info(
-        "serving %s (pp=%d, tp=%d) in %s (%s), compile %s, replicas %s%s x %d thread(s) per rank, pool %d slots",
+        "serving %s (%s) in %s (%s), compile %s, replicas %s%s x %d thread(s) per rank, pool %d slots",
         ", ".join(f"{e.name}={e.model.source.name}" for e in models.engines()) or "no model",
-        settings.pp,
-        settings.tp,
+        f"placement {placed.groups.placement.describe()}"
+        if placed
+        else f"pp={settings.pp}, tp={settings.tp}",
         precision.name,
         precision.reason,
         "on" if app.state.compile else "off",

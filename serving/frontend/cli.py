@@ -212,10 +212,17 @@ def startup_line(state: Any, url: str) -> str:
     else:
         served = ", ".join(f"{e.name}={e.model.source.name}" for e in engines)
         replicas += " per model"
+    layout = f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas}"
+    placed = state.models.placement
+    if placed is not None and placed.choice is not None:
+        layout = (
+            f"placement {placed.config.policy} on {placed.config.devices} devices: "
+            f"{placed.groups.placement.describe()}, predicted SLO attainment "
+            f"{placed.choice.result.attainment:.1%}"
+        )
     return (
         f"shardserve: serving {served} at {url} (precision {precision.name}: {precision.reason}; "
-        f"{'compiled stages; ' if state.compile else ''}"
-        f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas} x "
+        f"{'compiled stages; ' if state.compile else ''}{layout} x "
         f"{settings.rank_threads} thread(s) per rank, device {settings.device})"
     )
 

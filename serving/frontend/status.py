@@ -42,6 +42,7 @@ from serving.frontend.status_schemas import (
     Decision,
     LogLine,
     ModelStatus,
+    PlacementStatus,
     QueueStatus,
     RankStatus,
     ReplicaStatus,
@@ -419,6 +420,11 @@ def collect_status(app: FastAPI) -> StatusResponse:
         uptime_s=round(now.wall - board.started_wall, 3),
         model=model,
         models=[_model_status(e, now, board) for e in repository.entries.values()] if repository else [],
+        placement=(
+            PlacementStatus(**repository.placement.describe())
+            if repository is not None and repository.placement is not None
+            else None
+        ),
         precision={
             "dtype": state.precision.name,
             "reason": state.precision.reason,

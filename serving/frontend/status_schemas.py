@@ -97,7 +97,9 @@ class QueueStatus(BaseModel):
 
 class Decision(BaseModel):
     time: float = Field(description="unix time of the decision")
-    source: Literal["autoscaler", "admin"] = Field(description="the autoscaler, or POST /admin/replicas")
+    source: Literal["autoscaler", "admin", "placement"] = Field(
+        description="the autoscaler, POST /admin/replicas, or a change of the placement (--placement)"
+    )
     before: int = Field(description="target before")
     after: int = Field(description="target after")
     reason: str
@@ -138,6 +140,24 @@ class ModelStatus(BaseModel):
     ongoing_requests: int
 
 
+class PlacementStatus(BaseModel):
+    """Where the models run with ``--placement``: the device groups and why (``serving/engine/placement.py``)."""
+
+    policy: Literal["dedicated", "multiplexed", "auto"]
+    devices: int
+    device_memory_bytes: int
+    groups: list[dict[str, Any]] = Field(
+        description="each device group: devices, pp, tp, models, its gang's name and whether it runs"
+    )
+    unplaced: dict[str, str] = Field(description="models the placement left out, and why")
+    prediction: dict[str, Any] | None = Field(
+        description="the simulated outcome it was chosen by: attainment, goodput, per model"
+    )
+    history: list[dict[str, Any]] = Field(
+        description="placements rolled out, oldest first: time, policy, placement, attainment, reason"
+    )
+
+
 class StatusResponse(BaseModel):
     """What the status page shows; every rate is read from the same registry as /metrics."""
 
@@ -148,6 +168,9 @@ class StatusResponse(BaseModel):
         description="the default model (of requests naming none): name, checkpoint file name, architecture, generation"
     )
     models: list[ModelStatus] = Field(description="every model of the server, the default first")
+    placement: PlacementStatus | None = Field(
+        None, description="the device groups the models share (--placement); null without one"
+    )
     precision: dict[str, str] = Field(
         description="compute dtype, why it was chosen, device, compile (on/off)"
     )

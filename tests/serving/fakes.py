@@ -51,8 +51,11 @@ class FakeGang:
         batch_s: float = 0.0,
         host: str = "fake-host",
         report_busy: bool = False,
+        models: tuple[str, ...] = ("model",),
     ) -> None:
         self.name = name
+        self.models = list(models)  # the models it holds (submit(model=) names one; the first: default)
+        self.submitted_models: list[str] = []  # the model of every micro-batch submitted
         self.host = host
         self.gate = gate
         self.start_s = start_s
@@ -102,7 +105,12 @@ class FakeGang:
     def busy_seconds(self) -> list[float]:
         return [self.busy_s] if self.report_busy and self._running else []
 
-    def submit(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Future:
+    def submit(
+        self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None, *, model: str | None = None
+    ) -> Future:
+        name = self.models[0] if model is None else model
+        if name not in self.models:
+            raise ValueError(f"{self.name}: no model {model!r} on this gang; it holds {self.models}")
         if self.error is not None:
             raise self.error
         if not self.healthy:
@@ -112,6 +120,7 @@ class FakeGang:
             mb = next(self._ids)
             self._pending[mb] = fut
         self.token_types_seen.append(token_type_ids is not None)
+        self.submitted_models.append(name)
         self._q.put((mb, torch.as_tensor(input_ids)))
         return fut
 
@@ -168,7 +177,8 @@ class FakeGang:
 
 
 class FakeFactory:
-    """backend_factory for build_app: records every gang it made (``gangs``) and its model."""
+    """backend_factory for build_app: records every gang it made (``gangs``) and its models' sources'
+    names (``models``: one entry per gang, the names joined with '+' for a gang of several)."""
 
     def __init__(self, *, start_s: float = 0.0) -> None:
         self.gate = threading.Event()
@@ -182,19 +192,21 @@ class FakeFactory:
         self.gangs: list[FakeGang] = []
         self.models: list[str] = []
 
-    def __call__(self, source: Any, plan: Any, name: str) -> FakeGang:
+    def __call__(self, models: Any, name: str) -> FakeGang:
+        sources = [source.name for source, _plan in models.values()]
         gang = FakeGang(
             name,
             gate=self.gate,
             start_s=self.start_s,
-            fail_start=source.name in self.fail_start_models,
+            fail_start=bool(self.fail_start_models.intersection(sources)),
             start_error=self.start_error,
             batch_s=self.batch_s,
             host=self.host,
             report_busy=self.report_busy,
+            models=tuple(models),
         )
         self.gangs.append(gang)
-        self.models.append(source.name)
+        self.models.append("+".join(sources))
         return gang
 
     def batches(self) -> list[tuple[int, int]]:

@@ -58,7 +58,7 @@ function facts(dl, pairs) {
 }
 
 function rows(tbody, data, cells) {
-  tbody.replaceChildren(...data.map((d) => el("tr", {}, ...cells(d).map((c) => el("td", {}, c)))));
+  tbody.replaceChildren(...data.map((d, i) => el("tr", {}, ...cells(d, i).map((c) => el("td", {}, c)))));
 }
 
 function badge(state) {
@@ -102,6 +102,28 @@ function renderModels(s) {
     String(m.ongoing_requests),
     m.reason,
   ]);
+}
+
+function renderPlacement(s) {
+  const p = s.placement;
+  $("placement-section").hidden = !p;
+  if (!p) return;
+  const pred = p.prediction ? `predicted SLO attainment ${(100 * p.prediction.attainment).toFixed(1)} %` : "";
+  const unplaced = Object.entries(p.unplaced).map(([m, why]) => `${m}: ${why}`);
+  $("placement-summary").textContent =
+    `${p.policy} over ${p.devices} devices of ${(p.device_memory_bytes / 2 ** 20).toFixed(0)} MiB · ${pred}` +
+    (unplaced.length ? ` · ${unplaced.join("; ")}` : "");
+  rows($("placement").tBodies[0], p.groups, (g, i) => [
+    String(i),
+    g.devices.join(", "),
+    `${g.pp} × ${g.tp}`,
+    g.models.join(", ") || "—",
+    g.gang ? `${g.gang} ${g.running ? "(running)" : "(starting)"}` : "—",
+  ]);
+  const last = p.history[p.history.length - 1];
+  $("placement-history").textContent = last
+    ? `last change ${clock(last.time)}: ${last.reason || "at start"} → ${last.placement}`
+    : "";
 }
 
 function renderReplicas(s) {
@@ -226,6 +248,7 @@ function render(s) {
   $("api-key-row").hidden = !apiKeyRequired && !$("api-key").value;
   renderModel(s);
   renderModels(s);
+  renderPlacement(s);
   renderReplicas(s);
   renderTraffic(s);
   renderStages(s);

@@ -24,7 +24,7 @@ from serving.engine.core import Engine
 from serving.engine.input_processor import InputProcessor
 from serving.engine.qa_types import ClientGone, EngineError, QAPair
 from serving.engine.scheduler import Scheduler
-from serving.fleet.gangs import ModelGeneration
+from serving.fleet.gangs import ModelGeneration, OwnGangs
 from serving.fleet.pool import DevicePool
 from serving.fleet.replicas import ReplicaManager
 from serving.metrics import ServingMetrics
@@ -62,7 +62,7 @@ def run_engine(
         cfg = {"max_queue_delay_ms": 50.0, "max_inflight_per_replica": 2, **sched}
         scheduler = Scheduler(SchedulerConfig(**cfg))
         manager = ReplicaManager(
-            factory=factory, pool=DevicePool(["cpu"] * 2), model=model, metrics=metrics, ledger=scheduler
+            gangs=OwnGangs(DevicePool(["cpu"] * 2), factory), model=model, metrics=metrics, ledger=scheduler
         )
         engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics)
         manager.attach(engine)
@@ -273,7 +273,7 @@ def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGener
         metrics = ServingMetrics().for_model("m")
         scheduler = Scheduler(SchedulerConfig(max_queue_delay_ms=15.0, default_deadline_s=30.0))
         manager = ReplicaManager(
-            factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics, ledger=scheduler
+            gangs=OwnGangs(DevicePool(["cpu"]), FakeFactory()), model=model, metrics=metrics, ledger=scheduler
         )
         manager.set_target(1)
         await _until(lambda: manager.ready == 1, "a ready replica")
@@ -331,7 +331,7 @@ def test_engine_refuses_to_start_unwired(model: ModelGeneration) -> None:
         metrics = ServingMetrics().for_model("m")
         scheduler = Scheduler(SchedulerConfig())
         manager = ReplicaManager(
-            factory=FakeFactory(), pool=DevicePool(["cpu"]), model=model, metrics=metrics, ledger=scheduler
+            gangs=OwnGangs(DevicePool(["cpu"]), FakeFactory()), model=model, metrics=metrics, ledger=scheduler
         )
         engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics)
         with pytest.raises(RuntimeError, match=r"manager\.attach"):
@@ -349,7 +349,7 @@ def test_stop_now_kills_a_gang_that_is_still_starting(model: ModelGeneration) ->
         scheduler = Scheduler(SchedulerConfig())
         factory = FakeFactory()
         manager = ReplicaManager(
-            factory=factory, pool=DevicePool(["cpu"] * 2), model=model, metrics=metrics, ledger=scheduler
+            gangs=OwnGangs(DevicePool(["cpu"] * 2), factory), model=model, metrics=metrics, ledger=scheduler
         )
         manager.set_target(1)
         await _until(lambda: manager.ready == 1, "a ready replica")

@@ -18,9 +18,9 @@ reaching the app to its answer); the client-side ones add the wait for the event
 load generator's own time on the shared cores.
 
 Used by ``benchmarks/bench_overload.py`` (figures in docs/benchmarks.md) and the acceptance test
-``tests/serving/test_overload.py``. Plain asyncio streams (a minimal HTTP/1.1 client, like
-``benchmarks/bench_serving.py``'s): with 256 httpx clients the load generator itself, sharing the
-cores with the server, delayed sending the bodies by seconds and the latencies were its own.
+``tests/serving/test_overload.py``. Plain asyncio streams (``loadtest/http11.py``'s minimal HTTP/1.1
+client): with 256 httpx clients the load generator itself, sharing the cores with the server,
+delayed sending the bodies by seconds and the latencies were its own.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from loadtest.http11 import KEEPALIVE_EXPIRY_S, post_request, read_response
+
 logger = logging.getLogger(__name__)
 
 FILLER = (
     "The committee met again in the spring to review the harbour accounts, and the minutes record "
     "a long discussion of tariffs, ledgers and the repair of the northern pier. "
 )
-KEEPALIVE_EXPIRY_S = 2.0  # idle connections are closed first, before uvicorn's 5 s keep-alive timeout
 QUESTION = "In which city was the observatory built?"
 FACT = "The observatory was built in Valparaiso in 1843. "
 
@@ -205,7 +206,7 @@ async def _client(cfg: OverloadConfig, request: bytes, stop_at: float, report: O
                 assert reader is not None
                 writer.write(request)
                 await writer.drain()
-                status, headers = await asyncio.wait_for(_read_response(reader), cfg.client_timeout_s)
+                status, headers, _ = await asyncio.wait_for(read_response(reader), cfg.client_timeout_s)
             except (OSError, EOFError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
                 report.transport_errors[type(exc).__name__] += 1
                 if writer is not None:
@@ -228,32 +229,6 @@ async def _client(cfg: OverloadConfig, request: bytes, stop_at: float, report: O
             writer.close()
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    """Status and headers (lower-case names) of one HTTP/1.1 response; its body is read and dropped."""
-    status_line = await reader.readline()
-    if not status_line:
-        raise EOFError("the server closed the connection")
-    status = int(status_line.split()[1])
-    headers: dict[str, str] = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
-    await reader.readexactly(int(headers.get("content-length", "0")))
-    return status, headers
-
-
-def _request(cfg: OverloadConfig, body: bytes, headers: dict[str, str] | None) -> bytes:
-    url = urlsplit(cfg.url)
-    lines = [
-        "POST /v1/qa HTTP/1.1",
-        f"Host: {url.netloc}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        *(f"{k}: {v}" for k, v in (headers or {}).items()),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
 async def _sample_rss(pid: int, every_s: float, report: OverloadReport, stop: asyncio.Event) -> None:
     while not stop.is_set():
         rss = await asyncio.to_thread(tree_rss_mb, pid)
@@ -268,7 +243,7 @@ async def run_overload(cfg: OverloadConfig, *, headers: dict[str, str] | None = 
     """Run the overload for ``cfg.duration_s`` seconds and return what was seen."""
     report = OverloadReport()
     body = json.dumps({"question": QUESTION, "context": long_context(cfg.context_chars)}).encode()
-    request = _request(cfg, body, headers)
+    request = post_request(cfg.url, "/v1/qa", body, headers)
     stop = asyncio.Event()
     sampler = None
     if cfg.pid is not None:

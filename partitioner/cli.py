@@ -27,12 +27,12 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.command import Command, Settings, at_least, positive_number, split_list
-from partitioner.cost import InfeasiblePlanError, analytic_costs, profile_costs
+from partitioner.cost import analytic_costs, profile_costs
 from partitioner.placement.cost_profile import ASSUMED_FLOPS, cost_profiles, default_device_memory_bytes
-from partitioner.placement.latency import ModelProfile, PlacementError
+from partitioner.placement.latency import MeasuredLatency, ModelProfile
 from partitioner.placement.search import PlacementChoice, choose_placement
 from partitioner.placement.simulator import SimConfig
-from partitioner.placement.workload import WorkloadError, steady
+from partitioner.placement.workload import steady
 from partitioner.plan import ParallelDims, default_devices, make_plan
 from partitioner.precision import DTYPE_CHOICES, resolve_dtype
 
@@ -159,6 +159,12 @@ class PlanSettings(PartitionSettings):
         "of b requests is assumed to take b times as long). Default: each model's analytic FLOPs at "
         f"seq_len over a conservative assumed rate ({_flops_text()}), an estimate only",
     )
+    latency_profile: str | None = Field(
+        None,
+        description="with --placement: a JSON file of stage times measured for the models' shape (what "
+        "benchmarks/bench_multimodel.py writes) instead of the cost model's; --single-latency-ms and "
+        "--hop-ms are then not used",
+    )
     hop_ms: Annotated[float, AfterValidator(_non_negative)] = Field(
         1.0,
         description="with --placement: time a pipeline stage adds to pass its activations on (each stage, "
@@ -187,10 +193,7 @@ def cmd_plan(args: PlanSettings) -> int:
     """``shardserve plan``: print the partition plan as a table, or as JSON (``--placement``: the
     multi-model placement, ``cmd_placement``)."""
     if args.placement is not None:
-        try:
-            return cmd_placement(args)
-        except (PlacementError, WorkloadError) as err:  # a user's mistake: one line (shardserve/errors.py)
-            raise InfeasiblePlanError(str(err)) from None
+        return cmd_placement(args)  # PlacementError / WorkloadError: one line (shardserve/errors.py)
     source = resolve_model(args.model)
     cfg = source.config
     if args.profile:
@@ -270,12 +273,10 @@ def placement_profiles(args: PlanSettings) -> tuple[list[ModelProfile], dict[str
         device=args.device,
         single_latency_s=None if args.single_latency_ms is None else args.single_latency_ms / 1000.0,
         hop_s=args.hop_ms / 1000.0,
+        measured=None if args.latency_profile is None else MeasuredLatency.read(args.latency_profile),
     )
-    return (
-        profiles,
-        single,
-        ("as given by --single-latency-ms" if args.single_latency_ms is not None else how),
-    )
+    given = args.single_latency_ms is not None and args.latency_profile is None
+    return profiles, single, ("as given by --single-latency-ms" if given else how)
 
 
 def cmd_placement(args: PlanSettings) -> int:
@@ -290,7 +291,8 @@ def cmd_placement(args: PlanSettings) -> int:
     names = [p.name for p in profiles]
     slo = {m: args.slo_scale * single[m] for m in names}
     workload = steady(names, rate=args.rate, cv=args.cv, duration_s=args.duration_s, seed=args.seed)
-    config = SimConfig(max_batch_size=args.batch_size)
+    overhead = MeasuredLatency.read(args.latency_profile).overhead_s if args.latency_profile else 0.0
+    config = SimConfig(max_batch_size=args.batch_size, overhead_s=overhead)
     choice = choose_placement(
         args.placement,
         profiles,

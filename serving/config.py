@@ -37,6 +37,8 @@ class SchedulerConfig:
     default_deadline_s: float = 30.0  # request deadline when submit() gets none
     deadline_margin_ms: float = 50.0  # release a partial batch once a deadline is this near
     max_windows_per_request: int = 1024  # windows one request (all its pairs) may need; beyond: 413
+    # before tokenizing, the work ahead of a request must fit this share of its time left (else 429)
+    admission_margin: float = 0.35
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,6 +55,8 @@ class SchedulerConfig:
         for name in ("max_queue_delay_ms", "deadline_margin_ms"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
+        if not 0 < self.admission_margin <= 1:
+            problems.append(f"admission_margin={self.admission_margin!r} must be in (0, 1]")
         if self.default_deadline_s <= 0:
             problems.append(f"default_deadline_s={self.default_deadline_s!r} must be > 0")
         buckets = tuple(self.length_buckets)
@@ -159,6 +163,7 @@ class PlacementConfig:
     cv: float = 1.0  # declared inter-arrival coefficient of variation (Gamma; 1 is Poisson)
     slo_scale: float = 5.0  # each model's SLO: this many times its single-request latency
     single_latency_s: float | None = None  # measured single-request latency at pp=1 (None: estimated)
+    latency_profile: str | None = None  # a measured stage-time profile (JSON) instead of the cost model's
     seq_len: int = 384  # the windows' length the latencies and activation memory are for
     dtype_bytes: int = 4  # bytes per weight on the devices
     device: str = "cpu"

@@ -18,6 +18,8 @@ from typing import Any
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
 from partitioner.cost import InfeasiblePlanError
+from partitioner.placement.latency import PlacementError
+from partitioner.placement.workload import WorkloadError
 from partitioner.precision import PrecisionError
 from partitioner.runtime.remote import JoinError
 
@@ -27,6 +29,8 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     ModelConfigError,
     CheckpointError,
     InfeasiblePlanError,
+    PlacementError,
+    WorkloadError,
     PrecisionError,
     JoinError,
 )

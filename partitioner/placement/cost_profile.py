@@ -24,6 +24,7 @@ the embeddings) and an activation allowance of one ``max_batch_size x seq_len`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,7 +38,13 @@ from partitioner.cost import (
     stage_costs,
     stage_param_counts,
 )
-from partitioner.placement.latency import LatencyModel, ModelProfile, ParallelConfig, PlacementError
+from partitioner.placement.latency import (
+    LatencyModel,
+    MeasuredLatency,
+    ModelProfile,
+    ParallelConfig,
+    PlacementError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +151,14 @@ def cost_profiles(
     device: str = "cpu",
     single_latency_s: float | None = None,
     hop_s: float = 0.001,
+    measured: MeasuredLatency | None = None,
 ) -> tuple[list[ModelProfile], dict[str, float], str]:
     """Each model's profile for groups of up to ``devices`` devices, its single-request latency (s:
-    ``single_latency_s`` as measured, else ``estimated_single_latency_s``) and where that came from."""
+    ``single_latency_s`` as measured, else ``estimated_single_latency_s``) and where that came from.
+    ``measured``: stage times measured for every model (a ``MeasuredLatency`` profile) instead of the
+    cost model's; the single-request latency is then its pp=1 time plus its overhead."""
+    if measured is not None:
+        single_latency_s = measured.latency.latency(1, 1, 1) + measured.overhead_s
     profiles, single = [], {}
     for name, config in configs.items():
         single[name] = (
@@ -166,8 +178,12 @@ def cost_profiles(
                 dtype_bytes=dtype_bytes,
             )
         )
+    if measured is not None:
+        profiles = [dataclasses.replace(p, latency=measured.latency) for p in profiles]
     how = (
-        "as measured"
+        "measured stage times"
+        if measured is not None
+        else "as measured"
         if single_latency_s is not None
         else f"estimated from analytic FLOPs at {ASSUMED_FLOPS[device] / 1e9:g} GFLOP/s"
     )

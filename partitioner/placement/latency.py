@@ -12,16 +12,21 @@ cost model.
     lat = LatencyModel({(1, 1): {1: 0.010, 8: 0.050}, (2, 1): {1: (0.006, 0.006), 8: (0.027, 0.027)}})
     lat.stages(2, 1, 4)   # -> (0.015, 0.015): 3/7 of the way from batch 1 to batch 8
     ModelProfile("a", param_bytes=90_000_000, latency=lat)
+    measured = MeasuredLatency(lat, overhead_s=0.004); measured.write("profile.json")
+    MeasuredLatency.read("profile.json")      # what benchmarks/bench_multimodel.py measured
     python -m pytest tests/partitioner/placement/test_simulator.py -q
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +85,11 @@ class LatencyModel:
     def configs(self) -> tuple[ParallelConfig, ...]:
         """The ``(pp, tp)`` configs this model has latencies for, sorted."""
         return tuple(sorted(self._points))
+
+    def points(self, pp: int, tp: int = 1) -> dict[int, tuple[float, ...]]:
+        """The table's rows of ``(pp, tp)``: batch size -> stage times, as given."""
+        sizes, stages = self._points[(pp, tp)]
+        return dict(zip(sizes, stages, strict=True))
 
     def has(self, pp: int, tp: int = 1) -> bool:
         """Whether ``(pp, tp)`` is in the table."""
@@ -167,3 +177,40 @@ def by_name(profiles: Sequence[ModelProfile] | Mapping[str, ModelProfile]) -> di
     if isinstance(profiles, Mapping) and set(profiles) != set(out):
         raise PlacementError(f"profile keys {sorted(profiles)} differ from their names {sorted(out)}")
     return out
+
+
+@dataclass(frozen=True)
+class MeasuredLatency:
+    """A measured ``LatencyModel`` (every model of the same shape runs at these stage times) and the
+    time a request spends outside the devices (``overhead_s``: HTTP, tokenizing, span decoding), as a
+    JSON file: ``{"overhead_s": 0.004, "stages": {"1x1": {"1": [0.033], "4": [0.117]}, "2x1": ...}}``
+    (keys ``PPxTP``, then batch size, then one time per stage)."""
+
+    latency: LatencyModel
+    overhead_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        stages = {
+            f"{pp}x{tp}": {str(b): list(t) for b, t in self.latency.points(pp, tp).items()}
+            for pp, tp in self.latency.configs
+        }
+        return {"overhead_s": self.overhead_s, "stages": stages}
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: str | Path) -> MeasuredLatency:
+        """The profile in ``path``; ``PlacementError`` naming what is wrong with it."""
+        try:
+            body = json.loads(Path(path).read_text())
+            table = {
+                tuple(int(x) for x in key.split("x")): {int(b): t for b, t in by_batch.items()}
+                for key, by_batch in body["stages"].items()
+            }
+            overhead = float(body.get("overhead_s", 0.0))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise PlacementError(f"latency profile {path}: {type(err).__name__}: {err}") from None
+        if not (math.isfinite(overhead) and overhead >= 0):
+            raise PlacementError(f"latency profile {path}: overhead_s={overhead!r} must be >= 0")
+        return cls(LatencyModel(table), overhead)  # type: ignore[arg-type]

@@ -6,9 +6,10 @@ decision is taken by simulating the trace (``partitioner/placement/simulator.py`
 per-device memory budget (``Placement.check_memory``); deterministic for a given trace.
 
 - ``dedicated`` (AlpaServe's selective replication): every device is its own group (pp = tp = 1)
-  holding one whole model; device by device, the model whose replica raises the simulated
-  attainment most (ties: the lower p99 latency, then the model with fewer replicas, then the
-  first) gets it, models without a device first.
+  holding whole models; device by device, the model whose replica raises the simulated attainment
+  most (ties: the lower p99 latency, then the model with fewer replicas, then the first) gets it,
+  models without a device first; then, where a device's memory holds more, models not placed yet
+  and further replicas join devices as in ``auto`` (one gang per device runs its models).
 - ``multiplexed``: groups of ``group_size`` devices (default: all of them) as ``pp = group_size``
   pipelines, each holding every model when they all fit; when they do not, models go to groups
   greedily as in ``auto``.
@@ -163,7 +164,7 @@ def dedicated(
     slo_s: float | Mapping[str, float],
     config: SimConfig | None = None,
 ) -> PlacementChoice:
-    """Selective replication: one whole model per device, devices given greedily (see module doc)."""
+    """Selective replication: whole models on single devices, given greedily (see module doc)."""
     pb = _problem(profiles, trace, num_devices, device_memory_bytes, slo_s, config)
     too_big = []
     for m in pb.profiles:
@@ -194,7 +195,9 @@ def dedicated(
             options.append(((*_key(res), -replicas, -i), cand, res))
         _, chosen, result = max(options, key=lambda o: o[0])
         groups = chosen.groups
-    return PlacementChoice("dedicated", Placement(groups), result)
+    # more models than devices, or room for more: whole models join devices as _greedy_fill places them
+    placement, result = _greedy_fill(pb, Placement(groups))
+    return PlacementChoice("dedicated", placement, result)
 
 
 def multiplexed(

@@ -5,12 +5,16 @@ the server's engine (``serving/engine/batcher.py``, ``admission.py``; knobs of `
 in ``serving/config.py``, which this package may not import: ``SimConfig.from_scheduler`` reads the
 same-named attributes) with one window per request:
 
+- the front (HTTP, tokenizing, span decoding: the server process) takes ``overhead_s / 2`` of a
+  request on its way in and as much on its way out, one request at a time (a burst is tokenized
+  one after the other; answers wait for it too);
 - each model has a FIFO queue; a request's deadline is its arrival + the model's SLO;
-- admission: at arrival, a request is refused when more than ``max_batch_size`` requests of its
-  model are queued ahead and those plus itself cannot be computed before its deadline at the
-  model's service rate (``LatencyModel.capacity`` at full micro-batches, the rate the server's
-  measured rate tends to under load, shared evenly with the other busy models of each group, summed
-  over the groups holding it);
+- admission, at arrival: a request is refused when more than ``max_batch_size`` requests of its
+  model are ahead of it (in the front, queued or in flight) and those plus itself cannot be
+  computed within ``admission_margin`` of its time to the deadline (less its wait for the front) at
+  the model's measured service rate: as the server's ledger measures it, requests completed per
+  second with a batch of the model in flight, averaged over ``RATE_TAU_S`` busy seconds (none
+  before the first completion: then everything is admitted);
 - a micro-batch holds ONE model's requests, up to ``max_batch_size``; each model sends its batches
   to the groups holding it, at most ``max_inflight`` in flight on each (a model's own cap on a shared
   group, as each model's engine keeps it on a shared gang: a burst of one model delays another's
@@ -22,8 +26,9 @@ same-named attributes) with one window per request:
   they were sent (whatever their model), so latency = sum of stages on an idle pipeline and
   throughput is bounded by the slowest stage.
 
-A request meets its SLO when it finishes within it; refused, expired and late requests are misses.
-PURE LOGIC: a heap of completion (and batch-timer) events merged with the sorted arrivals.
+A request meets its SLO when its answer leaves the front within it; refused, expired and late
+requests are misses. PURE LOGIC: a heap of completion, front and batch-timer events merged with the
+sorted arrivals.
 
     result = simulate(placement, profiles, trace, slo_s=0.05)
     result.attainment, result.per_model["a"].p99_s
@@ -48,7 +53,8 @@ from partitioner.placement.workload import Trace
 
 logger = logging.getLogger(__name__)
 
-_COMPLETE, _TIMER = 0, 1
+_COMPLETE, _TIMER, _ENTER = 0, 1, 2
+RATE_TAU_S = 10.0  # the service rate's averaging time (busy seconds), as the server's ledger
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class SimConfig:
     max_inflight: int = 2
     max_queue_delay_s: float = 0.0
     admission: bool = True
+    overhead_s: float = 0.0  # a request's time in the front (HTTP, tokenizing, decoding), in and out
+    admission_margin: float = 1.0  # the share of its SLO the work ahead of a request must fit in
 
     def __post_init__(self) -> None:
         problems = []
@@ -67,19 +75,22 @@ class SimConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be an integer >= 1")
-        if not (math.isfinite(self.max_queue_delay_s) and self.max_queue_delay_s >= 0):
-            problems.append(f"max_queue_delay_s={self.max_queue_delay_s!r} must be >= 0")
+        for name in ("max_queue_delay_s", "overhead_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                problems.append(f"{name}={getattr(self, name)!r} must be >= 0")
         if problems:
             raise PlacementError("invalid SimConfig: " + "; ".join(problems))
 
     @classmethod
-    def from_scheduler(cls, scheduler: Any, *, admission: bool = True) -> SimConfig:
+    def from_scheduler(cls, scheduler: Any, *, admission: bool = True, overhead_s: float = 0.0) -> SimConfig:
         """From a ``serving.config.SchedulerConfig`` (read by attribute name)."""
         return cls(
             max_batch_size=scheduler.max_batch_size,
             max_inflight=scheduler.max_inflight_per_replica,
             max_queue_delay_s=scheduler.max_queue_delay_ms / 1000.0,
             admission=admission,
+            overhead_s=overhead_s,
+            admission_margin=scheduler.admission_margin,
         )
 
 
@@ -181,27 +192,22 @@ def simulate(
                 )
     groups = [_Group(g.pp, g.tp, g.models) for g in placement.groups]
     holders = {m: [k for k, g in enumerate(placement.groups) if m in g.models] for m in models}
-    # full-batch service rate of each (model, group): admission's estimate
-    full_rate = {
-        (m, k): prof[m].latency.capacity(g.pp, g.tp, cfg.max_batch_size, max_inflight=cfg.max_inflight)
-        for k, g in enumerate(placement.groups)
-        for m in g.models
-    }
     queues: dict[str, deque[tuple[float, float]]] = {m: deque() for m in models}  # (arrival, deadline)
     busy = dict.fromkeys(models, 0)  # micro-batches in flight per model
+    computing = dict.fromkeys(models, 0)  # requests in flight per model
+    entering = dict.fromkeys(models, 0)  # requests admitted, still in the front (being tokenized)
     timer_at = dict.fromkeys(models, math.inf)  # pending max_queue_delay wake-up per model
+    # the measured service rate, as the server's ledger keeps it: requests per busy second (a batch
+    # of the model in flight), an exponentially weighted average over RATE_TAU_S busy seconds
+    rate_done, rate_busy = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)
+    busy_since: dict[str, float] = {}
     latencies: dict[str, list[float]] = {m: [] for m in models}
     counts = {m: {"requests": 0, "good": 0, "late": 0, "rejected": 0, "expired": 0} for m in models}
     events: list[tuple[float, int, int, int, str, tuple[float, ...]]] = []
     seq = 0
     delay, max_b = cfg.max_queue_delay_s, cfg.max_batch_size
-
-    def service_rate(m: str) -> float:
-        rate = 0.0
-        for k in holders[m]:
-            others = sum(1 for o in groups[k].models if o != m and (queues[o] or busy[o]))
-            rate += full_rate[(m, k)] / (1 + others)
-        return rate
+    front_s = cfg.overhead_s / 2  # the front's time per request on its way in, and again on its way out
+    front_free = 0.0  # when the front (one at a time) is done with what it has
 
     def dispatch(m: str, now: float) -> None:
         """Send model ``m``'s releasable batches to its least-loaded groups with room."""
@@ -231,9 +237,44 @@ def simulate(
                 t = max(t, g.free_at[s]) + lat  # each stage takes micro-batches in the order sent
                 g.free_at[s] = t
             g.inflight[m] += 1
+            if busy[m] == 0:
+                busy_since[m] = now
             busy[m] += 1
+            computing[m] += len(batch)
             heapq.heappush(events, (t, seq, _COMPLETE, k, m, tuple(a for a, _ in batch)))
             seq += 1
+
+    def completed(k: int, m: str, now: float, arrivals: tuple[float, ...]) -> None:
+        nonlocal front_free
+        groups[k].inflight[m] -= 1
+        busy[m] -= 1
+        computing[m] -= len(arrivals)
+        decay = math.exp(-(now - busy_since[m]) / RATE_TAU_S)
+        rate_done[m] = rate_done[m] * decay + len(arrivals)
+        rate_busy[m] = rate_busy[m] * decay + now - busy_since[m]
+        busy_since[m] = now
+        c, limit = counts[m], slo[m]
+        for a in arrivals:  # each answer through the front, one at a time
+            front_free = max(now, front_free) + front_s
+            lat = front_free - a
+            latencies[m].append(lat)
+            if lat <= limit + 1e-12:
+                c["good"] += 1
+            else:
+                c["late"] += 1
+
+    def admitted(m: str, now: float) -> bool:
+        """The server's admission: refused when more than a batch is ahead (entering, queued or in
+        flight) and it cannot be computed in ``admission_margin`` of the time left at the measured rate."""
+        ahead = entering[m] + len(queues[m]) + computing[m]
+        if not cfg.admission or ahead <= max_b or rate_busy[m] <= 0:
+            return True
+        left = slo[m] - max(0.0, front_free - now)  # the wait for the front is spent first
+        return (
+            (ahead + 1) * rate_busy[m] / rate_done[m] <= cfg.admission_margin * left
+            if rate_done[m]
+            else False
+        )
 
     requests = trace.requests
     i, n_req = 0, len(requests)
@@ -241,35 +282,28 @@ def simulate(
         if events and (i >= n_req or events[0][0] <= requests[i][0]):
             now, _, kind, k, m, arrivals = heapq.heappop(events)
             if kind == _COMPLETE:
-                groups[k].inflight[m] -= 1
-                busy[m] -= 1
-                c, limit = counts[m], slo[m]
-                for a in arrivals:
-                    lat = now - a
-                    latencies[m].append(lat)
-                    if lat <= limit + 1e-12:
-                        c["good"] += 1
-                    else:
-                        c["late"] += 1
+                completed(k, m, now, arrivals)
+            elif kind == _ENTER:
+                entering[m] -= 1
+                queues[m].append((arrivals[0], arrivals[0] + slo[m]))
             elif timer_at[m] == now:
                 timer_at[m] = math.inf
             dispatch(m, now)
             continue
         now, m = requests[i]
         i += 1
-        c = counts[m]
-        c["requests"] += 1
-        if not holders[m]:
-            c["rejected"] += 1
+        counts[m]["requests"] += 1
+        if not holders[m] or not admitted(m, now):
+            counts[m]["rejected"] += 1
             continue
-        q = queues[m]
-        if cfg.admission and len(q) > max_b:
-            rate = service_rate(m)
-            if rate <= 0 or (len(q) + 1) / rate > slo[m]:
-                c["rejected"] += 1
-                continue
-        q.append((now, now + slo[m]))
-        dispatch(m, now)
+        if front_s == 0:
+            queues[m].append((now, now + slo[m]))
+            dispatch(m, now)
+            continue
+        front_free = max(now, front_free) + front_s  # parsed and tokenized, then queued
+        entering[m] += 1
+        heapq.heappush(events, (front_free, seq, _ENTER, -1, m, (now,)))
+        seq += 1
     for m, q in queues.items():  # still queued at the end: unreachable (the loop drains), kept honest
         counts[m]["expired"] += len(q)
     return _result(models, counts, latencies, trace.duration_s)

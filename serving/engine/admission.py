@@ -13,14 +13,15 @@ with the numbers above it).
 
 Capacity (AlpaServe's view: a request meets its SLO only if the work ahead of it fits): once a
 service rate has been measured, a request is refused with 429 ``overloaded`` when the queued
-windows that fair order puts before it (``windows_ahead``), plus its own, cannot be computed before
-its deadline at that rate. ``reserve()`` checks with an estimate of its windows (before tokenizing,
-so an overloaded server says no at once) inside 35 % of the time left (``RESERVE_MARGIN``: the
-estimates move while it waits for the tokenizer, and a burst's tokenizing slows the replicas that
-share its cores); ``check()`` checks again with the real count and the time really left, against
-what is queued (not the reservations taken after its own), so work that became late is refused
-(late, but before any compute) rather than admitted to time out. Admitted work then finishes in
-time instead of every request sharing the replicas until all of them answer 504.
+windows that fair order puts before it (``windows_ahead``) and the windows in flight, plus its
+own, cannot be computed before its deadline at that rate. ``reserve()`` checks with an estimate of
+its windows (before tokenizing, so an overloaded server says no at once) inside a share of the time
+left (``SchedulerConfig.admission_margin``, by default ``RESERVE_MARGIN``, 35 %: the estimates
+move while it waits for the tokenizer, and a burst's tokenizing slows the replicas that share its
+cores); ``check()`` checks again with the real count and the time really left, against what is
+queued (not the reservations taken after its own), so work that became late is refused (late, but
+before any compute) rather than admitted to time out. Admitted work then finishes in time instead
+of every request sharing the replicas until all of them answer 504.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from serving.config import SchedulerConfig
 from serving.engine.batcher import Batcher
 from serving.engine.ledger import Ledger
 
-# reserve() admits when the estimated work fits this share of the time left: at 0.5, 5-8 % of a
-# 256-client burst was still refused late, after seconds at the tokenizer (docs/benchmarks.md)
+# reserve() admits when the estimated work fits this share of the time left (the default of
+# SchedulerConfig.admission_margin): at 0.5, 5-8 % of a 256-client burst was still refused late, after
+# seconds at the tokenizer (docs/benchmarks.md)
 RESERVE_MARGIN = 0.35
 RETRY_AFTER_MIN_S = 1  # Retry-After floor (integer seconds, as the HTTP header wants)
 RETRY_AFTER_MAX_S = 60  # Retry-After ceiling
@@ -75,7 +77,7 @@ class AdmissionControl:
         if now is not None and deadline is not None:
             # before tokenizing the work must fit a margin inside the deadline: the estimates (windows,
             # tokenizer wait, rate) move, and a request refused only after tokenizing waited for nothing
-            late = self._overloaded(windows_hint, now, deadline, margin=RESERVE_MARGIN)
+            late = self._overloaded(windows_hint, now, deadline, margin=self.config.admission_margin)
             if late:
                 return late
         self.reserved += 1
@@ -160,7 +162,7 @@ class AdmissionControl:
                 "send less text or a longer timeout_s"
             )
         # a request that reserved its place is checked against what is really queued, not against the
-        # reservations taken after its own: those were admitted knowing of it, inside RESERVE_MARGIN,
+        # reservations taken after its own: those were admitted knowing of it, inside the margin,
         # and counting them again refused it late, after tokenizing (the 429 tail of the overload test)
         if late := self._overloaded(n, now, deadline, with_reserved=not reserved):
             return late
@@ -187,14 +189,15 @@ class AdmissionControl:
     def _overloaded(
         self, n_windows: int, now: float, deadline: float, *, with_reserved: bool = True, margin: float = 1.0
     ) -> Admission | None:
-        """429 when the windows fair order puts before a request of ``n_windows``, plus its own,
-        cannot be done within ``margin`` of the time left before ``deadline`` at the measured rate.
-        None: they can, or no rate was measured yet, or less than one batch is ahead (it rides the
-        next batch). ``with_reserved``: count the requests still being tokenized (``windows_ahead``)."""
+        """429 when the windows ahead of a request of ``n_windows`` (those fair order puts before it
+        in the queue, and those in flight: they hold the gangs first), plus its own, cannot be done
+        within ``margin`` of the time left before ``deadline`` at the measured rate. None: they can,
+        or no rate was measured yet, or less than one batch is ahead (it rides the next batch).
+        ``with_reserved``: count the requests still being tokenized (``windows_ahead``)."""
         rate = self.ledger.service_rate()
         if not rate:
             return None
-        ahead = self.windows_ahead(n_windows, with_reserved=with_reserved)
+        ahead = self.windows_ahead(n_windows, with_reserved=with_reserved) + self.ledger.inflight_windows
         if ahead <= self.config.max_batch_size:
             return None
         needed_s = (ahead + n_windows) / rate
@@ -208,7 +211,7 @@ class AdmissionControl:
             reason="overloaded",
             retry_after_s=retry_after,
             detail=(
-                f"{ahead} queued windows go before this request's {n_windows}"
+                f"{ahead} windows (queued or in flight) go before this request's {n_windows}"
                 f"{' (estimated before tokenizing)' if margin < 1 else ''}: about {needed_s:.1f} s at the "
                 f"measured {rate:.1f} windows/s, more than "
                 + (

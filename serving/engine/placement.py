@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from partitioner.placement.cost_profile import cost_profiles
-from partitioner.placement.latency import PlacementError
+from partitioner.placement.latency import MeasuredLatency, PlacementError
 from partitioner.placement.search import PlacementChoice, choose_placement, replan
 from partitioner.placement.simulator import SimConfig
 from partitioner.placement.workload import Trace, steady
@@ -58,7 +58,12 @@ class PlacedModels:
     ) -> None:
         self.config = config
         self.groups = groups
-        self.sim = sim or SimConfig()
+        # stage times measured for these models (--latency-profile), else the cost model's
+        self.measured = (
+            None if config.latency_profile is None else MeasuredLatency.read(config.latency_profile)
+        )
+        overhead = self.measured.overhead_s if self.measured is not None else 0.0
+        self.sim = dataclasses.replace(sim or SimConfig(), overhead_s=overhead)
         self.clock = clock
         self.choice: PlacementChoice | None = None
         self.why: dict[str, str] = {}  # models the placement left out, and why
@@ -103,6 +108,7 @@ class PlacedModels:
         cfg = self.config
         profiles, single, _how = cost_profiles(
             {name: gen.source.config for name, gen in models.items()},
+            measured=self.measured,
             devices=cfg.devices,
             seq_len=cfg.seq_len,
             max_batch_size=self.sim.max_batch_size,

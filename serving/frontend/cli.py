@@ -33,6 +33,7 @@ import uvicorn
 
 from partitioner.command import Command
 from partitioner.runtime.gang_flags import GANG_FIELDS
+from serving.frontend.placement_flags import PLACEMENT_FIELDS
 from serving.frontend.settings import ServeSettings
 from serving.redact import one_line
 
@@ -329,6 +330,9 @@ SERVE = Command(
     ),
     settings=ServeSettings,
     run=cmd_serve,
-    groups={'a gang across hosts (README "Gangs across hosts")': GANG_FIELDS},
+    groups={
+        'a gang across hosts (README "Gangs across hosts")': GANG_FIELDS,
+        'many models on shared devices (README "Many models")': ("placement", *PLACEMENT_FIELDS),
+    },
     invalid="invalid serve settings",
 )

@@ -24,10 +24,9 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 from models.qa_windows import WindowConfig
 from partitioner.command import split_list
 from partitioner.compiled import COMPILE_CHOICES
-from partitioner.precision import DTYPE_CHOICES, DTYPES
+from partitioner.precision import DTYPE_CHOICES
 from partitioner.runtime.gang_flags import GangFlags, secret_from_file
 from serving.config import (
-    PLACEMENT_POLICIES,
     AutoscalingConfig,
     FleetConfig,
     PlacementConfig,
@@ -36,17 +35,7 @@ from serving.config import (
     model_name_of,
     repository_models,
 )
-
-PLACEMENT_FIELDS = (
-    "devices",
-    "device_memory_mb",
-    "workload_rate",
-    "workload_cv",
-    "slo_scale",
-    "single_latency_ms",
-    "replan_interval_s",
-    "replan_look_back_s",
-)  # the flags that apply with placement only
+from serving.frontend.placement_flags import PlacementFlags
 
 
 def available_cores() -> int:
@@ -66,9 +55,10 @@ def auto_replicas(*, device: str, world_size: int, ranks_per_gpu: int = 1) -> in
     return max(1, available_cores() // world_size)
 
 
-class ServeSettings(GangFlags):
+class ServeSettings(GangFlags, PlacementFlags):
     """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars); the
-    flags of a gang across hosts (``external_ranks``, ``gang_*``) are ``GangFlags``', shared with training."""
+    flags of a gang across hosts (``external_ranks``, ``gang_*``) are ``GangFlags``', shared with
+    training; those of a placement of several models (``placement``, ...) are ``PlacementFlags``'."""
 
     model_config = SettingsConfigDict(
         env_prefix="SHARDSERVE_", extra="ignore", frozen=True, allow_inf_nan=False
@@ -113,65 +103,6 @@ class ServeSettings(GangFlags):
         description="on: torch.compile each rank's stage (inductor, dynamic shapes), warmed up over the length "
         "buckets before the replica turns ready (~30 s per gang start). Off by default: faster in isolation "
         "on AMX CPUs, it served 2-8 % fewer questions/s there (docs/benchmarks.md)",
-    )
-
-    # ---- many models on shared devices (AlpaServe placement)
-    placement: str | None = Field(
-        None,
-        description="place the models on shared devices by simulating their load (AlpaServe): dedicated "
-        "(every device holds whole models; how many replicas each model gets is chosen for the load), "
-        "multiplexed (every model split over all the devices as one pipeline: a burst of one model is "
-        "served by every device), auto (the search over group sizes, pipeline degrees and the models of "
-        "each group; re-planned from the observed load every replan_interval_s, rolled like a reload). "
-        "It decides pp and the replicas, so not together with pp, tp or the replica flags. Unset: every "
-        "model has replica gangs of its own, as pp, tp and the replica flags say",
-    )
-    devices: int | None = Field(
-        None,
-        ge=1,
-        description="with placement: the devices the models are placed on (default: the cores on cpu, "
-        "each running single-thread ranks; the GPU slots on cuda, ranks_per_gpu per GPU)",
-    )
-    device_memory_mb: float | None = Field(
-        None,
-        gt=0,
-        description="with placement: what one device may hold, MiB: its stage of every model placed on it "
-        "plus one micro-batch's activations (default: the GPU's memory on cuda, the machine's memory "
-        "divided by devices on cpu)",
-    )
-    workload_rate: float = Field(
-        10.0,
-        gt=0,
-        description="with placement: the requests/s (all models together, shared evenly) the placement "
-        "is chosen for at start",
-    )
-    workload_cv: float = Field(
-        1.0,
-        gt=0,
-        description="with placement: the burstiness it is chosen for: the coefficient of variation of "
-        "each model's inter-arrival times (a Gamma process; 1 is Poisson, 4 very bursty)",
-    )
-    slo_scale: float = Field(
-        5.0,
-        gt=0,
-        description="with placement: each model's latency objective, a multiple of its single-request "
-        "latency; the placement maximises the share of requests answered within it",
-    )
-    single_latency_ms: float | None = Field(
-        None,
-        gt=0,
-        description="with placement: one request's latency at pp=1, as measured (default: estimated "
-        "from the model's FLOPs, which only orders the choices)",
-    )
-    replan_interval_s: float = Field(
-        60.0,
-        ge=0,
-        description="with placement auto: seconds between re-plans for the arrivals observed over the "
-        "last replan_look_back_s; a placement that predicts 2 points more SLO attainment is rolled "
-        "out (0: never re-plan)",
-    )
-    replan_look_back_s: float = Field(
-        120.0, gt=0, description="with placement auto: seconds of observed arrivals a re-plan is fitted to"
     )
 
     # ---- replicas, device pool, autoscaling (Ray Serve names)
@@ -224,6 +155,15 @@ class ServeSettings(GangFlags):
     )
     max_inflight_per_replica: int = Field(
         0, ge=0, description="micro-batches in flight per replica (0: pp + 1, one per stage plus one queued)"
+    )
+    admission_margin: float = Field(
+        0.35,
+        gt=0,
+        le=1,
+        description="admission before tokenizing: a request is refused (429) unless the windows queued "
+        "ahead of it, at the measured rate, fit this share of its time to the deadline (the rest "
+        "absorbs the estimates moving while it waits for the tokenizer; raise it toward 1 for deadlines "
+        "of a few single-request latencies, where 0.35 refuses work that would finish in time)",
     )
     request_timeout_s: float = Field(
         30.0, gt=0, description="default request deadline; a request not computed by then gets 504"
@@ -368,7 +308,7 @@ class ServeSettings(GangFlags):
         if self.compile not in COMPILE_CHOICES:
             problems.append(f"compile={self.compile!r} must be one of {', '.join(COMPILE_CHOICES)}")
         problems += self._gang_problems()
-        problems += self._placement_problems()
+        problems += self.placement_problems(self.model_fields_set)
         if problems:
             raise ValueError("invalid settings: " + "; ".join(problems))
         self.scheduler_config()  # raises with the numbers
@@ -411,24 +351,6 @@ class ServeSettings(GangFlags):
         if self.model_repository is not None:
             out += repository_models(Path(self.model_repository).expanduser()).items()
         return tuple(out)
-
-    def _placement_problems(self) -> list[str]:
-        if self.placement is None:
-            given = [f for f in PLACEMENT_FIELDS if f in self.model_fields_set]
-            return [f"{', '.join(given)} apply with placement only"] if given else []
-        out = []
-        if self.placement not in PLACEMENT_POLICIES:
-            out.append(f"placement={self.placement!r} must be one of {', '.join(PLACEMENT_POLICIES)}")
-        clash = [
-            f"{f}={getattr(self, f)}"
-            for f in ("pp", "tp", "replicas", "min_replicas", "max_replicas", "cpu_slots", "external_ranks")
-            if f in self.model_fields_set
-        ]
-        if clash:
-            out.append(
-                f"placement={self.placement} decides pp, tp and the replicas: not with {', '.join(clash)}"
-            )
-        return out
 
     def _gang_problems(self) -> list[str]:
         out = self.gang_problems(world_size=self.world_size, layout=f"pp={self.pp} x tp={self.tp}")
@@ -476,7 +398,7 @@ class ServeSettings(GangFlags):
         if self.device == "cuda":
             return 1
         if self.placement is not None:
-            return max(1, available_cores() // self.placement_devices)
+            return max(1, available_cores() // self.placement_device_count)
         return max(1, available_cores() // (self.world_size * self.replica_bounds[1] * self.model_count))
 
     @property
@@ -512,6 +434,7 @@ class ServeSettings(GangFlags):
             max_inflight_per_replica=self.inflight_per_replica,
             default_deadline_s=self.request_timeout_s,
             max_windows_per_request=self.max_windows_per_request,
+            admission_margin=self.admission_margin,
         )
 
     def window(self) -> WindowConfig:
@@ -548,35 +471,20 @@ class ServeSettings(GangFlags):
         )
 
     @property
-    def placement_devices(self) -> int:
-        """The devices a placement uses (see ``devices``)."""
-        if self.devices is not None:
-            return self.devices
-        if self.device == "cuda":
-            import torch
-
-            return max(1, torch.cuda.device_count() * self.ranks_per_gpu)
-        return available_cores()
+    def placement_device_count(self) -> int:
+        """The devices a placement uses (``devices``; default: the cores, or the GPU slots)."""
+        return self.placement_devices(
+            device=self.device, ranks_per_gpu=self.ranks_per_gpu, cores=available_cores()
+        )
 
     def placement_config(self, *, dtype: str = "float32") -> PlacementConfig | None:
-        """How the models are placed (``placement``; None without one); ``dtype`` as resolved."""
-        if self.placement is None:
-            return None
-        mb = self.device_memory_mb
-        return PlacementConfig(
-            policy=self.placement,
-            devices=self.placement_devices,
-            device_memory_bytes=None if mb is None else int(mb * 2**20),
-            rate=self.workload_rate,
-            cv=self.workload_cv,
-            slo_scale=self.slo_scale,
-            single_latency_s=None if self.single_latency_ms is None else self.single_latency_ms / 1000.0,
-            seq_len=self.max_seq_len,
-            dtype_bytes=DTYPES[dtype].itemsize,
+        """How the models are placed (None without ``placement``); ``dtype`` as resolved."""
+        return self.placement_settings(
+            dtype=dtype,
+            devices=self.placement_device_count,
             device=self.device,
             ranks_per_gpu=self.ranks_per_gpu,
-            replan_interval_s=self.replan_interval_s,
-            look_back_s=self.replan_look_back_s,
+            seq_len=self.max_seq_len,
         )
 
     def autoscaling_config(self) -> AutoscalingConfig:

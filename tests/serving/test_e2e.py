@@ -71,10 +71,11 @@ def _reference_model(source: Any) -> torch.nn.Module:
     return build_model(source)
 
 
-def reference_answer(client: TestClient, question: str, context: str) -> dict[str, Any]:
-    """The same request computed in this process by the unpartitioned model."""
+def reference_answer(client: TestClient, question: str, context: str, *, model: Any = None) -> dict[str, Any]:
+    """The same request computed in this process by the unpartitioned model (``model``: the served
+    generation to compare with; default: the app's only model)."""
     state = client.app.state
-    s, model = state.settings, state.manager.model
+    s, model = state.settings, model or state.manager.model
     enc = encode_qa(
         model.tokenizer,
         [question],
@@ -337,13 +338,13 @@ def test_stalled_rank_is_failed_and_its_requests_retried() -> None:
     failed, its in-flight requests are answered by the other gang, and a fresh gang replaces it."""
     from partitioner.runtime.rank import FaultSpec
     from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import stream_spec
+    from partitioner.stream.program import stream_spec_multi
 
     made: list[StreamGang] = []
 
-    def factory(source: Any, plan: Any, name: str) -> StreamGang:
+    def factory(models: Any, name: str) -> StreamGang:
         fault = FaultSpec(rank=1, mode="hang", at_batch=2) if not made else None
-        made.append(StreamGang(stream_spec(source, plan, fault=fault), name=name))
+        made.append(StreamGang(stream_spec_multi(models, fault=fault), name=name))
         return made[-1]
 
     settings = ServeSettings(

@@ -63,10 +63,10 @@ def test_dedicated_wins_under_steady_load_and_a_tight_slo() -> None:
 
 def test_multiplexed_wins_when_models_burst_in_turns() -> None:
     ded, mux, best = run_all(*bursty_case())
-    assert ded.placement == Placement((Group((0,), 1, 1, ("a",)), Group((1,), 1, 1, ("b",))))
+    assert sorted((g.models, g.pp) for g in ded.placement.groups) == [(("a",), 1), (("b",), 1)]
     assert mux.placement == Placement((Group((0, 1), 2, 1, ("a", "b")),))
     assert mux.result.attainment > 0.9
-    assert mux.result.attainment > ded.result.attainment + 0.3, (ded.result, mux.result)
+    assert mux.result.attainment > ded.result.attainment + 0.1, (ded.result, mux.result)
     assert best.result.attainment >= max(ded.result.attainment, mux.result.attainment) - 0.01
     assert best.placement.groups[0].pp == 2 and set(best.placement.groups[0].models) == {"a", "b"}
     # each device of the multiplexed group holds half of each model: 1 GiB of the 1.5 GiB

@@ -155,6 +155,7 @@ def test_auto_re_plans_for_the_observed_bursts_and_rolls_without_failing_a_reque
         ({"placement": "auto", "replicas": 2}, "not with replicas=2"),
         ({"placement": "spread"}, "placement='spread' must be one of dedicated, multiplexed, auto"),
         ({"device_memory_mb": 100.0}, "device_memory_mb apply with placement only"),
+        ({"placement": "auto", "latency_profile": "/no/such.json"}, r"latency profile /no/such\.json: "),
     ],
 )
 def test_placement_flag_mistakes_are_one_clear_error(kw: dict[str, Any], says: str) -> None:

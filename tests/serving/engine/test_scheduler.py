@@ -531,7 +531,7 @@ def test_overloaded_queue_refuses_what_cannot_finish_in_time_with_retry_after() 
     late = s.submit("late", [10] * 40, now=0.2, deadline=5.2)
     assert (late.accepted, late.reason) == (False, "overloaded")
     assert late.retry_after_s is not None and late.retry_after_s >= 1
-    assert "400 queued windows go before" in late.detail and "40.0 windows/s" in late.detail
+    assert "400 windows (queued or in flight) go before" in late.detail and "40.0 windows/s" in late.detail
     assert s.stats().rejected["overloaded"] == 1
     # before tokenizing, the estimate says the same (and takes no queue place)
     assert s.reserve(now=0.2, deadline=5.2, windows_hint=40).reason == "overloaded"
@@ -543,6 +543,23 @@ def test_overloaded_queue_refuses_what_cannot_finish_in_time_with_retry_after() 
     # a single window waits for one window of each request ahead (10 <= a batch? no: 4 per batch),
     # 11 windows = 0.3 s: well inside a 5 s deadline
     assert s.submit("small", [10], now=0.2, deadline=5.2).accepted
+
+
+def test_windows_in_flight_count_as_ahead_of_a_new_request() -> None:
+    """A burst whose first batches were dispatched at once: its later requests wait for those too."""
+    s = _rate_40_per_s()  # 40 windows/s
+    for i in range(8):  # two full batches of 4, both in flight
+        assert s.submit(f"b{i}", [10], now=0.2, deadline=10.0).accepted
+    assert s.next_batch(0.2, [R0]) is not None and s.next_batch(0.2, [R0]) is not None
+    assert s.stats().queued_windows == 0 and s.ledger.inflight_windows == 8
+    # 8 in flight + 1 queued + its own = 10 windows = 0.25 s: more than a 0.2 s deadline
+    assert s.submit("q", [10], now=0.2, deadline=10.0).accepted
+    late = s.submit("late", [10], now=0.2, deadline=0.4)
+    assert (late.accepted, late.reason) == (
+        False,
+        "overloaded",
+    ) and "9 windows (queued or in flight)" in late.detail
+    assert s.submit("fits", [10], now=0.2, deadline=0.6).accepted
 
 
 def test_less_than_a_batch_ahead_is_never_refused_as_overloaded() -> None:

@@ -247,3 +247,26 @@ def test_playground_sends_the_api_key_the_server_asks_for(browser: Any, tmp_path
             o.check()
         finally:
             o.close()
+
+
+def test_status_page_shows_the_placement_of_models_sharing_devices(browser: Any, tmp_path: Path) -> None:
+    """With --placement the page shows the device groups, each one's split and models, and the
+    simulated attainment it was chosen by (fake in-process gangs)."""
+    settings = ServeSettings(
+        model=["a=tiny-bert", "b=tiny-bert"], placement="multiplexed", devices=2, threads_per_rank=1
+    )
+    with _live(settings, backend_factory=FakeFactory()) as base:
+        o = Offline(browser, base)
+        try:
+            page = o.page
+            page.goto(f"{base}/")
+            page.wait_for_selector("#placement tbody tr", timeout=15000)
+            assert page.locator("#placement-section").is_visible()
+            assert [_cell(page, "placement", 0, c) for c in (1, 2, 3)] == ["0, 1", "2 × 1", "a, b"]
+            assert "(running)" in _cell(page, "placement", 0, 4)
+            assert "multiplexed over 2 devices" in page.locator("#placement-summary").inner_text()
+            assert "predicted SLO attainment" in page.locator("#placement-summary").inner_text()
+            page.screenshot(path=str(tmp_path / "placement.png"), full_page=True)
+            o.check()
+        finally:
+            o.close()

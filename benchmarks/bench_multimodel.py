@@ -1,0 +1,555 @@
+"""Many models on shared devices: SLO attainment of dedicated, multiplexed and auto placements, each
+measured on the real server beside the simulator's prediction for the same requests (issue 28).
+
+What runs, in one process tree on this machine:
+
+1. ``--models`` copies of the default model's shape, each with its own weights (the shipped model,
+   each tensor perturbed by 1 % of its spread with its own seed), written as Hugging Face folders;
+2. the stage times of one of them at pp=1 and pp=2 (one single-thread rank per device, batch sizes
+   up to ``--max-batch-size``: a micro-batch alone through the pipeline, and many streamed) and the
+   server's own time per request (HTTP, tokenizing, decoding: end-to-end latency of one request
+   minus the pp=1 stage time): the ``MeasuredLatency`` profile the auto servers choose with
+   (``--latency-profile``);
+3. each device's memory budget from the cost model: what a pp=2 group holding every model needs,
+   so that with 2 models a device holds one whole model but not two (with 4 models on 2 devices
+   it then holds three whole models: the embeddings make a pp=2 split's first stage 77 % of the
+   model, so four first stages outweigh three whole models);
+4. for every sweep point (total rate, CV of each model's Gamma arrivals, SLO as a multiple of the
+   measured single-request latency) one seeded trace, replayed open-loop against a fresh
+   ``shardserve serve --placement P`` for P in dedicated, multiplexed and auto, each told the
+   point's workload (auto chooses its placement by it, dedicated which models get replicas), one
+   after the other, each request carrying its SLO as ``timeout_s``; and the same trace simulated on
+   the placement the server reports (``/ui/status``), with the profile's stage times scaled to the
+   pace a burst of full micro-batches gets through that server just before (the VM's speed drifts
+   within the hour, and the server's own work shares the cores).
+
+It prints a table per point (measured vs predicted attainment), writes ``--json OUT`` with every
+point and ``{"dedicated_max_rate", "multiplexed_max_rate", "auto_max_rate"}`` (the highest total
+rate of the rate sweep with >= 99 % measured attainment, at ``--cv`` and ``--slo-scale``; null when
+no swept rate reaches it) and ``--plots DIR/multimodel.png`` (attainment vs rate, vs CV, vs SLO
+scale; measured solid, predicted dashed).
+
+    python benchmarks/bench_multimodel.py --json /tmp/mm.json --plots /tmp          # ~45 min, 2 cores
+    python benchmarks/bench_multimodel.py --quick                                   # ~10 min
+    python benchmarks/bench_multimodel.py --models 4 --rates 4,8,16 --duration-s 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import math
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serving import machine_info
+
+from loadtest.local_server import local_server
+from loadtest.replay import Sent, replay, summary
+from models.build import build_model
+from models.hf_weights import save_hf_checkpoint
+from models.qa_windows import WindowConfig, encode_qa, pad_windows
+from models.registry import minilm_dir, resolve_model
+from partitioner.placement.cost_profile import cost_profiles
+from partitioner.placement.latency import LatencyModel, MeasuredLatency, ModelProfile
+from partitioner.placement.layout import MIB, Group, Placement
+from partitioner.placement.simulator import SimConfig, simulate
+from partitioner.placement.workload import ArrivalSpec, Trace, Workload
+from partitioner.plan import ParallelDims, make_plan
+from partitioner.precision import DTYPES, resolve_dtype
+from partitioner.stream.gang import StreamGang
+from partitioner.stream.program import stream_spec
+
+logger = logging.getLogger("bench_multimodel")
+
+POLICIES = ("dedicated", "multiplexed", "auto")
+QUESTION = "Which river carries the most water into the sea?"
+CONTEXT = (
+    "The delta region is crossed by several rivers. The Lenna, the longest of them, runs 840 kilometres "
+    "from the northern hills and carries about 1,900 cubic metres of water a second into the sea, more "
+    "than the other three together. The Orsa and the Velt join it near the old harbour town of Marrow, "
+    "whose bridges were rebuilt in 1923 after a flood. The smallest, the Tamm, dries up in most summers. "
+    "Fishing and river transport were the main trades until the railway reached the delta in 1881; since "
+    "then the harbour has mostly served ferries and the tourists who come for the bird reserves."
+)
+
+
+# ------------------------------------------------------------------------------------ the models
+def write_models(n: int, root: Path) -> list[Path]:
+    """``n`` folders holding the default model's weights, each tensor perturbed with its own seed."""
+    source = resolve_model("default")
+    model = build_model(source)
+    state = model.state_dict()
+    out = []
+    for i in range(n):
+        folder = root / f"m{i}"
+        if not (folder / "model.safetensors").is_file():
+            gen = torch.Generator().manual_seed(1000 + i)
+            mine = {
+                k: v + 0.01 * v.float().std() * torch.randn(v.shape, generator=gen)
+                if v.is_floating_point() and v.numel() > 1
+                else v
+                for k, v in state.items()
+            }
+            save_hf_checkpoint(
+                mine,
+                source.config,
+                folder,
+                base_config=minilm_dir() / "config.json",
+                tokenizer_dir=source.tokenizer_dir,
+            )
+        out.append(folder)
+    return out
+
+
+# ------------------------------------------------------------------------------- the profile
+def request_window(folder: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one window the benchmark's request is, as the server builds it: ids, mask, segment ids (1, S)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    enc = encode_qa(tok, [QUESTION], [CONTEXT], window=WindowConfig())
+    assert len(enc.windows) == 1, "the benchmark's request must be one window"
+    b = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
+    return b.input_ids, b.attention_mask, b.token_type_ids
+
+
+def measure_stages(folder: Path, *, dtype: str, batch_sizes: list[int], repeats: int = 12) -> LatencyModel:
+    """Stage times at pp=1 and pp=2 (one single-thread rank each): a micro-batch alone through the
+    pipeline (the sum of the stages) and many streamed (the slowest stage)."""
+    source = resolve_model(str(folder))
+    ids, mask, types = request_window(folder)
+    table: dict[tuple[int, int], dict[int, Any]] = {}
+    for pp in (1, 2):
+        plan = make_plan(source.config, ParallelDims(pp=pp), seq_len=ids.shape[1])
+        spec = stream_spec(source, plan, threads_per_rank=1, dtype=dtype)
+        with StreamGang(spec, name=f"profile-pp{pp}", start_timeout_s=600) as gang:
+            table[(pp, 1)] = {}
+            for b in batch_sizes:
+                batch = (ids.repeat(b, 1), mask.repeat(b, 1), types.repeat(b, 1))
+                gang.run([batch] * 3, timeout_s=600)  # warm
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    gang.submit(*batch).result(timeout=600)
+                alone = (time.perf_counter() - t0) / repeats
+                t0 = time.perf_counter()
+                gang.run([batch] * (3 * repeats), timeout_s=600)
+                streamed = (time.perf_counter() - t0) / (3 * repeats)
+                if pp == 1:
+                    table[(pp, 1)][b] = (alone,)
+                else:  # the slowest stage sets the streamed pace; the other takes what is left of alone
+                    slow = min(streamed, alone)
+                    table[(pp, 1)][b] = (slow, max(alone - slow, 0.05 * alone))
+                logger.info(
+                    "pp=%d batch %d: alone %.1f ms, streamed %.1f ms per batch",
+                    pp,
+                    b,
+                    1e3 * alone,
+                    1e3 * streamed,
+                )
+    return LatencyModel(table)
+
+
+def http_single_latency(url: str, model: str, n: int = 30) -> float:
+    """Median end-to-end latency of one request at a time (s)."""
+    body = json.dumps({"question": QUESTION, "context": CONTEXT, "model": model}).encode()
+    times = []
+    for _ in range(n + 3):
+        req = urllib.request.Request(url + "/v1/qa", data=body, headers={"content-type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:])
+
+
+def burst_pace(url: str, model: str, *, batch: int, batches: int = 6) -> float:
+    """Seconds between the answers of consecutive full micro-batches when ``batches * batch`` requests
+    arrive at once (the median gap): the pace of the slowest stage as the server runs it."""
+    trace = Trace(tuple((1e-6 * i, model) for i in range(batch * batches)), duration_s=1.0)
+    asyncio.run(replay(url, trace, question=QUESTION, context=CONTEXT))  # warm
+    time.sleep(0.5)
+    done = sorted(s.latency_s for s in asyncio.run(replay(url, trace, question=QUESTION, context=CONTEXT)))
+    ends = [done[k * batch + batch - 1] for k in range(batches)]
+    return statistics.median(b - a for a, b in itertools.pairwise(ends))
+
+
+def scaled(latency: LatencyModel, factor: dict[int, float]) -> LatencyModel:
+    """``latency`` with every pp's stage times multiplied by ``factor[pp]``."""
+    table = {}
+    for pp, tp in latency.configs:
+        f = factor.get(pp, 1.0)
+        table[(pp, tp)] = {b: tuple(f * t for t in stages) for b, stages in latency.points(pp, tp).items()}
+    return LatencyModel(table)
+
+
+# ------------------------------------------------------------------------------- the sweep
+@dataclass(frozen=True)
+class Point:
+    rate: float  # total requests/s
+    cv: float
+    slo_scale: float
+    sweep: str  # rate / cv / slo: which curve it belongs to
+
+    def trace(self, names: list[str], duration_s: float, seed: int) -> Trace:
+        arrivals = tuple(ArrivalSpec(m, self.rate / len(names), self.cv) for m in names)
+        return Workload(arrivals, duration_s=duration_s, seed=seed).trace()
+
+
+def sweep_points(args: argparse.Namespace) -> list[Point]:
+    points = [Point(r, args.cv, args.slo_scale, "rate") for r in args.rates]
+    points += [Point(args.fixed_rate, cv, args.slo_scale, "cv") for cv in args.cvs if cv != args.cv]
+    points += [Point(args.fixed_rate, args.cv, s, "slo") for s in args.slo_scales if s != args.slo_scale]
+    return points
+
+
+def placement_of(url: str) -> Placement:
+    """The placement the server reports on its status page."""
+    with urllib.request.urlopen(url + "/ui/status", timeout=10) as resp:
+        groups = json.loads(resp.read())["placement"]["groups"]
+    return Placement(tuple(Group(tuple(g["devices"]), g["pp"], g["tp"], tuple(g["models"])) for g in groups))
+
+
+def budget_bytes(n_models: int, config: Any, *, dtype_bytes: int, max_batch_size: int) -> int:
+    """Memory per device: what a pp=2 group of every model needs on its first stage (the embeddings
+    make it the heavier), and at least one whole model and a half (two whole models and a half with
+    4 models: less could not hold every model at pp=1). With 2 models of the default shape a device
+    then holds one whole model but not two."""
+    (profile,), _, _ = cost_profiles(
+        {"m": config}, devices=2, seq_len=384, max_batch_size=max_batch_size, dtype_bytes=dtype_bytes
+    )
+    whole, first_stage = profile.weight_bytes(1, 1, 0), profile.weight_bytes(2, 1, 0)
+    k = max(1, math.ceil(n_models / 2))  # whole models a device must hold for every model to fit at pp=1
+    return profile.activation_bytes + max(n_models * first_stage, k * whole + whole // 2) + MIB
+
+
+def server_args(
+    args: argparse.Namespace, folders: list[Path], profile: Path, memory: int, policy: str
+) -> list[str]:
+    out = ["--placement", policy, "--devices", "2", "--threads-per-rank", "1", "--dtype", args.dtype]
+    out += ["--device-memory-mb", f"{memory / MIB:.3f}", "--latency-profile", str(profile)]
+    out += [
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--max-inflight-per-replica",
+        str(args.max_inflight),
+    ]
+    out += ["--admission-margin", str(args.admission_margin), "--replan-interval-s", "0"]
+    for i, f in enumerate(folders):
+        out += ["--model", f"m{i}={f}"]
+    return out
+
+
+def bound(trace: Trace, latency: LatencyModel, *, slo_s: float, max_batch_size: int) -> float:
+    """The attainment no placement on 2 devices can beat: every model alone on both devices as if
+    they were one twice as fast (its pp=1 stage times halved, no other model, no front, admission
+    that refuses only what cannot finish)."""
+    fast = LatencyModel({(1, 1): {b: t[0] / 2 for b, t in latency.points(1, 1).items()}})
+    names = trace.models
+    ideal = Placement(tuple(Group((k,), 1, 1, (m,)) for k, m in enumerate(names)))
+    profiles = [ModelProfile(m, param_bytes=1, latency=fast) for m in names]
+    cfg = SimConfig(max_batch_size=max_batch_size, max_inflight=1)
+    return simulate(ideal, profiles, trace, slo_s=slo_s, config=cfg).attainment
+
+
+def run_point(url: str, trace: Trace, slo_s: float) -> list[Sent]:
+    sent = asyncio.run(replay(url, trace, question=QUESTION, context=CONTEXT, timeout_s=slo_s))
+    time.sleep(1.0)  # what is still queued drains before the next point
+    return sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--models", type=int, default=2, choices=(2, 4), help="models of the default shape (2 devices)"
+    )
+    p.add_argument("--dtype", default="auto", help="the ranks' dtype (auto: bf16 where the CPU has units)")
+    p.add_argument(
+        "--rates",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=None,
+        help="total req/s of the rate sweep (default: 5 %% .. 60 %% of two devices' capacity)",
+    )
+    p.add_argument("--fixed-rate", type=float, default=None, help="total req/s of the CV and SLO sweeps")
+    p.add_argument("--cv", type=float, default=4.0, help="the rate and SLO sweeps' CV")
+    p.add_argument("--cvs", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0])
+    p.add_argument("--slo-scale", type=float, default=5.0, help="the rate and CV sweeps' SLO scale")
+    p.add_argument("--slo-scales", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 5.0, 10.0])
+    p.add_argument("--duration-s", type=float, default=60.0, help="seconds of arrivals per point")
+    p.add_argument("--max-batch-size", type=int, default=4)
+    p.add_argument("--max-inflight", type=int, default=2, help="micro-batches in flight per model and gang")
+    p.add_argument(
+        "--admission-margin",
+        type=float,
+        default=1.0,
+        help="the servers' --admission-margin (1: admit what fits the whole SLO; their default 0.35 refuses "
+        "work that would finish in time when the SLO is a few single-request latencies)",
+    )
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="20 s per point, 4 rates, CV 1/4, SLO 2/5")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="where the model copies go (default: a temp dir)"
+    )
+    p.add_argument("--json", type=Path, default=None, help="write every point and the summary here")
+    p.add_argument("--plots", type=Path, default=None, help="write multimodel.png into this folder")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.quick:
+        args.duration_s, args.cvs, args.slo_scales = 20.0, [1.0, 4.0], [2.0, 5.0]
+    args.dtype = resolve_dtype(args.dtype, "cpu").name
+    info = machine_info(args.dtype)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-multimodel-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    folders = write_models(args.models, workdir)
+    names = [f"m{i}" for i in range(args.models)]
+    batch_sizes = [b for b in (1, 2, 4, 8) if b <= args.max_batch_size]
+    latency = measure_stages(folders[0], dtype=args.dtype, batch_sizes=batch_sizes)
+    gang_single = latency.latency(1, 1, 1)
+    memory = budget_bytes(
+        args.models,
+        resolve_model(str(folders[0])).config,
+        dtype_bytes=DTYPES[args.dtype].itemsize,
+        max_batch_size=args.max_batch_size,
+    )
+    profile_path = workdir / "profile.json"
+    MeasuredLatency(latency, 0.0).write(profile_path)
+    policies = args.policies.split(",")
+    # the SLO's base and the server's own time per request: one request at a time, end to end
+    with local_server(
+        server_args(args, folders, profile_path, memory, "dedicated"), ready_timeout_s=600
+    ) as srv:
+        single = http_single_latency(srv.url, names[0])
+    overhead = max(0.0, single - gang_single)
+    MeasuredLatency(latency, overhead).write(profile_path)  # what the auto servers choose with
+    capacity = 2 / gang_single  # two devices, one request at a time each
+    if args.rates is None:
+        fractions = (0.05, 0.15, 0.3, 0.5) if args.quick else (0.05, 0.1, 0.2, 0.3, 0.45, 0.6)
+        args.rates = [round(f * capacity, 1) for f in fractions]
+    if args.fixed_rate is None:
+        args.fixed_rate = args.rates[len(args.rates) // 2]
+    points = sweep_points(args)
+    logger.info(
+        "single-request latency %.1f ms (stages %.1f + server %.1f); memory %.0f MiB per device; %d points",
+        1e3 * single,
+        1e3 * gang_single,
+        1e3 * overhead,
+        memory / MIB,
+        len(points),
+    )
+    sim_cfg = SimConfig(
+        max_batch_size=args.max_batch_size,
+        max_inflight=args.max_inflight,
+        max_queue_delay_s=0.005,
+        overhead_s=overhead,
+        admission_margin=args.admission_margin,
+    )
+    configs = {n: resolve_model(str(f)).config for n, f in zip(names, folders, strict=True)}
+    rows: list[dict[str, Any]] = []
+
+    def record(policy: str, point: Point, url: str, seed: int) -> None:
+        trace = point.trace(names, args.duration_s, seed)
+        slo_s = point.slo_scale * single
+        placement = placement_of(url)
+        # the stage times as the server paces them now (the VM's speed drifts; its own work shares
+        # the cores): a burst of full micro-batches against the profile's slowest stage
+        # of the model held by the fewest groups: a burst of a replicated model spreads over them
+        probe = min(names, key=lambda m: sum(m in g.models for g in placement.groups))
+        holders = [g for g in placement.groups if probe in g.models]
+        pp = holders[0].pp
+        pace = (
+            len(holders)
+            * burst_pace(url, probe, batch=args.max_batch_size)
+            / max(latency.stages(pp, 1, args.max_batch_size))
+        )
+        profiles, _, _ = cost_profiles(
+            configs,
+            devices=2,
+            seq_len=384,
+            max_batch_size=args.max_batch_size,
+            dtype_bytes=DTYPES[args.dtype].itemsize,
+            measured=MeasuredLatency(scaled(latency, {pp: pace}), overhead),
+        )
+        sent = run_point(url, trace, slo_s)
+        predicted = simulate(placement, profiles, trace, slo_s=slo_s, config=sim_cfg)
+        got = summary(sent, slo_s=slo_s)
+        row = {
+            "policy": policy,
+            "rate": point.rate,
+            "cv": point.cv,
+            "slo_scale": point.slo_scale,
+            "sweep": point.sweep,
+            "seed": seed,
+            "slo_ms": round(1e3 * slo_s, 2),
+            "placement": placement.describe(),
+            "pace": round(pace, 3),
+            "measured": got["attainment"],
+            "predicted": round(predicted.attainment, 6),
+            "bound": round(bound(trace, latency, slo_s=slo_s, max_batch_size=args.max_batch_size), 6),
+            **{k: got[k] for k in ("requests", "statuses", "send_lag_p99_ms")},
+        }
+        rows.append(row)
+        logger.info(
+            "%-11s rate %5.1f cv %g slo %gx: measured %.3f predicted %.3f (%s, pace x%.2f) %s",
+            policy,
+            point.rate,
+            point.cv,
+            point.slo_scale,
+            row["measured"],
+            row["predicted"],
+            row["placement"],
+            pace,
+            row["statuses"],
+        )
+
+    # point by point, the policies one after the other: each point's runs see the machine alike
+    for k, pt in enumerate(points):
+        for policy in policies:
+            # every server is told the point's workload: auto chooses its whole placement by it,
+            # dedicated (and multiplexed, when not every model fits a group) which models get replicas
+            workload = [
+                "--workload-rate",
+                str(pt.rate),
+                "--workload-cv",
+                str(pt.cv),
+                "--slo-scale",
+                str(pt.slo_scale),
+            ]
+            cmd = server_args(args, folders, profile_path, memory, policy) + workload
+            with local_server(cmd, ready_timeout_s=600) as srv:
+                run_point(srv.url, pt.trace(names, 5.0, 999), pt.slo_scale * single)  # warm
+                record(policy, pt, srv.url, args.seed + k)
+    measured = MeasuredLatency(latency, overhead)
+    return report(rows, args, info, single=single, overhead=overhead, memory=memory, measured=measured)
+
+
+def max_rate(rows: list[dict[str, Any]], policy: str, *, threshold: float = 0.99) -> float | None:
+    rates = [
+        r["rate"]
+        for r in rows
+        if r["policy"] == policy and r["sweep"] == "rate" and r["measured"] >= threshold
+    ]
+    return max(rates) if rates else None
+
+
+def report(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    *,
+    single: float,
+    overhead: float,
+    memory: int,
+    measured: MeasuredLatency,
+) -> int:
+    print(
+        f"\n{info['cpu']}, dtype {args.dtype}; {args.models} models, 2 devices of {memory / MIB:.0f} MiB; "
+        f"single-request latency {1e3 * single:.1f} ms; {args.duration_s:g} s per point"
+    )
+    header = (
+        f"{'policy':<11} {'sweep':<5} {'rate':>6} {'cv':>4} {'slo':>4} {'measured':>9} {'predicted':>9} "
+        f"{'diff':>6} {'bound':>6}  placement"
+    )
+    print(header + "\n" + "-" * len(header))
+    for r in rows:
+        print(
+            f"{r['policy']:<11} {r['sweep']:<5} {r['rate']:>6.1f} {r['cv']:>4g} {r['slo_scale']:>4g} "
+            f"{r['measured']:>9.3f} {r['predicted']:>9.3f} {100 * (r['predicted'] - r['measured']):>+6.1f} "
+            f"{r.get('bound', math.nan):>6.3f}  {r['placement']}"
+        )
+    worst = max((abs(r["predicted"] - r["measured"]) for r in rows), default=0.0)
+    summary_ = {f"{p}_max_rate": max_rate(rows, p) for p in POLICIES}
+    summary_.update({f"{p}_max_rate_90": max_rate(rows, p, threshold=0.9) for p in POLICIES})
+    summary_["worst_prediction_error_points"] = round(100 * worst, 2)
+    print("\n" + json.dumps(summary_))
+    if args.json is not None:
+        out = {
+            **summary_,
+            "machine": info,
+            "models": args.models,
+            "device_memory_bytes": memory,
+            "single_latency_ms": round(1e3 * single, 3),
+            "overhead_ms": round(1e3 * overhead, 3),
+            "profile": measured.to_dict(),
+            "duration_s": args.duration_s,
+            "max_batch_size": args.max_batch_size,
+            "max_inflight": args.max_inflight,
+            "admission_margin": args.admission_margin,
+            "cv": args.cv,
+            "slo_scale": args.slo_scale,
+            "points": rows,
+        }
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    if args.plots is not None:
+        plot(rows, args, args.plots / "multimodel.png")
+    return 0
+
+
+def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []  # (x key, x label, title, {policy: its rows}) of each curve with at least 2 points
+    for sweep, key, label, title in (
+        ("rate", "rate", "total rate (req/s)", f"CV {args.cv:g}, SLO {args.slo_scale:g}x"),
+        ("cv", "cv", "CV of arrivals", f"{args.fixed_rate:g} req/s, SLO {args.slo_scale:g}x"),
+        ("slo", "slo_scale", "SLO scale (x single latency)", f"{args.fixed_rate:g} req/s, CV {args.cv:g}"),
+    ):
+        curves = {
+            policy: sorted(
+                (
+                    r
+                    for r in rows
+                    if r["policy"] == policy and (r["sweep"] == sweep or _on_curve(r, sweep, args))
+                ),
+                key=lambda r, key=key: r[key],
+            )
+            for policy in POLICIES
+        }
+        if max(map(len, curves.values())) >= 2:
+            panels.append((key, label, title, curves))
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(7.5, 5 * len(panels)), 4.2), squeeze=False)
+    for ax, (key, label, title, curves) in zip(axes[0], panels, strict=True):
+        for k, (policy, mine) in enumerate(curves.items()):
+            xs = [r[key] for r in mine]
+            ax.plot(xs, [r["measured"] for r in mine], "-o", color=f"C{k}", label=f"{policy} measured")
+            ax.plot(
+                xs,
+                [r["predicted"] for r in mine],
+                "--",
+                color=f"C{k}",
+                alpha=0.7,
+                label=f"{policy} predicted",
+            )
+        ax.axhline(0.99, color="grey", lw=0.8, ls=":")
+        ax.set(title=title, xlabel=label, ylabel="SLO attainment", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    axes = axes[0]
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{args.models} models on 2 CPU devices: measured (solid) vs simulated (dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _on_curve(r: dict[str, Any], sweep: str, args: argparse.Namespace) -> bool:
+    """The rate sweep's point at the fixed rate also lies on the CV and SLO curves."""
+    return r["sweep"] == "rate" and r["rate"] == args.fixed_rate and sweep in ("cv", "slo")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

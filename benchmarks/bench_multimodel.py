@@ -72,6 +72,7 @@ from partitioner.plan import ParallelDims, make_plan
 from partitioner.precision import DTYPES, resolve_dtype
 from partitioner.stream.gang import StreamGang
 from partitioner.stream.program import stream_spec
+from training.sigterm import Terminated, raise_on_sigterm
 
 logger = logging.getLogger("bench_multimodel")
 
@@ -552,4 +553,8 @@ def _on_curve(r: dict[str, Any], sweep: str, args: argparse.Namespace) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        with raise_on_sigterm():  # kill PID stops the server it started, as Ctrl-C does
+            sys.exit(main())
+    except Terminated as stop:
+        sys.exit(stop.exit_code)

@@ -63,7 +63,7 @@ from serving.engine.builder import (
 )
 from serving.engine.core import Engine
 from serving.engine.repository import ModelRepository
-from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_repository
+from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
 from serving.frontend.access import AccessMiddleware, include_protected
 from serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from serving.frontend.pages import install_pages
@@ -332,6 +332,7 @@ def build_app(
     app.include_router(admin_router)
     app.include_router(kserve_v2.open_router)  # Open Inference Protocol: metadata + health (open)
     include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
+    include_protected(app, v2_model_config.router, settings=settings, error_model=kserve_v2.V2Error)
     app.include_router(v2_repository.router)  # Triton's repository extension, behind the admin token
     install_pages(app)  # status page at /, GET /ui/status, offline /docs and /redoc
     install_openapi(app, settings)  # the document with the settings' limits (question length, ...)

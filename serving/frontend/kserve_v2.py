@@ -7,6 +7,7 @@ Spec: github.com/kserve/open-inference-protocol (``inference_rest.md``). Routes:
     GET  /v2/health/ready             200 {"ready": true} | 400 {"ready": false}         open
     GET  /v2/models/{name}            model metadata {name, platform, inputs, outputs}  API key
     GET  /v2/models/{name}/ready      200 {"name", "ready": true} | 400 ready false     open
+    GET  /v2/models/{name}/config     Triton's model configuration (v2_model_config.py)  API key
     POST /v2/models/{name}/infer      inference                                         API key
 
 Health answers follow the spec: 200 is true, a 4xx (400) is false. The spec files model readiness
@@ -68,7 +69,7 @@ INPUTS = ("question", "context")
 OUTPUTS = ("answer", "score", "start", "end", "no_answer")
 REQUEST_PARAMETERS = ("top_k", "max_answer_length", "null_threshold", "timeout_s")
 PROTOCOL_PARAMETERS = ("timeout", "binary_data_output")  # Triton's deadline (µs); the binary extension's
-EXTENSIONS = ["binary_tensor_data", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration"]
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 ParameterValue = bool | int | float | str
@@ -277,7 +278,7 @@ def _is_ready(request: Request) -> bool:
     return models is not None and not state.shutting_down and models.ready()
 
 
-def _model_engine(request: Request, model_name: str) -> Engine | JSONResponse:
+def model_engine(request: Request, model_name: str) -> Engine | JSONResponse:
     """The engine of ``model_name``, or the v2 error: 503 while starting, 404 unknown, 503 not served now."""
     models: ModelRepository | None = getattr(request.app.state, "models", None)
     if models is None:
@@ -508,7 +509,7 @@ async def server_ready(request: Request) -> Any:
 @model_router.get("/v2/models/{model_name}", response_model=V2ModelMetadata, responses=v2_responses(404, 503))
 async def model_metadata(model_name: str, request: Request) -> Any:
     """The model's inputs (question, context: BYTES [N]) and outputs (answer, score, start, end, no_answer)."""
-    engine = _model_engine(request, model_name)
+    engine = model_engine(request, model_name)
     if isinstance(engine, JSONResponse):
         return engine
     return V2ModelMetadata(name=model_name, platform=PLATFORM, inputs=MODEL_INPUTS, outputs=MODEL_OUTPUTS)
@@ -557,7 +558,7 @@ async def infer(model_name: str, body: V2InferenceRequest, request: Request) -> 
 
 async def _infer(model_name: str, body: V2InferenceRequest, request: Request) -> Any:
     request.state.model = model_name  # the access log's and the metrics' model, 4xx too
-    engine = _model_engine(request, model_name)
+    engine = model_engine(request, model_name)
     if isinstance(engine, JSONResponse):
         return engine
     settings = request.app.state.settings

@@ -51,9 +51,14 @@ def install(folder: Path) -> PerfAnalyzer:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as wheels:
             pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", wheels]
-            got = subprocess.run(
-                [*pip, TRITONCLIENT, CUDA_RUNTIME], capture_output=True, text=True, timeout=600
-            )
+            try:
+                got = subprocess.run(
+                    [*pip, TRITONCLIENT, CUDA_RUNTIME], capture_output=True, text=True, timeout=600
+                )
+            except subprocess.TimeoutExpired as err:
+                raise PerfAnalyzerUnavailable(
+                    f"pip download {TRITONCLIENT}: no answer in {err.timeout:g} s"
+                ) from err
             if got.returncode != 0:
                 raise PerfAnalyzerUnavailable(
                     f"pip download {TRITONCLIENT} {CUDA_RUNTIME}: {got.stderr.strip()[-300:]}"
@@ -64,9 +69,12 @@ def install(folder: Path) -> PerfAnalyzer:
                     z.extractall(folder / into)
         binary.chmod(0o755)
     pa = PerfAnalyzer(binary, lib_dir)
-    probe = subprocess.run(
-        [str(binary), "--version"], capture_output=True, text=True, env=pa.env(), timeout=60
-    )
+    try:
+        probe = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, env=pa.env(), timeout=60
+        )
+    except OSError as err:  # e.g. not an x86-64 machine: the wheel's binary is
+        raise PerfAnalyzerUnavailable(f"perf_analyzer does not start here: {err}") from err
     if "error while loading shared libraries" in probe.stderr:
         raise PerfAnalyzerUnavailable(
             f"perf_analyzer does not start: {probe.stderr.strip()} (apt-get install libb64-0d)"

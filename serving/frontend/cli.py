@@ -213,17 +213,18 @@ def startup_line(state: Any, url: str) -> str:
     else:
         served = ", ".join(f"{e.name}={e.model.source.name}" for e in engines)
         replicas += " per model"
-    layout = f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas}"
+    layout = f"plan pp={plan.dims.pp} tp={plan.dims.tp} [{stages}], replicas {replicas} x "
     placed = state.models.placement
     if placed is not None and placed.choice is not None:
+        cfg = placed.config
         layout = (
-            f"placement {placed.config.policy} on {placed.config.devices} devices: "
-            f"{placed.groups.placement.describe()}, predicted SLO attainment "
-            f"{placed.choice.result.attainment:.1%}"
+            f"placement {cfg.policy} on {cfg.devices} devices: {placed.groups.placement.describe()}, "
+            f"predicted SLO attainment {placed.choice.result.attainment:.1%} at {cfg.rate:g} req/s, "
+            f"CV {cfg.cv:g}, SLO {cfg.slo_scale:g}x; "
         )
     return (
         f"shardserve: serving {served} at {url} (precision {precision.name}: {precision.reason}; "
-        f"{'compiled stages; ' if state.compile else ''}{layout} x "
+        f"{'compiled stages; ' if state.compile else ''}{layout}"
         f"{settings.rank_threads} thread(s) per rank, device {settings.device})"
     )
 

@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from partitioner.placement.workload import alternating_bursts
+from serving.frontend.cli import startup_line
 from serving.frontend.settings import ServeSettings
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
@@ -62,6 +63,10 @@ def test_multiplexed_models_share_one_gang_and_answer_on_every_protocol() -> Non
         assert replicas["target"] == 1 and not replicas["autoscaling"]
         index = client.get("/v2/repository/index", headers=AUTH).json()
         assert [(e["name"], e["state"]) for e in index] == [("a", "READY"), ("b", "READY")]
+        line = startup_line(client.app.state, "http://127.0.0.1:8000")
+        assert "serving a=tiny-bert, b=tiny-bert at http://127.0.0.1:8000" in line, line
+        assert "placement multiplexed on 2 devices: [0,1] pp=2 tp=1: a,b, predicted SLO attainment" in line
+        assert "at 10 req/s, CV 1, SLO 5x; 1 thread(s) per rank" in line, line
 
 
 def test_dedicated_gives_each_model_devices_of_its_own_within_the_memory_budget() -> None:

@@ -17,6 +17,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+class _Server(ThreadingHTTPServer):
+    # a burst of connections at once (replay's open loop) overflows socketserver's backlog of 5 on a
+    # busy machine: the kernel drops the SYNs and the client retries them a second later
+    request_queue_size = 128
+
+
 class StubServer:
     def __init__(
         self,
@@ -38,7 +44,7 @@ class StubServer:
         self.counts = {"received": 0, "ok": 0, "shed": 0}
         self.in_flight = 0
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd = _Server(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 

@@ -77,7 +77,6 @@ class Ledger:
         self._batch_ids = itertools.count(1)
         self._batches: dict[int, _Batch] = {}
         self._per_replica: dict[str, int] = {}
-        self.inflight_windows = 0  # windows of the batches in flight (admission counts them as ahead)
         # service rate: ratio of decayed completed windows to decayed busy seconds
         self._rate_windows = 0.0
         self._rate_seconds = 0.0
@@ -119,7 +118,6 @@ class Ledger:
             self._busy_mark = now
         self._batches[batch_id] = _Batch(replica_id, windows)
         self._per_replica[replica_id] = self._per_replica.get(replica_id, 0) + 1
-        self.inflight_windows += len(windows)
         return batch_id
 
     def end_batch(self, batch_id: int, *, now: float, ok: bool) -> list[Window] | None:
@@ -129,7 +127,6 @@ class Ledger:
         if batch is None:
             logger.debug("ignoring result of unknown or already failed batch %d", batch_id)
             return None
-        self.inflight_windows -= len(batch.windows)
         left = self._per_replica.get(batch.replica_id, 0) - 1
         if left > 0:
             self._per_replica[batch.replica_id] = left
@@ -142,7 +139,6 @@ class Ledger:
         """A gang died: the windows of all its batches in flight (in dispatch order), forgotten here."""
         batch_ids = sorted(bid for bid, batch in self._batches.items() if batch.replica_id == replica_id)
         windows = [w for bid in batch_ids for w in self._batches.pop(bid).windows]
-        self.inflight_windows -= len(windows)
         self._per_replica.pop(replica_id, None)
         if not self._batches:
             self._busy_mark = None
@@ -151,6 +147,11 @@ class Ledger:
         return windows
 
     # ------------------------------------------------------------------ service rate
+    @property
+    def inflight_windows(self) -> int:
+        """Windows of the batches in flight (admission counts them as ahead of a new request)."""
+        return sum(len(b.windows) for b in self._batches.values())
+
     def service_rate(self) -> float | None:
         """EWMA of completed windows per busy second (idle time excluded); None before any."""
         return self._rate_windows / self._rate_seconds if self._rate_seconds > 0 else None

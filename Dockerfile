@@ -65,7 +65,8 @@ ENV VIRTUAL_ENV=/opt/venv \
     SHARDSERVE_DEVICE=${VARIANT}
 USER 10001:10001
 WORKDIR /home/shardserve
-EXPOSE 8000
+# 8000: HTTP; 8001: KServe v2 / Triton gRPC when SHARDSERVE_GRPC_PORT=8001 (or --grpc-port 8001) is set
+EXPOSE 8000 8001
 # liveness of the process (not readiness: /readyz is for load balancers and Kubernetes)
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('SHARDSERVE_PORT', '8000'), timeout=4)"]

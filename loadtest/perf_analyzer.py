@@ -97,11 +97,14 @@ def run(
     protocol: str = "http",
     binary_data: bool = True,
     window_ms: int = 2000,
+    stability_pct: float = 10.0,
     headers: dict[str, str] | None = None,
     timeout_s: float = 300.0,
 ) -> list[dict[str, float]]:
-    """perf_analyzer at each concurrency against ``url`` (host:port), one run each: its CSV rows
-    (latencies in microseconds, ``Inferences/Second``). RuntimeError with its output when it fails."""
+    """perf_analyzer at each concurrency against ``url`` (host:port, ``protocol`` http or grpc), one run
+    each: its CSV rows (latencies in microseconds, ``Inferences/Second``). It measures until three
+    windows agree within ``stability_pct`` (its default 10; a loaded machine may need more).
+    RuntimeError with its output when it fails."""
     fmt = "binary" if binary_data else "json"
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,14 +117,16 @@ def run(
                 *("--input-data", str(data), "--shape", "question:1", "--shape", "context:1"),
                 f"--input-tensor-format={fmt}",
                 f"--output-tensor-format={fmt}",
-                *("--measurement-interval", str(window_ms), "-f", str(report)),
+                *("--measurement-interval", str(window_ms), "-s", f"{stability_pct:g}", "-f", str(report)),
             ]
             for key, value in (headers or {}).items():
                 cmd += ["-H", f"{key}:{value}"]
             done = subprocess.run(cmd, capture_output=True, text=True, env=pa.env(), timeout=timeout_s)
             if done.returncode != 0:
                 out = (done.stdout + done.stderr).strip()
-                raise RuntimeError(f"perf_analyzer exited {done.returncode}: {out[-1500:]}")
+                raise RuntimeError(
+                    f"perf_analyzer ({protocol}, c={n}) exited {done.returncode}: {out[-1500:]}"
+                )
             for row in csv.DictReader(io.StringIO(report.read_text())):
                 rows.append({k: float(v) for k, v in row.items() if k and v not in ("", None)})
     return rows

@@ -12,6 +12,19 @@ the label bound), and ``forget_model`` drops a model's series when it is unloade
 - requests_total{model,endpoint,status}, request_latency_seconds{model,endpoint} (histogram): every
   HTTP answer; ``model`` is empty for routes of no model (health, metrics, admin)
 - queue_wait_seconds (submit -> last window dispatched), queue_depth_requests / _windows (gauges)
+- what Triton's statistics extension reports (``serving/frontend/v2_statistics.py`` reads them). The
+  engine writes them, so requests of every protocol count, whatever their endpoint:
+  - inference_request_duration_seconds{model,outcome} (histogram): each request the engine admitted,
+    from its arrival (before tokenizing) until ``Engine.wait`` ends: answered (``success``) or failed
+    (``fail``: 504 deadline, 503 replica failure or shutdown, 500 decoding, the client gone);
+  - inferences_total: pairs answered (a request of N pairs is N inferences);
+    last_inference_timestamp_seconds: Unix time the last admitted request ended;
+  - request_phase_seconds{model,phase} (histogram): the phases of each ANSWERED request, observed
+    together when it is answered (Triton's: every phase counts the same requests): compute_input
+    (tokenizing and windowing), queue (queued until its last window is dispatched), compute_infer
+    (that dispatch until the logits of all its windows are back), compute_output (span decoding);
+  - execution_seconds{model,batch_size} (summary: count and sum): each micro-batch that came back with
+    logits, dispatch to result, by its windows (``batch_size``).
 - batch_size_windows, batch_tokens_padded (histograms), batches_total{reason}, padding_ratio
 - replicas{state}, replica_failures_total, replica_restarts_total, retried_windows_total
 - autoscale_decisions_total{direction}, autoscale_target_replicas
@@ -27,12 +40,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# a request's phases (tokenizing, decoding: often under a millisecond; execution)
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
 # the attributes of ``ServingMetrics`` that a model's engine and fleet write (each labelled ``model`` first)
@@ -53,6 +68,11 @@ MODEL_METRICS = (
     "autoscale_target",
     "stage_busy",
     "bubble",
+    "request_duration",
+    "inferences",
+    "last_inference",
+    "request_phase",
+    "executions",
 )
 
 
@@ -152,6 +172,37 @@ class ServingMetrics:
             "shardserve_pipeline_bubble_fraction",
             "1 - stage busy time / (stages x time with work in flight), per replica",
             [*m, "replica"],
+            registry=r,
+        )
+
+        self.request_duration = Histogram(
+            "shardserve_inference_request_duration_seconds",
+            "requests the engine admitted, arrival to answer (outcome=success) or failure (outcome=fail)",
+            [*m, "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inferences = Counter(
+            "shardserve_inferences", "pairs answered (a request of N pairs: N inferences)", m, registry=r
+        )
+        self.last_inference = Gauge(
+            "shardserve_last_inference_timestamp_seconds",
+            "Unix time the last admitted request ended",
+            m,
+            registry=r,
+        )
+        self.request_phase = Histogram(
+            "shardserve_request_phase_seconds",
+            "phases of each answered request: compute_input (tokenizing), queue, compute_infer (its last "
+            "window's dispatch until all its logits are back), compute_output (span decoding)",
+            [*m, "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.executions = Summary(
+            "shardserve_execution_seconds",
+            "micro-batches that came back with logits: dispatch to result, by windows in the batch",
+            [*m, "batch_size"],
             registry=r,
         )
 

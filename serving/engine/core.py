@@ -16,6 +16,11 @@ event loop that owns the scheduler (no locks): it expires overdue requests (504)
 ``ReplicaListener``: whoever builds both wires them explicitly (``manager.attach(engine)``;
 ``serving/engine/builder.py`` does, for the server).
 
+The engine measures each request it admitted (``serving/metrics.py``; Triton's statistics read them):
+when ``wait`` ends, the time since its arrival as a success (its pairs are inferences, and each of
+its phases, timed in ``Job.phases`` on its way, is observed) or a failure; each micro-batch that
+returns is an execution (the dispatcher).
+
 The front end never touches the fleet: the engine's facade (the last section of ``Engine``)
 delegates to the replica manager and the supervisor: the model and its public description,
 replicas and health, scaling (pin, bounds), reload, shutdown.
@@ -197,9 +202,11 @@ class Engine:
     def submit(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
         """Tokenize (on the calling thread) and admit one call; raises EngineError (429 / 503 / 413 /
         422), ``QAInputError`` / ``ValueError`` for text the tokenizer refuses."""
+        started = time.perf_counter()
         self.arrivals.append(self.clock())
         self._check_admissible(timeout_s)
-        return self._admit(pairs, self.inputs.encode(pairs), timeout_s=timeout_s)
+        encoded, input_s = self.inputs.encode_timed(pairs)
+        return self._admit(pairs, encoded, timeout_s=timeout_s, started=started, input_s=input_s)
 
     async def submit_async(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
         """``submit`` with the tokenization on the input processor's thread, so that long contexts
@@ -209,6 +216,7 @@ class Engine:
         tokenizer count against max_queue_size), so a full server answers 429 at once and the work
         (and memory) waiting for the tokenizer is bounded by the queue size.
         """
+        started = time.perf_counter()
         self.arrivals.append(self.clock())
         self._check_admissible(timeout_s)
         arrived_at = self.clock()
@@ -224,11 +232,19 @@ class Engine:
             raise EngineError(429, adm.reason, adm.detail, retry_after_s=adm.retry_after_s)
         self._update_gauges()
         try:
-            encoded = await self.inputs.encode_async(pairs)
+            encoded, input_s = await self.inputs.encode_async(pairs)
         except BaseException:  # the tokenizer refused the text, or the client went away
             self.scheduler.unreserve(hint)
             raise
-        return self._admit(pairs, encoded, timeout_s=timeout_s, reserved_hint=hint, arrived_at=arrived_at)
+        return self._admit(
+            pairs,
+            encoded,
+            timeout_s=timeout_s,
+            reserved_hint=hint,
+            arrived_at=arrived_at,
+            started=started,
+            input_s=input_s,
+        )
 
     def _check_admissible(self, timeout_s: float | None) -> None:
         if not self.accepting:
@@ -253,11 +269,15 @@ class Engine:
         timeout_s: float | None,
         reserved_hint: int | None = None,
         arrived_at: float | None = None,
+        started: float | None = None,
+        input_s: float = 0.0,
     ) -> Job:
         """Queue tokenized pairs with the scheduler (event-loop thread only); ``reserved_hint``: a
         queue place was taken by ``Scheduler.reserve(windows_hint=...)`` before tokenizing (used or
         given back here);
-        the deadline runs from ``arrived_at`` (before tokenizing), else from now."""
+        the deadline runs from ``arrived_at`` (before tokenizing), else from now; ``started``: the
+        arrival on ``time.perf_counter`` (the request's duration in the metrics); ``input_s``: the
+        seconds its tokenizing took (its ``compute_input`` phase)."""
         try:
             if reserved_hint is None:
                 self._check_admissible(timeout_s)
@@ -294,6 +314,8 @@ class Engine:
             deadline=adm.deadline,
             model_name=model.source.name,
             logits=[None] * len(encoded.windows),
+            started=time.perf_counter() if started is None else started,
+            phases={"compute_input": input_s},
         )
         self.outputs.add(job)
         self._update_gauges()
@@ -303,25 +325,43 @@ class Engine:
     async def wait(
         self, job: Job, *, disconnected: Callable[[], Awaitable[Any]] | None = None
     ) -> list[PairResult]:
-        """The job's answers; EngineError for 503/504; ClientGone when ``disconnected`` fires first."""
+        """The job's answers; EngineError for 503/504; ClientGone when ``disconnected`` fires first.
+        Its end is the request's outcome in the metrics (success, or fail however it failed)."""
         watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         bound = max(0.0, job.deadline - self.clock()) + self.stall_timeout_s + SAFETY_MARGIN_S
+        results: list[PairResult] | None = None
         try:
             waiting = {job.future} if watch is None else {job.future, watch}
             done, _ = await asyncio.wait(waiting, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
             if job.future in done:
-                return job.future.result()
+                results = job.future.result()
+                return results
             if watch is not None and watch in done:
                 self.cancel(job.request_id)
                 raise ClientGone(job.request_id)
             logger.error("request %s not answered %.1f s past its deadline", job.request_id, bound)
             self.cancel(job.request_id)
             raise EngineError(504, "deadline_exceeded", f"not answered within {bound:.1f} s")
+        except asyncio.CancelledError:  # the caller went away (a gRPC client cancelled): drop its work
+            self.cancel(job.request_id)
+            raise
         finally:
             if watch is not None and not watch.done():
                 watch.cancel()
             if not job.future.done():
                 job.future.cancel()
+            self._observe_end(job, results)
+
+    def _observe_end(self, job: Job, results: list[PairResult] | None) -> None:
+        """The request's outcome and duration since its arrival; its pairs are inferences if answered."""
+        m = self.metrics
+        outcome = "fail" if results is None else "success"
+        m.request_duration.labels(outcome=outcome).observe(time.perf_counter() - job.started)
+        if results is not None:  # Triton's statistics: each phase of each answered request, counted together
+            m.inferences.inc(len(job.pairs))
+            for phase, seconds in job.phases.items():
+                m.request_phase.labels(phase=phase).observe(seconds)
+        m.last_inference.set_to_current_time()
 
     def cancel(self, request_id: str) -> None:
         """Drop a request's queued windows; in-flight results of it are ignored."""

@@ -10,6 +10,9 @@ and reports the failure to the fleet, which alone decides the replica's fate
 (``ReplicaManager.mark_failed``). A failure the fleet finds itself (a lost rank while idle, a
 stall) comes back through the engine as ``fail_over``.
 
+Each micro-batch that comes back with logits is one model execution: its time from dispatch to
+result goes to the ``executions`` metric (by windows in the batch: Triton's batch statistics).
+
 It keeps no table and no count of its own: a batch's items and replica travel with its future's
 callback, and whether the batch is still awaited is the ledger's answer (``is_inflight``).
 
@@ -62,6 +65,7 @@ class Dispatcher:
         """Send one micro-batch (already counted in flight by ``next_batch``) to its gang."""
         loop = asyncio.get_running_loop()
         replica = self.manager.replicas[d.replica_id]
+        sent = time.perf_counter()
         windows, pad_id = self.outputs.take_windows(d.items, now=self.clock())
         batch = pad_windows(windows, pad_token_id=pad_id)
         types = batch.token_type_ids if replica.model.source.config.uses_token_types else None
@@ -77,20 +81,21 @@ class Dispatcher:
             self.fail_over(replica)
             self.manager.mark_failed(replica, f"submit failed: {err}", work_returned=True)
             return
-        fut.add_done_callback(lambda f: self._from_gang_thread(loop, d, replica, f))
+        fut.add_done_callback(lambda f: self._from_gang_thread(loop, d, replica, f, sent))
 
     def _from_gang_thread(
-        self, loop: asyncio.AbstractEventLoop, d: Dispatch, replica: Replica, fut: Future
+        self, loop: asyncio.AbstractEventLoop, d: Dispatch, replica: Replica, fut: Future, sent: float
     ) -> None:
         """Runs on the gang's monitor thread: hand the result to the event loop."""
         if loop.is_closed():
             return  # the server is gone; nobody waits for this batch
         try:
-            loop.call_soon_threadsafe(self._on_done, d, replica, fut)
+            loop.call_soon_threadsafe(self._on_done, d, replica, fut, sent)
         except RuntimeError:  # the loop closed in between
             logger.debug("result of batch %d arrived after the event loop closed", d.batch_id)
 
-    def _on_done(self, d: Dispatch, replica: Replica, fut: Future) -> None:
+    def _on_done(self, d: Dispatch, replica: Replica, fut: Future, sent: float) -> None:
+        """A batch's result (``sent``: its dispatch, perf_counter), on the event loop."""
         sched = self.scheduler
         if not sched.is_inflight(d.batch_id):  # its replica already failed over
             return
@@ -101,6 +106,7 @@ class Dispatcher:
             self.manager.mark_failed(replica, f"{type(err).__name__}: {err}", work_returned=True)
             return
         replica.last_progress = time.monotonic()
+        self.metrics.executions.labels(batch_size=str(len(d.items))).observe(time.perf_counter() - sent)
         self.outputs.add_logits(d.items, fut.result())  # (B, S, 2)
         outcome = sched.batch_done(d.batch_id, now=self.clock(), ok=True)
         if replica.inflight_batches == 0:  # idle again: the time it had work in flight grows

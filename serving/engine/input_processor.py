@@ -2,11 +2,12 @@
 
 Owns tokenization for serving: the windowing settings (``WindowConfig``) and the one tokenizer
 thread. ``encode`` runs on the calling thread; ``encode_async`` runs it on the tokenizer thread so
-that long contexts never stall the event loop. Admission (queue places, limits) is not here: it
+that long contexts never stall the event loop (and says how long the tokenizing took: a request's
+``compute_input`` phase). Admission (queue places, limits) is not here: it
 belongs to the scheduler, and the engine asks for a place before it asks for tokens.
 
     inputs = InputProcessor(tokenizer=lambda: manager.model.tokenizer, window=WindowConfig())
-    encoded = await inputs.encode_async([QAPair("Who?", "Ann met Bob.")])  # QAInputError / ValueError
+    encoded, seconds = await inputs.encode_async([QAPair("Who?", "Ann met Bob.")])  # QAInputError / ValueError
     inputs.estimate_windows(pairs)   # before tokenizing: windows expected from the text length
     inputs.min_windows(pairs, above=128)  # and the fewest it can take (413 at once when over a limit)
     inputs.expected_wait_s(pairs)    # and seconds until they would be tokenized (queue + own)
@@ -65,6 +66,12 @@ class InputProcessor:
         self._chars_per_s = _ewma(self._chars_per_s, _chars(pairs) / max(time.perf_counter() - t0, 1e-6))
         return encoded
 
+    def encode_timed(self, pairs: list[QAPair]) -> tuple[EncodedBatch, float]:
+        """``encode``, and the seconds it took."""
+        t0 = time.perf_counter()
+        encoded = self.encode(pairs)
+        return encoded, time.perf_counter() - t0
+
     def estimate_windows(self, pairs: list[QAPair]) -> int:
         """Windows ``pairs`` will probably need: their lengths in tokens at the characters per token
         seen so far, windowed as ``encode`` would (one per pair before any was seen); an estimate
@@ -103,12 +110,13 @@ class InputProcessor:
             return 0.0
         return (self._pending_chars + _chars(pairs)) / self._chars_per_s
 
-    async def encode_async(self, pairs: list[QAPair]) -> EncodedBatch:
-        """``encode`` on the tokenizer thread (the event loop keeps running meanwhile)."""
+    async def encode_async(self, pairs: list[QAPair]) -> tuple[EncodedBatch, float]:
+        """``encode`` on the tokenizer thread (the event loop keeps running meanwhile), and the seconds
+        the tokenizing itself took (not the wait for the thread)."""
         chars = _chars(pairs)
         self._pending_chars += chars
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, self.encode, pairs)
+            return await asyncio.get_running_loop().run_in_executor(self._thread, self.encode_timed, pairs)
         finally:
             self._pending_chars -= chars
 

@@ -12,6 +12,10 @@ than ``DECODE_INLINE_MAX_WINDOWS`` windows is decoded on the one decode thread (
 GIL; the loop keeps answering) and answered from there; small ones stay inline (no thread hop).
 ``decoding`` counts the requests on the decode thread (a drain waits for them).
 
+Times three phases of a request in ``Job.phases`` (the engine observes them once it is answered:
+``serving/metrics.py``): ``queue`` (until its last window is dispatched), ``compute_infer`` (that
+dispatch until all its logits are back) and ``compute_output`` (its span decoding).
+
     outputs = OutputProcessor(metrics=metrics, null_threshold=None)
     outputs.add(job)
     windows, pad_id = outputs.take_windows(dispatch.items, now=now)   # to build a micro-batch
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,6 +58,9 @@ class Job:
     model_name: str
     logits: list[torch.Tensor | None] = field(default_factory=list)  # per window: (n_tokens, 2)
     dispatched: int = 0  # windows handed to a gang (for the queue-wait metric)
+    started: float = field(default_factory=time.perf_counter)  # arrival, before tokenizing (perf_counter)
+    dispatched_pc: float = 0.0  # perf_counter when its last window was dispatched (compute_infer)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of each phase so far (module doc)
 
 
 class OutputProcessor:
@@ -88,6 +96,8 @@ class OutputProcessor:
             job.dispatched += 1
             if job.dispatched == len(job.encoded.windows):
                 self.metrics.queue_wait.observe(now - job.submitted_at)
+                job.dispatched_pc = time.perf_counter()
+                job.phases["queue"] = now - job.submitted_at
         return windows, self._jobs[items[0][0]].encoded.pad_token_id
 
     def add_logits(self, items: list[tuple[str, int]], logits: torch.Tensor) -> None:
@@ -104,6 +114,7 @@ class OutputProcessor:
         job = self._jobs.pop(request_id, None)
         if job is None or job.future.done():
             return
+        job.phases["compute_infer"] = time.perf_counter() - job.dispatched_pc
         if len(job.encoded.windows) <= DECODE_INLINE_MAX_WINDOWS:
             self._resolve(job, lambda: self._decode_all(job))
             return
@@ -112,7 +123,10 @@ class OutputProcessor:
         decoded.add_done_callback(lambda f: self._decoded(job, f))
 
     def _decode_all(self, job: Job) -> list[PairResult]:
-        return [self._decode(job, ex, pair) for ex, pair in enumerate(job.pairs)]
+        t0 = time.perf_counter()
+        results = [self._decode(job, ex, pair) for ex, pair in enumerate(job.pairs)]
+        job.phases["compute_output"] = time.perf_counter() - t0
+        return results
 
     def _decoded(self, job: Job, decoded: asyncio.Future) -> None:
         """The decode thread finished ``job`` (on the event loop)."""

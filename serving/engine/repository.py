@@ -93,6 +93,11 @@ class ModelEntry:
         return self.unavailable or ""
 
 
+def model_version(engine: Engine) -> str:
+    """A served model's version as Triton's APIs report it: its generation + 1 (a reload adds one)."""
+    return str(engine.model.generation + 1)
+
+
 class ModelRepository:
     """The served models by public name, in the order given (the first is the default)."""
 
@@ -146,7 +151,7 @@ class ModelRepository:
         """Triton's repository index: each model's name, version (its generation), state and reason."""
         out = []
         for e in self.entries.values():
-            version = "" if e.engine is None else str(e.engine.model.generation + 1)
+            version = "" if e.engine is None else model_version(e.engine)
             out.append({"name": e.name, "version": version, "state": e.state.value, "reason": e.reason})
         return out
 

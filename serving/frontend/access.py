@@ -54,6 +54,7 @@ from serving.frontend.json_body import JsonBodyRoute
 from serving.frontend.openapi import unauthorized
 from serving.frontend.schemas import ErrorResponse
 from serving.frontend.settings import ServeSettings
+from serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("shardserve.access")
@@ -154,23 +155,48 @@ class AccessMiddleware:
             raise
         finally:
             latency_s = time.perf_counter() - t0
-            latency_ms = 1000 * latency_s
-            windows = state.get("windows")
             endpoint = metrics_endpoint(scope["method"], scope["path"])
-            if endpoint is not None and (app := scope.get("app")) is not None:
-                m = app.state.metrics  # every answer counts: 4xx of the guard and of validation too
-                model = state.get("model", "")  # set by the routes of a model (qa_call.engine_for)
-                m.requests.labels(model=model, endpoint=endpoint, status=str(status or 499)).inc()
-                m.latency.labels(model=model, endpoint=endpoint).observe(latency_s)
-            access_logger.info(
-                "method=%s path=%s status=%d latency_ms=%.1f windows=%s request_id=%s",
-                scope["method"],
-                _field(scope["path"]),
-                status or 499,  # no response started: the client went away first
-                latency_ms,
-                "-" if windows is None else windows,
-                rid,
+            app = scope.get("app")
+            record_access(
+                app.state.metrics if endpoint is not None and app is not None else None,
+                method=scope["method"],
+                path=scope["path"],
+                status=status or 499,  # no response started: the client went away first
+                latency_s=latency_s,
+                endpoint=endpoint,
+                model=state.get("model", ""),  # set by the routes of a model (qa_call.engine_for)
+                windows=state.get("windows"),
+                request_id=rid,
             )
+
+
+def record_access(
+    metrics: ServingMetrics | None,
+    *,
+    method: str,
+    path: str,
+    status: int,
+    latency_s: float,
+    endpoint: str | None,
+    model: str,
+    windows: int | None,
+    request_id: str,
+) -> None:
+    """One answered request of any protocol: its access-log line and, for a question-answering
+    ``endpoint`` (``metrics`` given), ``requests_total`` and the latency histogram. Every answer
+    counts: the 4xx of the body guard, of validation and of the key too."""
+    if metrics is not None and endpoint is not None:
+        metrics.requests.labels(model=model, endpoint=endpoint, status=str(status)).inc()
+        metrics.latency.labels(model=model, endpoint=endpoint).observe(latency_s)
+    access_logger.info(
+        "method=%s path=%s status=%d latency_ms=%.1f windows=%s request_id=%s",
+        method,
+        _field(path),
+        status,
+        1000 * latency_s,
+        "-" if windows is None else windows,
+        request_id,
+    )
 
 
 def metrics_endpoint(method: str, path: str) -> str | None:

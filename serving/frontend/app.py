@@ -70,6 +70,7 @@ from serving.frontend.pages import install_pages
 from serving.frontend.routes import admin_router, api_router, health_router
 from serving.frontend.settings import ServeSettings
 from serving.frontend.status import StatusBoard
+from serving.frontend.v2_statistics import router as statistics_router
 from serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -145,14 +146,28 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool.capacity,
     )
     freeze_startup_heap()
+    grpc_front = None
     try:
+        if settings.grpc_port is not None:  # KServe v2 / Triton gRPC beside REST, on this event loop
+            from serving.frontend.grpc_server import GrpcFront
+
+            grpc_front = await GrpcFront.start(app, host=settings.host, port=settings.grpc_port)
+            app.state.grpc_port = grpc_front.port
         yield
     finally:
         gc.unfreeze()  # what start-up kept alive may be collected again (tests build many apps)
         app.state.shutting_down = True
+        # gRPC refuses new calls at once; those in flight are admitted requests the models' drain answers
+        grpc_stopped = (
+            asyncio.ensure_future(grpc_front.stop(grace_s=settings.drain_timeout_s + 1.0))
+            if grpc_front is not None
+            else None
+        )
         # the drain's time runs from the signal (serve_cli's handler began the drain) or from now; the
         # gangs get what is left of it (none when stopping now or when no gang was ever ready)
         await models.shutdown(timeout_s=settings.drain_timeout_s)
+        if grpc_stopped is not None:
+            await grpc_stopped
         await app.state.status.stop()
         logger.info("shut down")
 
@@ -331,6 +346,8 @@ def build_app(
     app.include_router(health_router)
     app.include_router(admin_router)
     app.include_router(kserve_v2.open_router)  # Open Inference Protocol: metadata + health (open)
+    # Triton's statistics before the model routes: /v2/models/stats is not the metadata of a model "stats"
+    include_protected(app, statistics_router, settings=settings, error_model=kserve_v2.V2Error)
     include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
     include_protected(app, v2_model_config.router, settings=settings, error_model=kserve_v2.V2Error)
     app.include_router(v2_repository.router)  # Triton's repository extension, behind the admin token

@@ -119,9 +119,10 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
     from serving.engine.builder import load_model, replica_cap
     from serving.frontend.app import build_app
 
-    if problem := bind_problem(settings.host, settings.port):  # before the model loads (seconds)
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    for flag, port in (("--port", settings.port), ("--grpc-port", settings.grpc_port)):
+        if port is not None and (problem := bind_problem(settings.host, port, flag=flag)):
+            print(f"error: {problem}", file=sys.stderr)  # before the model loads (seconds)
+            return 2
     # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits; of several
     # models, one that fails is reported and the others served (it fails only when none loads)
     fleet = settings.fleet_config()  # the models and the pool are checked at any dtype
@@ -180,9 +181,9 @@ def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
     )
 
 
-def bind_problem(host: str, port: int) -> str | None:
+def bind_problem(host: str, port: int, *, flag: str = "--port") -> str | None:
     """Why the server could not listen on ``host:port`` (a name that does not resolve, an address in
-    use or not on this machine), as one line naming the flags; None when it can."""
+    use or not on this machine), as one line naming the flags (``flag``: the port's); None when it can."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -194,7 +195,7 @@ def bind_problem(host: str, port: int) -> str | None:
         try:
             sock.bind(address)
         except OSError as err:
-            return f"--host {host} --port {port}: cannot listen there: {err.strerror}"
+            return f"--host {host} {flag} {port}: cannot listen there: {err.strerror}"
     return None
 
 
@@ -222,6 +223,9 @@ def startup_line(state: Any, url: str) -> str:
             f"predicted SLO attainment {placed.choice.result.attainment:.1%} at {cfg.rate:g} req/s, "
             f"CV {cfg.cv:g}, SLO {cfg.slo_scale:g}x; "
         )
+    if (grpc_port := getattr(state, "grpc_port", None)) is not None:
+        host = url.rsplit(":", 1)[0].removeprefix("http://")
+        url += f" and gRPC {host}:{grpc_port}"
     return (
         f"shardserve: serving {served} at {url} (precision {precision.name}: {precision.reason}; "
         f"{'compiled stages; ' if state.compile else ''}{layout}"
@@ -323,9 +327,9 @@ SERVE = Command(
     "serve",
     help="run the HTTP question-answering server",
     description=(
-        "Serve extractive question answering over HTTP (POST /v1/qa, /v1/qa/batch; GET /v1/models, "
+        "Serve extractive question answering over HTTP and, with --grpc-port, gRPC (POST /v1/qa, /v1/qa/batch; GET /v1/models, "
         "/healthz, /readyz, /metrics; /admin/* with --admin-token; the Open Inference Protocol (KServe v2) "
-        "under /v2; OpenAPI at /docs). Each replica is "
+        "under /v2 and as Triton's gRPC service; OpenAPI at /docs). Each replica is "
         "a gang of pp x tp worker processes. Defaults: the embedded default model on 0.0.0.0:8000, "
         "1 replica, pp=1, tp=1. Every flag also reads SHARDSERVE_<FLAG> from the environment."
     ),

@@ -8,6 +8,7 @@ Spec: github.com/kserve/open-inference-protocol (``inference_rest.md``). Routes:
     GET  /v2/models/{name}            model metadata {name, platform, inputs, outputs}  API key
     GET  /v2/models/{name}/ready      200 {"name", "ready": true} | 400 ready false     open
     GET  /v2/models/{name}/config     Triton's model configuration (v2_model_config.py)  API key
+    GET  /v2/models/{name}/stats      Triton's statistics (v2_statistics.py)             API key
     POST /v2/models/{name}/infer      inference                                         API key
 
 Health answers follow the spec: 200 is true, a 4xx (400) is false. The spec files model readiness
@@ -17,15 +18,10 @@ open when ``--api-key`` is set: it tells no more than the open ``/ui/status`` an
 ``versions`` in its metadata, no ``model_version`` in answers, no ``/versions/<v>`` routes. ``name``
 is the served model name (``--served-model-name``, else the loaded model's); another name is a 404.
 
-Inference: inputs ``question`` and ``context``, datatype ``BYTES`` (JSON strings), shape ``[N]`` or
-``[N, 1]`` (data flat, or nested as the shape, row-major), N pairs; a duplicate input or output is a
-400. Request ``parameters`` (all optional): ``top_k`` (K, default 1), ``max_answer_length``,
-``null_threshold``, ``timeout_s`` - the fields of the native ``/v1/qa/batch``, with its limits -
-or Triton's ``timeout`` (microseconds) in place of ``timeout_s``. Outputs (all, or those named in
-``outputs``, in that order): ``answer`` BYTES [N, K], ``score`` FP32 [N, K], ``start`` / ``end``
-INT64 [N, K] (character offsets: ``context[start:end] == answer``), ``no_answer`` BOOL [N]. Rows
-with fewer than K answers (or none: no_answer) are padded with ``""``, score 0.0, start = end = -1.
-The response ``id`` is the request's ``id``, else the request id (``X-Request-ID``).
+Inference: inputs ``question`` and ``context`` (BYTES, shape [N] or [N, 1]), request ``parameters``
+(``top_k``, ``max_answer_length``, ``null_threshold``, ``timeout_s`` or Triton's ``timeout``) and the
+outputs ``answer``, ``score``, ``start``, ``end``, ``no_answer``: ``serving/frontend/v2_tensors.py``,
+which gRPC shares. The response ``id`` is the request's ``id``, else the request id (``X-Request-ID``).
 
 The binary tensor data extension (``serving/frontend/v2_binary.py``; listed in the server metadata) takes
 inputs as binary data and returns outputs so (``binary_data`` per output, ``binary_data_output``
@@ -41,7 +37,6 @@ parameter, request validation, a text limit), 401 API key, 404 unknown model, 41
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Coroutine
 from importlib import metadata
 from typing import Any
@@ -50,7 +45,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.engine.core import Engine
@@ -60,19 +55,21 @@ from serving.frontend import v2_binary
 from serving.frontend.access import ApiKeyRoute, request_id_of
 from serving.frontend.openapi import RETRY_AFTER_503_S
 from serving.frontend.qa_call import answer_items
-from serving.frontend.schemas import JsonInt, QAItem, qa_result
+from serving.frontend.schemas import qa_result
+from serving.frontend.v2_tensors import (
+    INPUTS,
+    OUTPUT_TYPES,
+    V2InferenceRequest,
+    V2InputError,
+    V2ResponseOutput,
+    parse_call,
+    v2_field,
+)
 
 logger = logging.getLogger(__name__)
 
 PLATFORM = "pytorch_shardserve"
-INPUTS = ("question", "context")
-OUTPUTS = ("answer", "score", "start", "end", "no_answer")
-REQUEST_PARAMETERS = ("top_k", "max_answer_length", "null_threshold", "timeout_s")
-PROTOCOL_PARAMETERS = ("timeout", "binary_data_output")  # Triton's deadline (µs); the binary extension's
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration"]
-_STRICT = ConfigDict(strict=True, extra="forbid")
-
-ParameterValue = bool | int | float | str
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 
 
 # ------------------------------------------------------------------------------------------ schemas
@@ -116,71 +113,20 @@ class V2ModelReady(BaseModel):
     ready: bool
 
 
-class V2RequestInput(BaseModel):
-    """One input tensor: ``question`` or ``context``, BYTES, shape [N] or [N, 1]."""
-
-    model_config = _STRICT
-
-    name: str
-    shape: list[JsonInt] = Field(description="[N] or [N, 1]")
-    datatype: str = Field(description="BYTES")
-    parameters: dict[str, ParameterValue] | None = Field(
-        None, description="content_type str; binary_data_size (bytes after the JSON) in place of data"
-    )
-    data: list[Any] | None = Field(None, description="N strings, flat or nested as the shape (row-major)")
-
-
-class V2RequestOutput(BaseModel):
-    model_config = _STRICT
-
-    name: str
-    parameters: dict[str, ParameterValue] | None = None
-
-
-class V2InferenceRequest(BaseModel):
-    """POST /v2/models/{name}/infer body."""
-
-    model_config = _STRICT
-
-    id: str | None = Field(None, description="returned as the response's id")
-    parameters: dict[str, ParameterValue] | None = Field(
-        None,
-        description="top_k, max_answer_length, null_threshold, timeout_s (as in /v1/qa/batch); Triton's "
-        "timeout (µs); binary_data_output (all outputs as binary data)",
-    )
-    inputs: list[V2RequestInput]
-    outputs: list[V2RequestOutput] | None = Field(None, description="the outputs to return (default: all)")
-
-
-class V2ResponseOutput(BaseModel):
-    name: str
-    shape: list[int]
-    datatype: str
-    parameters: dict[str, ParameterValue] | None = Field(
-        None, description="binary_data_size: the output's data follows the JSON (binary extension)"
-    )
-    data: list[Any] | None = Field(None, description="row-major, flat; absent for a binary output")
-
-
 class V2InferenceResponse(BaseModel):
     model_name: str
     id: str
     outputs: list[V2ResponseOutput]
 
 
-_OUTPUT_TYPES = {"answer": "BYTES", "score": "FP32", "start": "INT64", "end": "INT64", "no_answer": "BOOL"}
 MODEL_INPUTS = [V2TensorMetadata(name=n, datatype="BYTES", shape=[-1]) for n in INPUTS]
 MODEL_OUTPUTS = [
     V2TensorMetadata(name=n, datatype=t, shape=[-1] if n == "no_answer" else [-1, -1])
-    for n, t in _OUTPUT_TYPES.items()
+    for n, t in OUTPUT_TYPES.items()
 ]
 
 
 # ------------------------------------------------------------------------------------------ errors
-
-
-class V2InputError(ValueError):
-    """A request the model cannot take (400): a tensor's name, shape, datatype or data, a parameter."""
 
 
 def is_v2_path(path: str) -> bool:
@@ -289,190 +235,6 @@ def model_engine(request: Request, model_name: str) -> Engine | JSONResponse:
         return _engine_error(err)
 
 
-def _elements(name: str, data: list[Any], shape: list[int]) -> list[Any]:
-    """The elements of a tensor's ``data``: flat, or nested exactly as ``shape`` ([N, 1]: N rows of 1)."""
-    if not any(isinstance(x, list) for x in data):
-        return data
-    rows, width = shape[0], shape[-1]
-    if len(shape) == 2 and len(data) == rows and all(isinstance(r, list) and len(r) == width for r in data):
-        return [x for r in data for x in r]
-    raise V2InputError(f"input {name!r}: data is nested otherwise than its shape {shape} (give it flat)")
-
-
-def binary_size(tensor: V2RequestInput) -> int | None:
-    """The input's ``binary_data_size`` (its data follows the JSON), None when its data is JSON."""
-    size = (tensor.parameters or {}).get("binary_data_size")
-    if size is None:
-        return None
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise V2InputError(f"input {tensor.name!r}: binary_data_size {size!r} is not a number of bytes")
-    if tensor.data is not None:
-        raise V2InputError(f"input {tensor.name!r} has both data and binary_data_size; give one")
-    return size
-
-
-def decode_input(tensor: V2RequestInput, binary: bytes | None = None) -> list[str]:
-    """The N strings of a BYTES tensor of shape [N] or [N, 1], from its JSON data or its ``binary``
-    data (the binary extension); ``V2InputError`` names what is wrong."""
-    name = tensor.name
-    if tensor.datatype != "BYTES":
-        raise V2InputError(f"input {name!r} has datatype {tensor.datatype!r}; this model takes BYTES")
-    shape = tensor.shape
-    if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
-        raise V2InputError(f"input {name!r} has shape {shape}; this model takes [N] or [N, 1] with N >= 1")
-    for key, value in (tensor.parameters or {}).items():
-        if key not in ("content_type", "binary_data_size"):
-            raise V2InputError(f"input {name!r}: unknown parameter {key!r} (content_type, binary_data_size)")
-        if key == "content_type" and value not in ("str", "bytes", "BYTES"):
-            raise V2InputError(f"input {name!r}: content_type {value!r} is not str")
-    if binary is not None:
-        try:
-            flat: list[Any] = v2_binary.decode_bytes(binary)
-        except ValueError as err:
-            raise V2InputError(f"input {name!r} binary data: {err}") from None
-    elif tensor.data is None:
-        raise V2InputError(f"input {name!r} has no data (and no binary_data_size)")
-    else:
-        flat = _elements(name, tensor.data, shape)
-    if len(flat) != math.prod(shape):
-        raise V2InputError(
-            f"input {name!r} has {len(flat)} elements; its shape {shape} needs {math.prod(shape)}"
-        )
-    for i, x in enumerate(flat):
-        if not isinstance(x, str):
-            raise V2InputError(f"input {name!r}[{i}] is {type(x).__name__}; BYTES elements are JSON strings")
-    return flat
-
-
-def _binary_inputs(inputs: list[V2RequestInput], binary: bytes | None) -> dict[str, bytes]:
-    """Each binary input's slice of the tensor data after the JSON, in input order."""
-    sizes = [(t.name, size) for t in inputs if (size := binary_size(t)) is not None]
-    if binary is None:
-        if sizes:
-            raise V2InputError(
-                f"input {sizes[0][0]!r} has binary_data_size but the request has no {v2_binary.HEADER}"
-            )
-        return {}
-    total = sum(size for _, size in sizes)
-    if total != len(binary):
-        raise V2InputError(
-            f"{len(binary)} bytes of binary data follow the JSON; the inputs' binary_data_size sum to {total}"
-        )
-    out, at = {}, 0
-    for name, size in sizes:
-        out[name], at = binary[at : at + size], at + size
-    return out
-
-
-def decode_request(body: V2InferenceRequest, binary: bytes | None = None) -> list[QAItem]:
-    """The (question, context) pairs of a v2 request with its parameters, as /v1/qa/batch items
-    (their server limits are checked on the shared path, ``answer_pairs``); ``binary``: the tensor
-    data after the JSON (the binary extension), None when the body is all JSON."""
-    tensors: dict[str, V2RequestInput] = {}
-    for t in body.inputs:
-        if t.name not in INPUTS:
-            raise V2InputError(f"unknown input {t.name!r}; this model takes question and context (BYTES)")
-        if t.name in tensors:
-            raise V2InputError(f"input {t.name!r} is given twice")
-        tensors[t.name] = t
-    missing = [n for n in INPUTS if n not in tensors]
-    if missing:
-        raise V2InputError(f"missing input {missing[0]!r}; this model takes question and context (BYTES)")
-    data = _binary_inputs(body.inputs, binary)
-    questions, contexts = (decode_input(tensors[n], data.get(n)) for n in INPUTS)
-    if len(questions) != len(contexts):
-        raise V2InputError(
-            f"{len(questions)} questions but {len(contexts)} contexts; give one question per context"
-        )
-    params = dict(body.parameters or {})
-    params.pop("content_type", None)
-    unknown = sorted(set(params) - set(REQUEST_PARAMETERS) - set(PROTOCOL_PARAMETERS))
-    if unknown:
-        known = ", ".join(REQUEST_PARAMETERS + PROTOCOL_PARAMETERS)
-        raise V2InputError(f"unknown parameter {unknown[0]!r}; supported: {known}")
-    for name in ("timeout_s", *PROTOCOL_PARAMETERS):
-        params.pop(name, None)
-    items = []
-    for i, (q, c) in enumerate(zip(questions, contexts, strict=True)):
-        try:
-            item = QAItem.model_validate({"question": q, "context": c, **params})
-        except ValidationError as err:
-            e = err.errors()[0]
-            loc = ".".join(str(x) for x in e.get("loc", ()))
-            raise V2InputError(f"{_v2_field(i, loc)}: {e.get('msg', 'invalid')}") from None
-        items.append(item)
-    return items
-
-
-def _v2_field(i: int, field: str) -> str:
-    """Where a field of pair ``i`` lives in a v2 request: an input tensor's element, or a parameter."""
-    return f"{field}[{i}]" if field in INPUTS else f"parameters.{field}"
-
-
-def _timeout(body: V2InferenceRequest) -> float | None:
-    """The deadline in seconds: ``timeout_s``, or Triton's ``timeout`` in microseconds."""
-    params = body.parameters or {}
-    if "timeout_s" in params and "timeout" in params:
-        raise V2InputError("parameters: give timeout_s (seconds) or timeout (microseconds), not both")
-    name, unit = ("timeout", 1e-6) if "timeout" in params else ("timeout_s", 1.0)
-    value = params.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or math.isinf(value):
-        what = "microseconds" if name == "timeout" else "seconds"
-        raise V2InputError(f"parameters.{name}: {value!r} is not a number of {what} > 0")
-    return float(value) * unit
-
-
-def _flag(where: str, value: ParameterValue | None) -> bool:
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    raise V2InputError(f"{where}: {value!r} is not true or false")
-
-
-def _requested_outputs(body: V2InferenceRequest) -> list[tuple[str, bool]]:
-    """The outputs to return, in order, each with whether it goes as binary data."""
-    binary = _flag("parameters.binary_data_output", (body.parameters or {}).get("binary_data_output"))
-    if body.outputs is None:
-        return [(name, binary) for name in OUTPUTS]
-    out: dict[str, bool] = {}
-    for requested in body.outputs:
-        name, params = requested.name, dict(requested.parameters or {})
-        if name not in OUTPUTS:
-            raise V2InputError(f"unknown output {name!r}; this model has {', '.join(OUTPUTS)}")
-        if name in out:
-            raise V2InputError(f"output {name!r} is requested twice")
-        flag = params.pop("binary_data", None)
-        if params:
-            key, value = next(iter(params.items()))
-            raise V2InputError(f"output {name!r}: parameter {key}={value!r} is not supported")
-        out[name] = binary if flag is None else _flag(f"output {name!r} binary_data", flag)
-    return list(out.items())
-
-
-def encode_outputs(results: list[Any], *, top_k: int, names: list[str]) -> list[V2ResponseOutput]:
-    """The named output tensors of N results (``serving.frontend.schemas.QAResult``), K = top_k per row."""
-    n = len(results)
-    rows: dict[str, list[Any]] = {"answer": [], "score": [], "start": [], "end": []}
-    for r in results:
-        answers = r.answers[:top_k]
-        pad = top_k - len(answers)
-        rows["answer"] += [a.text for a in answers] + [""] * pad
-        rows["score"] += [float(a.score) for a in answers] + [0.0] * pad
-        rows["start"] += [int(a.start) for a in answers] + [-1] * pad
-        rows["end"] += [int(a.end) for a in answers] + [-1] * pad
-    rows["no_answer"] = [bool(r.no_answer) for r in results]
-    return [
-        V2ResponseOutput(
-            name=name,
-            shape=[n] if name == "no_answer" else [n, top_k],
-            datatype=_OUTPUT_TYPES[name],
-            data=rows[name],
-        )
-        for name in names
-    ]
-
-
 # ------------------------------------------------------------------------------------------ routes
 
 
@@ -561,30 +323,23 @@ async def _infer(model_name: str, body: V2InferenceRequest, request: Request) ->
     engine = model_engine(request, model_name)
     if isinstance(engine, JSONResponse):
         return engine
-    settings = request.app.state.settings
     try:
-        items = decode_request(body, request.state.v2_binary)
-        timeout_s = _timeout(body)
-        requested = _requested_outputs(body)
+        call = parse_call(
+            body, request.state.v2_binary, max_batch_items=request.app.state.settings.max_batch_items
+        )
     except V2InputError as err:
         return v2_error(400, str(err))
-    if len(items) > settings.max_batch_items:
-        return v2_error(
-            400, f"too_many_items: {len(items)} pairs, max_batch_items={settings.max_batch_items}"
-        )
     try:
-        answered = await answer_items(request, items, timeout_s, model=engine.name, locate=_v2_field)
+        answered = await answer_items(request, call.items, call.timeout_s, model=engine.name, locate=v2_field)
     except EngineError as err:
         return _engine_error(err)
-    results = answered.results
-    names = [n for n, _ in requested]
-    outputs = encode_outputs([qa_result(r) for r in results], top_k=items[0].top_k, names=names)
+    outputs = call.encode([qa_result(r) for r in answered.results])
     response = V2InferenceResponse(
         model_name=answered.model_name,
         id=body.id if body.id is not None else request_id_of(request) or "",
         outputs=outputs,
     )
-    binary = [o for o, (_, as_binary) in zip(outputs, requested, strict=True) if as_binary]
+    binary = [o for o, (_, as_binary) in zip(outputs, call.outputs, strict=True) if as_binary]
     if not binary:
         return response
     data = [v2_binary.encode(o.datatype, o.data or []) for o in binary]

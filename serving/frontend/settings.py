@@ -67,6 +67,14 @@ class ServeSettings(GangFlags, PlacementFlags):
     # ---- network
     host: str = Field("0.0.0.0", description="interface to listen on")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
+    grpc_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve KServe v2 / Triton gRPC (inference.GRPCInferenceService) on this port of "
+        "--host (0: any free port; unset: no gRPC). Same API key (`authorization: Bearer <key>` metadata), "
+        "admin token, admission and limits as REST",
+    )
 
     # ---- model and partition
     model: Annotated[list[str] | None, NoDecode] = Field(
@@ -215,7 +223,7 @@ class ServeSettings(GangFlags, PlacementFlags):
     api_key: str | None = Field(
         None,
         description="API key of the inference endpoints (/v1/*, /v2/models/*): clients send "
-        "`Authorization: Bearer <api_key>`, else 401 (unset: open). /healthz, /readyz, /metrics, /v2, "
+        "`Authorization: Bearer <api_key>` (gRPC: the `authorization` metadata), else 401 (unset: open). /healthz, /readyz, /metrics, /v2, "
         "/v2/health/* and /v2/models/<name>/ready stay open",
     )
     api_key_file: str | None = Field(
@@ -297,6 +305,8 @@ class ServeSettings(GangFlags, PlacementFlags):
             problems.append(
                 f"request_timeout_s={self.request_timeout_s} > max_request_timeout_s={self.max_request_timeout_s}"
             )
+        if self.grpc_port is not None and self.grpc_port == self.port != 0:
+            problems.append(f"grpc_port={self.grpc_port} is the HTTP port; give gRPC a port of its own")
         if self.device not in ("cpu", "cuda"):
             problems.append(f"device={self.device!r} must be cpu or cuda")
         elif self.device == "cpu" and self.ranks_per_gpu != 1:

@@ -76,9 +76,11 @@ async def model_config(model_name: str, request: Request) -> Any:
     engine = model_engine(request, model_name)
     if isinstance(engine, JSONResponse):
         return engine
+    return triton_config(model_name)
+
+
+def triton_config(model_name: str) -> TritonModelConfig:
+    """The configuration of a served model (REST's JSON; gRPC's ``ModelConfig`` is its protobuf)."""
     return TritonModelConfig(
-        name=model_name,
-        platform=PLATFORM,
-        input=_tensors(MODEL_INPUTS),
-        output=_tensors(MODEL_OUTPUTS),
+        name=model_name, platform=PLATFORM, input=_tensors(MODEL_INPUTS), output=_tensors(MODEL_OUTPUTS)
     )

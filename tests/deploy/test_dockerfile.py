@@ -83,7 +83,7 @@ def test_structure_multi_stage_nonroot_healthcheck_and_default_command() -> None
     assert any(w == "COPY" and a.startswith("--from=builder") for w, a in runtime)
     (health,) = [a for w, a in runtime if w == "HEALTHCHECK"]
     assert "/healthz" in health and "CMD" in health
-    assert [a for w, a in runtime if w == "EXPOSE"] == ["8000"]
+    assert [a for w, a in runtime if w == "EXPOSE"] == ["8000 8001"]  # HTTP, gRPC (--grpc-port 8001)
     assert json.loads(next(a for w, a in runtime if w == "ENTRYPOINT")) == ["shardserve"]
     assert json.loads(next(a for w, a in runtime if w == "CMD")) == ["serve"]
     env = " ".join(a for w, a in runtime if w == "ENV")

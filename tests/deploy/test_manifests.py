@@ -88,7 +88,9 @@ def test_deployment_probes_drain_and_grace_period() -> None:
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": 8000}
+    assert (
+        ports == {"http": 8000, "grpc": int(_env(c)["SHARDSERVE_GRPC_PORT"])} == {"http": 8000, "grpc": 8001}
+    )
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
@@ -209,7 +211,9 @@ def test_kserve_runtime_serves_the_v2_protocol_on_open_probes() -> None:
         if env["name"].startswith("SHARDSERVE_"):
             assert env["name"][len("SHARDSERVE_") :].lower() in ServeSettings.model_fields, env["name"]
     port = int(flags["--port"])
-    assert [p["containerPort"] for p in c["ports"]] == [port] == [8080]
+    assert [p["containerPort"] for p in c["ports"]] == [port] == [8080]  # Knative routes one port
+    assert int(flags["--grpc-port"]) not in (port, 8012, 8022, 9090, 9091)  # not the queue-proxy's ports
+    ServeSettings(port=port, grpc_port=int(flags["--grpc-port"]))  # a valid pair
     assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": port}
     assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": port}
     key = next(e for e in c["env"] if e["name"] == "SHARDSERVE_API_KEY")["valueFrom"]["secretKeyRef"]

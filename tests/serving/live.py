@@ -2,6 +2,8 @@
 
 with live_server(build_app(settings), ready_timeout_s=30) as base:   # "http://127.0.0.1:PORT"
     httpx.get(f"{base}/readyz")
+with draining_server(settings, factory) as (server, app, thread):    # the CLI's server, SIGTERM and all
+    server.handle_exit(signal.SIGTERM, None)
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from serving.frontend.app import build_app
+from serving.frontend.cli import DrainingServer, uvicorn_config
+from serving.frontend.settings import ServeSettings
+from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import wait_until
 
 
@@ -58,3 +64,22 @@ def live_server(
             before_exit()
         server.should_exit = True
         thread.join(timeout=join_timeout_s)
+
+
+@contextlib.contextmanager
+def draining_server(
+    settings: ServeSettings, factory: FakeFactory
+) -> Iterator[tuple[DrainingServer, FastAPI, threading.Thread]]:
+    """``shardserve serve``'s own server (``DrainingServer``, its signal handling) on fake gangs, in a
+    thread; yields it, its app and its thread once a gang is ready, and stops it (gate opened) on exit."""
+    app = build_app(settings, backend_factory=factory)
+    server = DrainingServer(uvicorn_config(settings, app), app)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started and app.state.manager.ready == 1, what="a ready server")
+        yield server, app, thread
+    finally:
+        factory.gate.set()
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -113,6 +113,8 @@ def test_forget_model_drops_every_series_of_that_model_only() -> None:
         m = everything.for_model(name)
         m.queue_depth.set(2)
         m.batches.labels(reason="full").inc()
+        m.request_duration.labels(outcome="success").observe(0.1)  # Triton's statistics (v2_statistics)
+        m.executions.labels(batch_size="4").observe(0.05)
         m.set_model_info(precision="float32", pp=1, tp=1)
         everything.requests.labels(model=name, endpoint="qa", status="200").inc()
     everything.forget_model("a")

@@ -31,6 +31,7 @@ from serving.metrics import ServingMetrics
 from tests.serving.fakes import FakeFactory
 
 SHORT = QAPair("Who?", "Ann met Bob.")
+PHASES = ("compute_input", "queue", "compute_infer", "compute_output")
 LONG_CONTEXT = " ".join(f"Sentence number {i} talks about topic {i * 7} in some detail." for i in range(20))
 
 
@@ -324,6 +325,48 @@ def test_failed_replica_work_fails_over_through_the_attached_listener(model: Mod
         assert engine.ongoing == 0 and engine.scheduler.inflight(replica.replica_id) == 0
 
     run_engine(model, body, max_queue_delay_ms=0.0)
+
+
+def test_each_admitted_request_is_one_outcome_and_one_sample_per_phase(model: ModelGeneration) -> None:
+    """What Triton's statistics read (serving/metrics.py): per request its outcome with its duration,
+    its pairs as inferences when answered, and each phase it went through; per micro-batch returned,
+    an execution by its windows. A request whose client went away is a failure."""
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        def value(name: str, **labels: str) -> float:
+            return engine.metrics.all.registry.get_sample_value(
+                f"shardserve_{name}", {"model": "m", **labels}
+            )
+
+        engine.inputs.window = WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
+        jobs = [engine.submit([QAPair("What is topic 70?", LONG_CONTEXT)]), engine.submit([SHORT, SHORT])]
+        results = await asyncio.gather(*(engine.wait(j) for j in jobs))
+        windows = sum(r.windows for rs in results for r in rs)
+        assert [value("request_phase_seconds_count", phase=p) for p in PHASES] == [2.0] * len(PHASES)
+        assert all(value("request_phase_seconds_sum", phase=p) > 0 for p in PHASES)
+        assert value("inference_request_duration_seconds_count", outcome="success") == 2
+        assert value("inferences_total") == 3  # pairs
+        sizes = {size for size, _ in factory.batches()}
+        executed = {b: value("execution_seconds_count", batch_size=str(b)) for b in sizes}
+        assert sum(executed.values()) == len(factory.batches())
+        assert sum(size * n for size, n in executed.items()) == windows > 5
+
+        factory.gate.clear()  # a request held in flight, one queued behind it whose client goes
+        held = engine.submit([SHORT])
+        await _until(lambda: engine.manager.routable()[0].inflight_batches == 1, "held batch in flight")
+        with pytest.raises(ClientGone):
+            await engine.wait(engine.submit([SHORT]), disconnected=lambda: asyncio.sleep(0.05))
+        factory.gate.set()
+        await engine.wait(held)
+        assert value("inference_request_duration_seconds_count", outcome="fail") == 1
+        assert value("inference_request_duration_seconds_sum", outcome="fail") >= 0.05
+        assert value("inference_request_duration_seconds_count", outcome="success") == 3
+        assert value("inferences_total") == 4
+        # the phases of answered requests only (Triton's), each counting the same requests
+        assert [value("request_phase_seconds_count", phase=p) for p in PHASES] == [3.0] * len(PHASES)
+        assert 0 < value("last_inference_timestamp_seconds") <= time.time()
+
+    run_engine(model, body, max_batch_size=4, max_inflight_per_replica=1, max_queue_delay_ms=0.0)
 
 
 def test_engine_refuses_to_start_unwired(model: ModelGeneration) -> None:

@@ -635,20 +635,14 @@ def test_a_drain_that_runs_out_answers_503_not_uvicorns_500() -> None:
     """Through uvicorn as ``shardserve serve`` configures it: a request still held when the drain's
     time is out gets the JSON 503 (with Retry-After), written before uvicorn cancels what is left
     (which would answer a bare 500), and the server then exits."""
-    from serving.frontend.cli import uvicorn_config
-    from tests.serving.live import free_port
+    from tests.serving.live import draining_server, free_port
 
     factory = FakeFactory()
     settings = ServeSettings(
         model="tiny-bert", replicas=1, host="127.0.0.1", port=free_port(), drain_timeout_s=1.0
     )
-    app = build_app(settings, backend_factory=factory)
-    server = DrainingServer(uvicorn_config(settings, app), app)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     base = f"http://{settings.host}:{settings.port}"
-    try:
-        wait_until(lambda: server.started and app.state.manager.ready == 1, what="a ready server")
+    with draining_server(settings, factory) as (server, app, thread):
         factory.gate.clear()  # the gang holds the request past the drain's time
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(
@@ -663,10 +657,6 @@ def test_a_drain_that_runs_out_answers_503_not_uvicorns_500() -> None:
         assert time.monotonic() - t0 < 1.0 + 2.0
         thread.join(timeout=30)
         assert not thread.is_alive()
-    finally:
-        factory.gate.set()
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_client_disconnect_over_real_http_cancels_queued_work() -> None:

@@ -64,7 +64,8 @@ def test_server_metadata_and_health() -> None:
         assert (
             meta["name"] == "shardserve"
             and isinstance(meta["version"], str)
-            and meta["extensions"] == ["binary_tensor_data", "model_repository", "model_configuration"]
+            and meta["extensions"]
+            == ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
         )
         live = client.get("/v2/health/live")
         assert live.status_code == 200 and live.json() == {"live": True}

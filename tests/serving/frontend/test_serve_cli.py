@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -81,6 +82,11 @@ def test_serve_mistakes_are_one_line_errors(tmp_path: Path, capsys: pytest.Captu
         _one_line_error(
             capsys, ["serve", "--host", "127.0.0.1", "--port", port], f"--port {port}: cannot listen"
         )
+        _one_line_error(
+            capsys,
+            ["serve", "--host", "127.0.0.1", "--port", "0", "--grpc-port", port],
+            f"--grpc-port {port}: cannot listen",
+        )
     with pytest.raises(SystemExit) as exit_info:  # argparse mistakes: one line too, pointing at --help
         main(["serve", "--pp", "two"])
     assert exit_info.value.code == 2
@@ -122,25 +128,47 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
 
 
 def test_startup_and_ready_lines_name_the_real_url_model_precision_and_plan() -> None:
-    proc = _serve("--model", "tiny-bert", "--pp", "2", "--replicas", "1", "--log-level", "WARNING")
+    proc = _serve(
+        "--model", "tiny-bert", "--pp", "2", "--replicas", "1", "--log-level", "WARNING", "--grpc-port", "0"
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         start = proc.stdout.readline()
-        m = re.match(r"shardserve: serving tiny-bert at (http://127\.0\.0\.1:(\d+)) \((.*)\)$", start.strip())
+        m = re.match(
+            r"shardserve: serving tiny-bert at (http://127\.0\.0\.1:(\d+)) and gRPC 127\.0\.0\.1:(\d+) \((.*)\)$",
+            start.strip(),
+        )
         assert m, start
-        url, port, rest = m.group(1), int(m.group(2)), m.group(3)
-        assert port != 0 and "pp=2 tp=1" in rest and "stage 1: layers" in rest
+        url, port, grpc_port, rest = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+        assert port != 0 and grpc_port not in (0, port) and "pp=2 tp=1" in rest and "stage 1: layers" in rest
         want = resolve_dtype("auto")  # what --dtype auto picks on this machine, and why
         assert f"precision {want.name}: {want.reason}" in rest, rest
         ready = proc.stdout.readline()  # printed once the first gang is warm
         assert ready.startswith(f"shardserve: ready at {url}"), ready
         assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+        _grpc_answers_as_rest(url, f"127.0.0.1:{grpc_port}")  # the real gang, over both protocols
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def _grpc_answers_as_rest(url: str, grpc_url: str) -> None:
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    question, context = "Who met Bob?", "Ann met Bob in Paris in 1999."
+    rest = httpx.post(f"{url}/v1/qa", json={"question": question, "context": context}, timeout=30).json()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        inputs = [grpcclient.InferInput(n, [1], "BYTES") for n in ("question", "context")]
+        inputs[0].set_data_from_numpy(np.array([question.encode()], dtype=np.object_))
+        inputs[1].set_data_from_numpy(np.array([context.encode()], dtype=np.object_))
+        result = client.infer("tiny-bert", inputs)
+        assert result.as_numpy("answer")[0, 0].decode() == rest["answers"][0]["text"]
+        assert abs(float(result.as_numpy("score")[0, 0]) - rest["answers"][0]["score"]) < 1e-6
+    finally:
+        client.close()
 
 
 def test_first_gang_that_cannot_load_exits_non_zero_with_one_line(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The binary tensor data extension of the v2 routes: the codec (BYTES length prefixes, fixed-size
 types, the JSON/data split), a binary request and response against the same request in JSON, each
 malformed body a 400 or 415 that says what is wrong, and Triton's own HTTP client
-(``tritonclient.http``, binary by default) against a live server.
+(``tritonclient.http``, binary by default) against a live server (and its statistics of the calls).
 
 Run: python -m pytest tests/serving/frontend/test_v2_binary.py -q      (fake in-process gangs; a few seconds)
 """
@@ -285,5 +285,7 @@ def test_tritonclient_http_with_its_binary_defaults() -> None:
             json_out = httpclient.InferRequestedOutput("answer", binary_data=False)
             again = client.infer(NAME, inputs, outputs=[json_out])
             assert list(again.as_numpy("answer").reshape(-1)) == answers  # JSON: str elements
+            (stats,) = client.get_inference_statistics(NAME)["model_stats"]  # the statistics extension
+            assert stats["inference_stats"]["success"]["count"] == 4 and stats["inference_count"] == 8
         finally:
             client.close()

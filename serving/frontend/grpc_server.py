@@ -1,0 +1,70 @@
+"""The gRPC server: one ``grpc.aio`` server on ``--grpc-port``, beside uvicorn, serving Triton's service.
+
+The server runs on the app's own event loop (the lifespan starts it once the models are started and
+stops it with the drain), so its RPCs reach the same ``ModelRepository``, admission and metrics as
+REST. The RPCs are Triton's ``inference.GRPCInferenceService`` (``serving/frontend/grpc_service.py``),
+each inside the envelope of ``serving/frontend/grpc_call.py``.
+
+- **Limits**: messages over ``max_body_bytes`` are refused by gRPC itself (RESOURCE_EXHAUSTED);
+  ``SO_REUSEPORT`` is off, so a port in use is an error, not a second server sharing it.
+- **Drain**: ``stop(grace_s)`` refuses new RPCs and lets those in flight finish (the lifespan runs it
+  beside the models' drain; meanwhile inference answers UNAVAILABLE, as REST answers 503).
+
+    front = await GrpcFront.start(app, host="0.0.0.0", port=8001)   # the lifespan does this
+    front.port                                                      # the bound port (port 0: any)
+    await front.stop(grace_s=30)
+
+Tests: ``pytest tests/serving/frontend/test_grpc.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from fastapi import FastAPI
+
+from serving.frontend.grpc_call import SERVICE
+from serving.frontend.grpc_service import add_service
+
+logger = logging.getLogger(__name__)
+
+
+class GrpcFront:
+    """The running gRPC server of an app (module doc)."""
+
+    def __init__(self, server: grpc.aio.Server, port: int) -> None:
+        self.server = server
+        self.port = port
+
+    @classmethod
+    async def start(cls, app: FastAPI, *, host: str, port: int) -> GrpcFront:
+        """Bind ``host:port`` (OSError naming the flags when it cannot) and serve Triton's service."""
+        settings = app.state.settings
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", settings.max_body_bytes),
+                ("grpc.max_send_message_length", -1),
+            ]
+        )
+        add_service(server, app)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as err:
+            bound, reason = 0, err
+        else:
+            reason = None
+        if not bound:
+            await server.stop(None)
+            raise OSError(
+                f"--host {host} --grpc-port {port}: cannot listen there ({reason or 'bind failed'})"
+            )
+        await server.start()
+        logger.info("gRPC (%s) listening on %s", SERVICE, f"{host}:{bound}")
+        return cls(server, bound)
+
+    async def stop(self, *, grace_s: float | None) -> None:
+        """Refuse new RPCs; those in flight get ``grace_s`` to finish (None: cancel them now)."""
+        await self.server.stop(grace_s)

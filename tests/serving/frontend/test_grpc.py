@@ -220,6 +220,17 @@ def test_limits_and_unknown_model(shared: tuple[TestClient, FakeFactory, Any]) -
     assert status_of(missing.value) == "StatusCode.NOT_FOUND"
 
 
+def test_a_message_over_max_body_bytes_is_refused_by_grpc_itself(
+    shared: tuple[TestClient, FakeFactory, Any],
+) -> None:
+    stub, channel = raw_stub(shared[0])
+    request = _raw_request()
+    request.raw_input_contents[1] = raw_bytes(["x" * 1_000_001])  # max_body_bytes: 1 000 000
+    with channel, pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(request)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+
+
 def test_access_log_and_metrics_count_grpc_calls(
     shared: tuple[TestClient, FakeFactory, Any], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,8 +1,10 @@
 """Encoder configuration: one dataclass for the BERT family, read from a Hugging Face ``config.json``.
 
-``EncoderConfig.from_hf_dict(json.load(...))`` maps BERT, RoBERTa and DistilBERT configs (and
-their ``*ForQuestionAnswering`` variants) onto the one set of fields the plain encoder in
-``models/encoder.py`` needs. Unsupported architectures or inconsistent numbers raise
+``EncoderConfig.from_hf_dict(json.load(...))`` maps BERT, RoBERTa, XLM-RoBERTa, ELECTRA and
+DistilBERT configs (and their ``*ForQuestionAnswering`` variants) onto the one set of fields the
+plain encoder in ``models/encoder.py`` needs: XLM-RoBERTa is RoBERTa's architecture (another
+vocabulary: SentencePiece); ELECTRA is BERT's with embeddings of their own width
+(``embedding_size``) projected to the hidden size. Unsupported architectures or inconsistent numbers raise
 ``ModelConfigError`` naming the offending values.
 """
 
@@ -13,8 +15,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Arch = Literal["bert", "roberta", "distilbert"]
-SUPPORTED_ARCHS: tuple[str, ...] = ("bert", "roberta", "distilbert")
+Arch = Literal["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
+SUPPORTED_ARCHS: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "electra", "distilbert")
+# each architecture's classes in ``transformers`` (its config, its extractive-QA model): the reference
+# forward of every parity check, and the ``architectures`` entry of a checkpoint written here
+HF_CLASSES: dict[str, tuple[str, str]] = {
+    "bert": ("BertConfig", "BertForQuestionAnswering"),
+    "roberta": ("RobertaConfig", "RobertaForQuestionAnswering"),
+    "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaForQuestionAnswering"),
+    "electra": ("ElectraConfig", "ElectraForQuestionAnswering"),
+    "distilbert": ("DistilBertConfig", "DistilBertForQuestionAnswering"),
+}
+# the architectures whose positions count from pad_token_id + 1 (RoBERTa's padding offset)
+PADDING_OFFSET_ARCHS = ("roberta", "xlm-roberta")
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 
@@ -41,8 +54,11 @@ class EncoderConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     sinusoidal_positions: bool = False
+    embedding_size: int = 0  # width of the embedding tables (ELECTRA: may differ); 0: hidden_size
 
     def __post_init__(self) -> None:
+        if self.embedding_size == 0:
+            object.__setattr__(self, "embedding_size", self.hidden_size)
         if self.arch not in SUPPORTED_ARCHS:
             raise ModelConfigError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
         for name in (
@@ -52,6 +68,7 @@ class EncoderConfig:
             "num_heads",
             "intermediate_size",
             "max_position_embeddings",
+            "embedding_size",
         ):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name}={getattr(self, name)} must be positive")
@@ -61,11 +78,21 @@ class EncoderConfig:
             )
         if self.hidden_act not in _ACTIVATIONS:
             raise ModelConfigError(f"hidden_act={self.hidden_act!r} unsupported; supported: {_ACTIVATIONS}")
-        if self.arch == "roberta" and self.max_position_embeddings <= self.pad_token_id + 1:
+        if self.arch in PADDING_OFFSET_ARCHS and self.max_position_embeddings <= self.pad_token_id + 1:
             raise ModelConfigError(
-                f"roberta max_position_embeddings={self.max_position_embeddings} must exceed "
+                f"{self.arch} max_position_embeddings={self.max_position_embeddings} must exceed "
                 f"pad_token_id+1={self.pad_token_id + 1}"
             )
+
+    @property
+    def padding_offset_positions(self) -> bool:
+        """Positions count non-pad tokens from pad_token_id + 1 (RoBERTa, XLM-RoBERTa)."""
+        return self.arch in PADDING_OFFSET_ARCHS
+
+    @property
+    def projects_embeddings(self) -> bool:
+        """The embeddings are narrower or wider than the hidden states: a Linear maps them (ELECTRA)."""
+        return self.embedding_size != self.hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -79,7 +106,7 @@ class EncoderConfig:
     @property
     def max_seq_len(self) -> int:
         """Longest input the position table allows (RoBERTa reserves pad_token_id+1 slots)."""
-        if self.arch == "roberta":
+        if self.padding_offset_positions:
             return self.max_position_embeddings - self.pad_token_id - 1
         return self.max_position_embeddings
 
@@ -88,10 +115,11 @@ class EncoderConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], *, source: str = "config") -> EncoderConfig:
-        """Map a Hugging Face config dict (BERT / RoBERTa / DistilBERT) onto an EncoderConfig."""
+        """Map a Hugging Face config dict (BERT / RoBERTa / XLM-RoBERTa / ELECTRA / DistilBERT) onto an
+        EncoderConfig."""
         model_type = cfg.get("model_type")
         try:
-            if model_type in ("bert", "roberta"):
+            if model_type in ("bert", "roberta", "xlm-roberta", "electra"):
                 if cfg.get("position_embedding_type", "absolute") != "absolute":
                     raise ModelConfigError(
                         f"{source}: position_embedding_type={cfg['position_embedding_type']!r} unsupported "
@@ -108,10 +136,13 @@ class EncoderConfig:
                     type_vocab_size=int(cfg.get("type_vocab_size", 2)),
                     layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
                     hidden_act=str(cfg.get("hidden_act", "gelu")),
-                    pad_token_id=int(cfg.get("pad_token_id", 1 if model_type == "roberta" else 0) or 0),
+                    pad_token_id=int(
+                        cfg.get("pad_token_id", 1 if model_type in PADDING_OFFSET_ARCHS else 0) or 0
+                    ),
                     initializer_range=float(cfg.get("initializer_range", 0.02)),
                     hidden_dropout=float(cfg.get("hidden_dropout_prob", 0.1)),
                     attention_dropout=float(cfg.get("attention_probs_dropout_prob", 0.1)),
+                    embedding_size=int(cfg.get("embedding_size") or cfg["hidden_size"]),
                 )
             if model_type == "distilbert":
                 return cls(

@@ -1,8 +1,8 @@
 """Plain single-device BERT-family encoder with an extractive-QA (start/end span) head.
 
-One module covers BERT, RoBERTa and DistilBERT (all post-LayerNorm encoders); the differences are
-in the embeddings (token types, RoBERTa's padding-offset positions) and are driven by
-``EncoderConfig``. Parameter names are this project's canonical names; ``models/hf_weights.py``
+One module covers BERT, RoBERTa, XLM-RoBERTa, ELECTRA and DistilBERT (all post-LayerNorm encoders);
+the differences are in the embeddings (token types, RoBERTa's padding-offset positions, ELECTRA's
+narrower tables and their projection to the hidden size) and are driven by ``EncoderConfig``. Parameter names are this project's canonical names; ``models/hf_weights.py``
 maps them to and from Hugging Face checkpoint names.
 
 The model knows nothing about parallelism. ``partitioner/`` may set ``embeddings`` or
@@ -36,14 +36,15 @@ def activation_fn(name: str):
 
 def _embedding(rows: int, config: EncoderConfig) -> nn.Embedding:
     """nn.Embedding whose random init is skipped on the meta device (it costs ~1 s of lazy imports there)."""
-    weight = torch.empty(rows, config.hidden_size)
+    weight = torch.empty(rows, config.embedding_size)
     if not weight.is_meta:
         nn.init.normal_(weight, 0.0, config.initializer_range)
-    return nn.Embedding(rows, config.hidden_size, _weight=weight)
+    return nn.Embedding(rows, config.embedding_size, _weight=weight)
 
 
 class Embeddings(nn.Module):
-    """word + position (+ token type) embeddings, LayerNorm, dropout."""
+    """word + position (+ token type) embeddings, LayerNorm, dropout (+ ELECTRA's projection to the
+    hidden size, ``project``)."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -53,12 +54,15 @@ class Embeddings(nn.Module):
         self.token_type_embeddings = (
             _embedding(config.type_vocab_size, config) if config.type_vocab_size > 0 else None
         )
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.project = (
+            nn.Linear(config.embedding_size, config.hidden_size) if config.projects_embeddings else None
+        )
 
     def position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, S) positions; RoBERTa counts non-pad tokens from pad_token_id + 1."""
-        if self.config.arch == "roberta":
+        if self.config.padding_offset_positions:
             pad = self.config.pad_token_id
             mask = input_ids.ne(pad).long()  # (B, S)
             return torch.cumsum(mask, dim=1) * mask + pad
@@ -66,14 +70,15 @@ class Embeddings(nn.Module):
         return torch.arange(seq_len, device=input_ids.device).unsqueeze(0).expand_as(input_ids)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # input_ids: (B, S) -> (B, S, H)
+        # input_ids: (B, S) -> (B, S, E) -> (B, S, H) (E = H but for ELECTRA)
         x = self.word_embeddings(input_ids) + self.position_embeddings(self.position_ids(input_ids))
         if self.token_type_embeddings is not None:
             # one type row (RoBERTa): the segment ids a BERT-style tokenizer emits mean nothing to it
             if token_type_ids is None or not self.config.uses_token_types:
                 token_type_ids = torch.zeros_like(input_ids)
             x = x + self.token_type_embeddings(token_type_ids)
-        return self.dropout(self.LayerNorm(x))
+        x = self.dropout(self.LayerNorm(x))  # (B, S, E)
+        return x if self.project is None else self.project(x)  # (B, S, H)
 
 
 class SelfAttention(nn.Module):

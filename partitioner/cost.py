@@ -50,8 +50,11 @@ def _layer_params(c: EncoderConfig) -> tuple[int, int]:
 
 
 def _embedding_params(c: EncoderConfig) -> tuple[int, int]:
-    word = c.vocab_size * c.hidden_size  # vocab-parallel
-    other = (c.max_position_embeddings + c.type_vocab_size) * c.hidden_size + 2 * c.hidden_size
+    e = c.embedding_size
+    word = c.vocab_size * e  # vocab-parallel
+    other = (c.max_position_embeddings + c.type_vocab_size) * e + 2 * e
+    if c.projects_embeddings:  # ELECTRA: E -> H, replicated
+        other += e * c.hidden_size + c.hidden_size
     return word + other, word
 
 

@@ -16,10 +16,7 @@ event loop that owns the scheduler (no locks): it expires overdue requests (504)
 ``ReplicaListener``: whoever builds both wires them explicitly (``manager.attach(engine)``;
 ``serving/engine/builder.py`` does, for the server).
 
-The engine measures each request it admitted (``serving/metrics.py``; Triton's statistics read them):
-when ``wait`` ends, the time since its arrival as a success (its pairs are inferences, and each of
-its phases, timed in ``Job.phases`` on its way, is observed) or a failure; each micro-batch that
-returns is an execution (the dispatcher).
+When ``wait`` ends, the request's outcome goes to the metrics (``OutputProcessor.observe_end``).
 
 The front end never touches the fleet: the engine's facade (the last section of ``Engine``)
 delegates to the replica manager and the supervisor: the model and its public description,
@@ -350,18 +347,7 @@ class Engine:
                 watch.cancel()
             if not job.future.done():
                 job.future.cancel()
-            self._observe_end(job, results)
-
-    def _observe_end(self, job: Job, results: list[PairResult] | None) -> None:
-        """The request's outcome and duration since its arrival; its pairs are inferences if answered."""
-        m = self.metrics
-        outcome = "fail" if results is None else "success"
-        m.request_duration.labels(outcome=outcome).observe(time.perf_counter() - job.started)
-        if results is not None:  # Triton's statistics: each phase of each answered request, counted together
-            m.inferences.inc(len(job.pairs))
-            for phase, seconds in job.phases.items():
-                m.request_phase.labels(phase=phase).observe(seconds)
-        m.last_inference.set_to_current_time()
+            self.outputs.observe_end(job, results)
 
     def cancel(self, request_id: str) -> None:
         """Drop a request's queued windows; in-flight results of it are ignored."""

@@ -12,9 +12,10 @@ than ``DECODE_INLINE_MAX_WINDOWS`` windows is decoded on the one decode thread (
 GIL; the loop keeps answering) and answered from there; small ones stay inline (no thread hop).
 ``decoding`` counts the requests on the decode thread (a drain waits for them).
 
-Times three phases of a request in ``Job.phases`` (the engine observes them once it is answered:
-``serving/metrics.py``): ``queue`` (until its last window is dispatched), ``compute_infer`` (that
-dispatch until all its logits are back) and ``compute_output`` (its span decoding).
+Times three phases of a request in ``Job.phases`` (``queue``: until its last window is dispatched;
+``compute_infer``: that dispatch until all its logits are back; ``compute_output``: its span decoding;
+the engine adds ``compute_input``), and ``observe_end`` writes a request's outcome and phases to the
+metrics when the engine is done with it (``serving/metrics.py``; Triton's statistics read them).
 
     outputs = OutputProcessor(metrics=metrics, null_threshold=None)
     outputs.add(job)
@@ -121,6 +122,19 @@ class OutputProcessor:
         self.decoding += 1
         decoded = asyncio.get_running_loop().run_in_executor(self._decoder, self._decode_all, job)
         decoded.add_done_callback(lambda f: self._decoded(job, f))
+
+    def observe_end(self, job: Job, results: list[PairResult] | None) -> None:
+        """A request's end (``results`` None: it failed, however) in the metrics: its outcome and time
+        since arrival; answered, its pairs as inferences and each of its phases (Triton's statistics:
+        every phase counts the same requests)."""
+        m = self.metrics
+        outcome = "fail" if results is None else "success"
+        m.request_duration.labels(outcome=outcome).observe(time.perf_counter() - job.started)
+        if results is not None:
+            m.inferences.inc(len(job.pairs))
+            for phase, seconds in job.phases.items():
+                m.request_phase.labels(phase=phase).observe(seconds)
+        m.last_inference.set_to_current_time()
 
     def _decode_all(self, job: Job) -> list[PairResult]:
         t0 = time.perf_counter()

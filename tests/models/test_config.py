@@ -26,12 +26,22 @@ def test_minilm_config_maps_fields():
 def test_tiny_presets_map(name):
     cfg = EncoderConfig.from_hf_dict(TINY_PRESETS[name])
     assert cfg.hidden_size == 64 and cfg.num_layers == 6 and cfg.num_heads == 4
-    assert cfg.type_vocab_size == {"tiny-bert": 2, "tiny-roberta": 1, "tiny-distilbert": 0}[name]
+    types = {"tiny-bert": 2, "tiny-roberta": 1, "tiny-xlm-roberta": 1, "tiny-electra": 2, "tiny-distilbert": 0}
+    assert cfg.type_vocab_size == types[name]
+    assert cfg.projects_embeddings == (name == "tiny-electra")
+    assert cfg.embedding_size == (32 if name == "tiny-electra" else 64)
 
 
 def test_roberta_max_seq_len_reserves_padding_offset():
     cfg = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-roberta"])
     assert cfg.max_seq_len == 514 - 0 - 1
+    xlmr = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-xlm-roberta"])
+    assert xlmr.arch == "xlm-roberta" and xlmr.padding_offset_positions and xlmr.max_seq_len == 514 - 1 - 1
+
+
+def test_electra_embeddings_of_their_own_width_must_be_positive():
+    with pytest.raises(ModelConfigError, match="embedding_size=-1 must be positive"):
+        EncoderConfig.from_hf_dict({**TINY_PRESETS["tiny-electra"], "embedding_size": -1})
 
 
 def test_unsupported_architecture_is_named():

@@ -116,6 +116,33 @@ def test_pp2_answers_equal_the_single_process_reference(live: TestClient) -> Non
     assert PAIRS[3][1] and responses[3].json()["windows"] > 1
 
 
+@pytest.mark.parametrize("name", ["tiny-xlm-roberta", "tiny-electra"])
+def test_each_family_answers_as_its_single_process_model_with_exact_offsets(name: str) -> None:
+    """A pp=2 gang of each family the encoder serves beside BERT: XLM-RoBERTa (SentencePiece-style
+    tokenizer, no token types, padding-offset positions) and ELECTRA (projected embeddings)."""
+    settings = ServeSettings(
+        model=name,
+        pp=2,
+        replicas=1,
+        max_seq_len=128,
+        doc_stride=32,
+        max_question_len=32,
+        max_queue_delay_ms=1.0,
+        dtype="float32",  # the reference is fp32; the bf16 bound is verify's (tests/partitioner/test_precision.py)
+    )
+    with TestClient(build_app(settings)) as client:
+        wait_until(lambda: client.app.state.manager.ready == 1, timeout=120, what=f"a {name} gang ready")
+        for question, context in PAIRS:
+            r = client.post("/v1/qa", json={"question": question, "context": context, "top_k": 3})
+            assert r.status_code == 200, r.text
+            body, ref = r.json(), reference_answer(client, question, context)
+            assert body["windows"] == ref["windows"]
+            best = body["answers"][0]
+            assert (best["text"], best["start"], best["end"]) == ref["best"]
+            for a in body["answers"]:
+                assert context[a["start"] : a["end"]] == a["text"] and a["text"].strip() == a["text"]
+
+
 def test_kill9_of_a_rank_under_concurrent_requests(live: TestClient) -> None:
     manager = live.app.state.manager
     wait_until(lambda: manager.ready == 2, timeout=60, what="2 ready")

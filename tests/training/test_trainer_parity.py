@@ -177,6 +177,8 @@ CASES = [
     pytest.param(dict(pp=2, tp=2, schedule="1f1b"), id="pp2-tp2-1f1b"),
     pytest.param(dict(pp=2, tp=2, schedule="1f1b", lora_rank=4, lora_alpha=8.0, lr=3e-3), id="pp2-tp2-lora"),
     pytest.param(dict(pp=3, tp=1, schedule="1f1b", freeze_layers=3), id="pp3-freeze3"),
+    pytest.param(dict(pp=2, tp=1, schedule="1f1b", model="tiny-xlm-roberta"), id="xlm-roberta-pp2"),
+    pytest.param(dict(pp=2, tp=1, schedule="1f1b", model="tiny-electra"), id="electra-pp2"),
 ]
 
 
@@ -191,7 +193,8 @@ def test_partitioned_training_matches_single_process(tmp_path, overrides):
     losses = [result.losses[s + 1] for s in range(STEPS)]
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     # The weights moved (so the comparison has teeth), by far more than the tolerance.
-    base = to_hf_state_dict("bert", merged_state_dict(build_model(resolve_model("tiny-bert"))))
+    source = resolve_model(cfg.model)
+    base = to_hf_state_dict(source.config.arch, merged_state_dict(build_model(source)))
     moved, _ = max_diff(got, base)
     assert moved > 100 * TOL
     if cfg.tp == 2:
@@ -221,7 +224,8 @@ def test_bf16_partitioned_training_tracks_single_process_bf16(tmp_path, pp, tp):
     want, ref_losses = reference_weights(cfg)
     result = train(cfg, show_progress=False)
     got = load_file(str(result.final_checkpoint / "model.safetensors"))
-    base = to_hf_state_dict("bert", merged_state_dict(build_model(resolve_model("tiny-bert"))))
+    source = resolve_model(cfg.model)
+    base = to_hf_state_dict(source.config.arch, merged_state_dict(build_model(source)))
     u_got, u_want = _flat_update(got, base), _flat_update(want, base)
     cosine = float(torch.nn.functional.cosine_similarity(u_got, u_want, dim=0))
     assert cosine >= 0.99, cosine
@@ -239,7 +243,8 @@ def test_frozen_layers_do_not_move(tmp_path, freeze):
     cfg = base_config(tmp_path, pp=1, tp=1, max_steps=2, **freeze)
     result = train(cfg, show_progress=False)
     got = load_file(str(result.final_checkpoint / "model.safetensors"))
-    base = to_hf_state_dict("bert", merged_state_dict(build_model(resolve_model("tiny-bert"))))
+    source = resolve_model(cfg.model)
+    base = to_hf_state_dict(source.config.arch, merged_state_dict(build_model(source)))
     null_space = ("self.key.bias", "qa_outputs.bias", "layer.5.output.LayerNorm.bias")  # always frozen
     for k, v in base.items():
         frozen = k.startswith("bert.embeddings.") or any(f"layer.{i}." in k for i in range(cfg.freeze_layers))

@@ -35,7 +35,9 @@ TOLERANCE = 1e-4
 DIMS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]
 
 
-@pytest.mark.parametrize("name", ["tiny-bert", "tiny-roberta", "tiny-distilbert"])
+@pytest.mark.parametrize(
+    "name", ["tiny-bert", "tiny-roberta", "tiny-xlm-roberta", "tiny-electra", "tiny-distilbert"]
+)
 @pytest.mark.parametrize(("pp", "tp"), DIMS)
 def test_parity_with_transformers(name, pp, tp):
     result = verify_partitioned(resolve_model(name), ParallelDims(pp=pp, tp=tp), tolerance=TOLERANCE)

@@ -14,6 +14,7 @@ Shapes (random weights; the vocabulary sizes are the real ones):
   bert         BERT-base (12 x 768)           roberta      RoBERTa-base (12 x 768)
   xlm-roberta  multilingual MiniLM-L12 (12 x 384, 250 002 pieces)
   electra      ELECTRA-small (12 x 256, embeddings 128)
+  albert       ALBERT-base (one 768-wide layer applied 12 times, embeddings 128)
   distilbert   DistilBERT-base (6 x 768)
 """
 
@@ -51,6 +52,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                     "pad_token_id": 1, "type_vocab_size": 1, "layer_norm_eps": 1e-5},
     "electra": {"embedding_size": 128, "hidden_size": 256, "num_hidden_layers": 12, "num_attention_heads": 4,
                 "intermediate_size": 1024, "vocab_size": 30522},
+    "albert": {**_BASE, "embedding_size": 128, "vocab_size": 30000, "hidden_act": "gelu_new"},
     "distilbert": {"dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072, "vocab_size": 30522},
 }  # fmt: skip
 

@@ -1,10 +1,11 @@
 """Encoder configuration: one dataclass for the BERT family, read from a Hugging Face ``config.json``.
 
-``EncoderConfig.from_hf_dict(json.load(...))`` maps BERT, RoBERTa, XLM-RoBERTa, ELECTRA and
-DistilBERT configs (and their ``*ForQuestionAnswering`` variants) onto the one set of fields the
+``EncoderConfig.from_hf_dict(json.load(...))`` maps BERT, RoBERTa, XLM-RoBERTa, ELECTRA, ALBERT
+and DistilBERT configs (and their ``*ForQuestionAnswering`` variants) onto the one set of fields the
 plain encoder in ``models/encoder.py`` needs: XLM-RoBERTa is RoBERTa's architecture (another
 vocabulary: SentencePiece); ELECTRA is BERT's with embeddings of their own width
-(``embedding_size``) projected to the hidden size. Unsupported architectures or inconsistent numbers raise
+(``embedding_size``) projected to the hidden size; ALBERT is ELECTRA's shape with ONE layer's
+weights applied ``num_hidden_layers`` times (``shares_layers``; one hidden group of one layer). Unsupported architectures or inconsistent numbers raise
 ``ModelConfigError`` naming the offending values.
 """
 
@@ -15,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Arch = Literal["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
-SUPPORTED_ARCHS: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "electra", "distilbert")
+Arch = Literal["bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"]
+SUPPORTED_ARCHS: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert")
 # each architecture's classes in ``transformers`` (its config, its extractive-QA model): the reference
 # forward of every parity check, and the ``architectures`` entry of a checkpoint written here
 HF_CLASSES: dict[str, tuple[str, str]] = {
@@ -24,6 +25,7 @@ HF_CLASSES: dict[str, tuple[str, str]] = {
     "roberta": ("RobertaConfig", "RobertaForQuestionAnswering"),
     "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaForQuestionAnswering"),
     "electra": ("ElectraConfig", "ElectraForQuestionAnswering"),
+    "albert": ("AlbertConfig", "AlbertForQuestionAnswering"),
     "distilbert": ("DistilBertConfig", "DistilBertForQuestionAnswering"),
 }
 # the architectures whose positions count from pad_token_id + 1 (RoBERTa's padding offset)
@@ -90,6 +92,11 @@ class EncoderConfig:
         return self.arch in PADDING_OFFSET_ARCHS
 
     @property
+    def shares_layers(self) -> bool:
+        """One layer's weights serve every layer (ALBERT): a stage holds them once."""
+        return self.arch == "albert"
+
+    @property
     def projects_embeddings(self) -> bool:
         """The embeddings are narrower or wider than the hidden states: a Linear maps them (ELECTRA)."""
         return self.embedding_size != self.hidden_size
@@ -119,7 +126,14 @@ class EncoderConfig:
         EncoderConfig."""
         model_type = cfg.get("model_type")
         try:
-            if model_type in ("bert", "roberta", "xlm-roberta", "electra"):
+            if model_type == "albert":
+                groups = (int(cfg.get("num_hidden_groups", 1)), int(cfg.get("inner_group_num", 1)))
+                if groups != (1, 1):
+                    raise ModelConfigError(
+                        f"{source}: ALBERT with num_hidden_groups={groups[0]}, inner_group_num={groups[1]} "
+                        "is unsupported (only 1 and 1: one layer shared by all, as every released ALBERT)"
+                    )
+            if model_type in ("bert", "roberta", "xlm-roberta", "electra", "albert"):
                 if cfg.get("position_embedding_type", "absolute") != "absolute":
                     raise ModelConfigError(
                         f"{source}: position_embedding_type={cfg['position_embedding_type']!r} unsupported "

@@ -1,8 +1,9 @@
 """Plain single-device BERT-family encoder with an extractive-QA (start/end span) head.
 
-One module covers BERT, RoBERTa, XLM-RoBERTa, ELECTRA and DistilBERT (all post-LayerNorm encoders);
-the differences are in the embeddings (token types, RoBERTa's padding-offset positions, ELECTRA's
-narrower tables and their projection to the hidden size) and are driven by ``EncoderConfig``. Parameter names are this project's canonical names; ``models/hf_weights.py``
+One module covers BERT, RoBERTa, XLM-RoBERTa, ELECTRA, ALBERT and DistilBERT (all post-LayerNorm
+encoders); the differences are in the embeddings (token types, RoBERTa's padding-offset positions,
+ELECTRA's and ALBERT's narrower tables and their projection to the hidden size) and in ALBERT's one
+layer shared by every index of ``layers`` (the same module under each key), driven by ``EncoderConfig``. Parameter names are this project's canonical names; ``models/hf_weights.py``
 maps them to and from Hugging Face checkpoint names.
 
 The model knows nothing about parallelism. ``partitioner/`` may set ``embeddings`` or
@@ -149,7 +150,11 @@ class EncoderForQA(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings: Embeddings | None = Embeddings(config)
-        self.layers = nn.ModuleDict({str(i): EncoderLayer(config) for i in range(config.num_layers)})
+        if config.shares_layers:  # ALBERT: one module under every index (its parameters are held once)
+            shared = EncoderLayer(config)
+            self.layers = nn.ModuleDict({str(i): shared for i in range(config.num_layers)})
+        else:
+            self.layers = nn.ModuleDict({str(i): EncoderLayer(config) for i in range(config.num_layers)})
         self.qa_dropout = nn.Dropout(config.hidden_dropout)
         self.qa_outputs: nn.Linear | None = nn.Linear(config.hidden_size, 2)
 

@@ -69,13 +69,27 @@ _DISTIL_LAYER = {
     "mlp.down": "ffn.lin2",
     "mlp_norm": "output_layer_norm",
 }
+_ALBERT_LAYER = {
+    "attention.query": "attention.query",
+    "attention.key": "attention.key",
+    "attention.value": "attention.value",
+    "attention.out": "attention.dense",
+    "attention_norm": "attention.LayerNorm",
+    "mlp.up": "ffn",
+    "mlp.down": "ffn_output",
+    "mlp_norm": "full_layer_layer_norm",
+}
+_SHARED_LAYER_RE = re.compile(r"^layers\.\d+\.(.+)$")  # what any index of a shared layer names
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 def hf_name(arch: str, canonical: str) -> str:
     """Canonical name -> Hugging Face name without the base-model prefix (``bert.`` etc.)."""
-    if canonical.startswith("embeddings.project."):  # ELECTRA's projection sits beside its embeddings
-        return "embeddings_project." + canonical.removeprefix("embeddings.project.")
+    if canonical.startswith(
+        "embeddings.project."
+    ):  # ELECTRA's beside its embeddings, ALBERT's in its encoder
+        where = "encoder.embedding_hidden_mapping_in." if arch == "albert" else "embeddings_project."
+        return where + canonical.removeprefix("embeddings.project.")
     if canonical.startswith(("embeddings.", "qa_outputs.")):
         return canonical
     m = _LAYER_RE.match(canonical)
@@ -84,6 +98,8 @@ def hf_name(arch: str, canonical: str) -> str:
     index, module, kind = m.groups()
     if arch == "distilbert":
         return f"transformer.layer.{index}.{_DISTIL_LAYER[module]}.{kind}"
+    if arch == "albert":  # every layer is the one shared layer
+        return f"encoder.albert_layer_groups.0.albert_layers.0.{_ALBERT_LAYER[module]}.{kind}"
     return f"encoder.layer.{index}.{_BERT_LAYER[module]}.{kind}"
 
 
@@ -244,17 +260,28 @@ class WeightSource:
         self._open()
         assert self._overlay_readers is not None
         for overlay in reversed(self._overlay_readers):
-            if canonical in overlay:
-                return overlay, canonical
+            if (name := self._overlay_name(overlay, canonical)) is not None:
+                return overlay, name
+        return None
+
+    def _overlay_name(self, overlay: CheckpointReader, canonical: str) -> str | None:
+        """``canonical`` as ``overlay`` stores it; ALBERT's one layer under any layer index (a training
+        run wrote each stage's copy under the index of that stage's first layer)."""
+        if canonical in overlay:
+            return canonical
+        if self.arch == "albert" and (m := _SHARED_LAYER_RE.match(canonical)):
+            return next(
+                (n for n in sorted(overlay.names()) if (k := _SHARED_LAYER_RE.match(n)) and k[1] == m[1]),
+                None,
+            )
         return None
 
     def locate(self, canonical: str) -> tuple[CheckpointReader, str] | None:
         """(reader, stored name) holding ``canonical``, or None when no file has it."""
         self._open()
         assert self._reader is not None and self._overlay_readers is not None
-        for overlay in reversed(self._overlay_readers):
-            if canonical in overlay:
-                return overlay, canonical
+        if (found := self.overlay_tensor(canonical)) is not None:
+            return found
         name = hf_name(self.arch, canonical)
         candidates = [name] if name.startswith("qa_outputs.") else [self._prefix + name, name]
         for cand in list(candidates):  # TF-era checkpoints name LayerNorm parameters gamma/beta

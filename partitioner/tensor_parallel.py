@@ -46,7 +46,7 @@ def apply_tensor_parallel(
     if tp_size == 1:
         return model
     kw = dict(tp_rank=tp_rank, tp_size=tp_size, group=group)
-    for layer in model.layers.values():
+    for layer in {id(m): m for m in model.layers.values()}.values():  # a shared layer (ALBERT) once
         attn, mlp = layer.attention, layer.mlp
         attn.query = _swap_linear(attn.query, ColumnParallelLinear, **kw)
         attn.key = _swap_linear(attn.key, ColumnParallelLinear, **kw)

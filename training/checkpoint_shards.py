@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,24 @@ def load_resharded(ckpt: Path, module: nn.Module, opt: torch.optim.Optimizer | N
     if not paths:
         raise ResumeError(f"{ckpt}: no training_state/rank*.safetensors to re-shard")
     full = merge_shards(paths)
+    config = getattr(module, "config", None)
+    if config is not None and config.shares_layers:
+        full = _alias_shared_layer(full, config.num_layers)
     _restore(full.__getitem__, set(full), module, opt, where=str(ckpt), specs=shard_specs_of(module))
+
+
+_LAYER_KEY = re.compile(r"^(optim\.)?layers\.\d+\.(.+)$")
+
+
+def _alias_shared_layer(full: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """A shared layer (ALBERT) under every layer index: each stage wrote its copy under the index of
+    its first layer, and a stage of another layout looks for the index of ITS first layer."""
+    out = dict(full)
+    for key, t in full.items():
+        if m := _LAYER_KEY.match(key):
+            for i in range(num_layers):
+                out.setdefault(f"{m.group(1) or ''}layers.{i}.{m.group(2)}", t)
+    return out
 
 
 def overlay_tensors(training_state: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:

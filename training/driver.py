@@ -119,6 +119,11 @@ def train(
     )
     if cfg.freeze_layers > source.config.num_layers:
         raise TrainConfigError(f"freeze_layers={cfg.freeze_layers} > num_layers={source.config.num_layers}")
+    if cfg.freeze_layers and source.config.shares_layers:
+        raise TrainConfigError(
+            f"freeze_layers={cfg.freeze_layers}: every layer of this {source.config.arch} model is the same "
+            "shared layer; freeze it all with --lora-rank, or train it (freeze_embeddings freezes the rest)"
+        )
     precision = resolve_dtype(cfg.precision, plan.devices[0])  # PrecisionError names the device
     mode = "no autocast" if precision.name == "float32" else "autocast, fp32 master weights"
     logger.info("precision: %s %s (%s)", precision.name, mode, precision.reason)

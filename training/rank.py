@@ -132,7 +132,8 @@ def apply_peft(stage: nn.Module, cfg: TrainConfig) -> None:
         freeze_embeddings=cfg.freeze_embeddings,
         lora=cfg.lora_rank > 0,
     )
-    last = f"layers.{stage.config.num_layers - 1}.mlp_norm.bias"
+    # the last layer's output LayerNorm bias: not when that layer is every layer (ALBERT)
+    last = "" if stage.config.shares_layers else f"layers.{stage.config.num_layers - 1}.mlp_norm.bias"
     for name, p in stage.named_parameters():
         if name.endswith("attention.key.bias") or name in ("qa_outputs.bias", last):
             p.requires_grad_(False)
@@ -162,14 +163,36 @@ LABELS: dict[str, tuple[str, str]] = {  # answer_occurrences -> (start, end) lab
 }
 
 
+def shared_layer_params(stage: nn.Module) -> list[nn.Parameter]:
+    """The parameters of a layer every stage holds a copy of (ALBERT's one layer), in a fixed order;
+    none for other models."""
+    return list(stage.layers.parameters()) if stage.config.shares_layers else []
+
+
+def _sync_shared_grads(stage: nn.Module, ctx: RankContext) -> None:
+    """Sum the shared layer's gradients over the stages (each copy saw only its stage's layers), so
+    every copy takes the same step as the one layer of the unpartitioned model."""
+    params = [p for p in shared_layer_params(stage) if p.requires_grad]
+    if ctx.shared_group is None or not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+    dist.all_reduce(flat, group=ctx.shared_group)
+    at = 0
+    for p in params:
+        p.grad = flat[at : at + p.numel()].view_as(p).clone()
+        at += p.numel()
+
+
 def _global_grad_norm(stage: nn.Module, ctx: RankContext) -> torch.Tensor:
     """sqrt(sum of squared grads over the model): sharded tensors counted on every tp rank,
-    replicated ones on tp rank 0 only, summed over this replica's pp x tp ranks with one
-    all-reduce (after the data-parallel reduction every replica holds the same gradients)."""
+    replicated ones on tp rank 0 only, a layer shared by the stages (ALBERT) on stage 0 only,
+    summed over this replica's pp x tp ranks with one all-reduce (after the data-parallel
+    reduction every replica holds the same gradients)."""
     specs = shard_specs_of(stage)
+    shared = {id(p) for p in shared_layer_params(stage)} if ctx.stage > 0 else set()
     total = torch.zeros((), dtype=torch.float64)
     for name, p in stage.named_parameters():
-        if p.grad is None:
+        if p.grad is None or id(p) in shared:
             continue
         if name in specs or ctx.tp_rank == 0:
             total += p.grad.detach().double().pow(2).sum().cpu()
@@ -210,6 +233,7 @@ def _clip_and_step(
     """Unscale (fp16), clip by the global gradient norm, AdamW step at ``lr``; returns the norm.
 
     A non-finite fp16 norm skips the step on every rank alike (the norm is all-reduced)."""
+    _sync_shared_grads(stage, ctx)
     trainable = [p for p in stage.parameters() if p.requires_grad and p.grad is not None]
     if scaler is not None:
         for p in trainable:

@@ -74,6 +74,8 @@ class RankContext:
     dp_rank: int = 0  # which data-parallel replica (training with dp > 1)
     dp_group: dist.ProcessGroup | None = None  # ranks holding the same shard (None: dp == 1)
     mp_group: dist.ProcessGroup | None = None  # this replica's pp * tp ranks (None: the world)
+    # the ranks of this replica holding this tp shard of a layer every stage shares (ALBERT; pp > 1)
+    shared_group: dist.ProcessGroup | None = None
 
     @property
     def plan(self) -> PartitionPlan:
@@ -259,6 +261,22 @@ def dp_groups_for(
     return dp_mine, mp_mine
 
 
+def shared_layer_group_for(plan: PartitionPlan, rank: int) -> dist.ProcessGroup | None:
+    """Create, for every replica and tp rank, the group of the pp stages' copies of a shared layer
+    (all ranks take part, in one order) and return ours; None when pp == 1."""
+    dims = plan.dims
+    if dims.pp == 1:
+        return None
+    mine = None
+    for d in range(dims.dp):
+        for t in range(dims.tp):
+            ranks = [dims.rank_of(s, t, d) for s in range(dims.pp)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
+
+
 def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
     """Process entry point of one rank (``env``: the rendezvous and the driver's channel)."""
     os.environ.update(env)
@@ -287,6 +305,7 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
         dp_rank = plan.dims.dp_rank(rank)
         tp_group = tp_group_for(plan, stage, dp_rank)
         dp_group, mp_group = dp_groups_for(plan, rank)
+        shared_group = shared_layer_group_for(plan, rank) if spec.source.config.shares_layers else None
         ctx = RankContext(
             rank,
             stage,
@@ -299,6 +318,7 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
             dp_rank=dp_rank,
             dp_group=dp_group,
             mp_group=mp_group,
+            shared_group=shared_group,
         )
         ctx.maybe_fault(-1)
         if not link.wait_connected(spec.collective_timeout_s):

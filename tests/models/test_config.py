@@ -26,10 +26,11 @@ def test_minilm_config_maps_fields():
 def test_tiny_presets_map(name):
     cfg = EncoderConfig.from_hf_dict(TINY_PRESETS[name])
     assert cfg.hidden_size == 64 and cfg.num_layers == 6 and cfg.num_heads == 4
-    types = {"tiny-bert": 2, "tiny-roberta": 1, "tiny-xlm-roberta": 1, "tiny-electra": 2, "tiny-distilbert": 0}
-    assert cfg.type_vocab_size == types[name]
-    assert cfg.projects_embeddings == (name == "tiny-electra")
-    assert cfg.embedding_size == (32 if name == "tiny-electra" else 64)
+    types = {"tiny-roberta": 1, "tiny-xlm-roberta": 1, "tiny-distilbert": 0}
+    assert cfg.type_vocab_size == types.get(name, 2)
+    assert cfg.projects_embeddings == (name in ("tiny-electra", "tiny-albert"))
+    assert cfg.embedding_size == (32 if cfg.projects_embeddings else 64)
+    assert cfg.shares_layers == (name == "tiny-albert")
 
 
 def test_roberta_max_seq_len_reserves_padding_offset():
@@ -69,3 +70,8 @@ def test_missing_and_corrupt_config_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="unreadable config"):
         EncoderConfig.from_pretrained_dir(tmp_path)
+
+
+def test_albert_with_several_layer_groups_is_refused_with_the_numbers():
+    with pytest.raises(ModelConfigError, match="num_hidden_groups=2, inner_group_num=1 is unsupported"):
+        EncoderConfig.from_hf_dict({**TINY_PRESETS["tiny-albert"], "num_hidden_groups": 2})

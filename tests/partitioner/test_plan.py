@@ -93,14 +93,23 @@ def test_balanced_split_is_optimal(seed):
     assert max(stage_costs(costs, bounds)) == pytest.approx(_brute_force(costs, pp))
 
 
-@pytest.mark.parametrize(("pp", "tp"), [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (3, 4)])
-def test_params_per_rank_match_built_stages(pp, tp):
-    """The plan's parameter count per rank equals what the largest rank actually materialises."""
-    plan = make_plan(MINILM, ParallelDims(pp=pp, tp=tp))
+ALBERT = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-albert"])
+
+
+@pytest.mark.parametrize(
+    ("config", "pp", "tp"),
+    [(MINILM, 1, 1), (MINILM, 2, 1), (MINILM, 3, 1), (MINILM, 1, 2), (MINILM, 2, 2), (MINILM, 3, 4),
+     (ALBERT, 1, 1), (ALBERT, 2, 1), (ALBERT, 3, 2)],
+    ids=["1-1", "2-1", "3-1", "1-2", "2-2", "3-4", "albert-1-1", "albert-2-1", "albert-3-2"],
+)  # fmt: skip
+def test_params_per_rank_match_built_stages(config, pp, tp):
+    """The plan's parameter count per rank equals what the largest rank actually materialises (ALBERT:
+    its one shared layer once in each stage)."""
+    plan = make_plan(config, ParallelDims(pp=pp, tp=tp))
     for stage in plan.stages:
         for tp_rank in range(tp):
             with torch.device("meta"):
-                model = EncoderForQA(MINILM)
+                model = EncoderForQA(config)
             slice_stage(model, plan, stage.index)
             apply_tensor_parallel(model, tp_rank=tp_rank, tp_size=tp, group=None)
             held = sum(p.numel() for p in model.parameters())

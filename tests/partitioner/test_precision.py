@@ -147,6 +147,7 @@ def test_best_spans_respects_order_length_and_padding():
         ("tiny-bert", 1, 2),
         ("tiny-xlm-roberta", 2, 2),
         ("tiny-electra", 2, 2),
+        ("tiny-albert", 2, 2),
     ],
 )
 def test_bf16_gang_stays_within_the_stated_bound(name, pp, tp):

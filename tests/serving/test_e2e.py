@@ -116,10 +116,11 @@ def test_pp2_answers_equal_the_single_process_reference(live: TestClient) -> Non
     assert PAIRS[3][1] and responses[3].json()["windows"] > 1
 
 
-@pytest.mark.parametrize("name", ["tiny-xlm-roberta", "tiny-electra"])
+@pytest.mark.parametrize("name", ["tiny-xlm-roberta", "tiny-electra", "tiny-albert"])
 def test_each_family_answers_as_its_single_process_model_with_exact_offsets(name: str) -> None:
     """A pp=2 gang of each family the encoder serves beside BERT: XLM-RoBERTa (SentencePiece-style
-    tokenizer, no token types, padding-offset positions) and ELECTRA (projected embeddings)."""
+    tokenizer, no token types, padding-offset positions), ELECTRA (projected embeddings) and ALBERT
+    (one layer shared by all; a lower-cased SentencePiece-style tokenizer with token types)."""
     settings = ServeSettings(
         model=name,
         pp=2,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from models.encoder import EncoderForQA
 from models.registry import resolve_model
 from partitioner.cost import InfeasiblePlanError, ring_allreduce_bytes
 from partitioner.data_parallel import make_buckets
-from partitioner.plan import ParallelDims, make_plan
+from partitioner.plan import ParallelDims, PartitionPlan, make_plan
 from partitioner.shard_loading import shard_specs_of
 from partitioner.stages import slice_stage
 from partitioner.tensor_parallel import apply_tensor_parallel
@@ -112,6 +113,36 @@ def test_reshard_pp2_tp4_state_into_one_model(tmp_path) -> None:
         assert torch.equal(state["exp_avg"], want[f"optim.{n}.exp_avg"]), n
         assert torch.equal(state["exp_avg_sq"], want[f"optim.{n}.exp_avg_sq"]), n
         assert float(state["step"]) == 3.0
+
+
+def test_reshard_albert_s_shared_layer_into_a_stage_of_another_layout(tmp_path) -> None:
+    """ALBERT's one layer: each pp=3 stage writes its copy under the index of its first layer (0, 2,
+    4); the last stage of a pp=2 layout (first layer 3) finds it under its own index."""
+    source = resolve_model("tiny-albert")
+    gen = torch.Generator().manual_seed(0)
+    full = {n: p.shape for n, p in build_model(source).named_parameters()}  # the shared layer: layers.0
+    want = {n: torch.randn(shape, generator=gen) for n, shape in full.items()}
+
+    def canonical(name: str) -> str:
+        return re.sub(r"^layers\.\d+\.", "layers.0.", name)
+
+    def stage_of(plan: PartitionPlan, stage: int) -> EncoderForQA:
+        with torch.device("meta"):
+            model = EncoderForQA(source.config)
+        return slice_stage(model, plan, stage)
+
+    three = make_plan(source.config, ParallelDims(pp=3))
+    for rank in range(3):
+        model = stage_of(three, rank)
+        tensors = {n: want[canonical(n)] for n, _ in model.named_parameters()}
+        assert any(n.startswith(f"layers.{2 * rank}.") for n in tensors)  # its copy, under its index
+        write_shard(tmp_path / "training_state" / f"rank{rank}.safetensors", tensors, {}, tp_rank=0)
+    two = make_plan(source.config, ParallelDims(pp=2))
+    last = stage_of(two, 1).to_empty(device="cpu")
+    assert two.stages[1].layer_start == 3
+    load_resharded(tmp_path, last, None)
+    for n, p in last.named_parameters():
+        assert torch.equal(p.detach(), want[canonical(n)]), n
 
 
 def reference_with_norms(cfg: TrainConfig, monkeypatch) -> tuple[dict, list[float], list[float]]:

@@ -179,6 +179,9 @@ CASES = [
     pytest.param(dict(pp=3, tp=1, schedule="1f1b", freeze_layers=3), id="pp3-freeze3"),
     pytest.param(dict(pp=2, tp=1, schedule="1f1b", model="tiny-xlm-roberta"), id="xlm-roberta-pp2"),
     pytest.param(dict(pp=2, tp=1, schedule="1f1b", model="tiny-electra"), id="electra-pp2"),
+    # ALBERT: each stage's copy of the one shared layer takes the sum of every stage's gradients
+    pytest.param(dict(pp=2, tp=1, schedule="1f1b", model="tiny-albert"), id="albert-pp2"),
+    pytest.param(dict(pp=3, tp=2, schedule="gpipe", model="tiny-albert"), id="albert-pp3-tp2"),
 ]
 
 

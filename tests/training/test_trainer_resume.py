@@ -109,6 +109,28 @@ def test_lora_overlay_loads_onto_the_base_model(tmp_path):
     assert float((logits - want).abs().max()) <= 1e-4
 
 
+def test_albert_lora_overlay_serves_at_another_layout(tmp_path):
+    """ALBERT's LoRA factors live in its one shared layer; the overlay a pp=2 run wrote (each stage's
+    copy under its first layer's index) loads into a pp=3 gang, whose stages look for other indices."""
+    cfg = base_config(
+        tmp_path, model="tiny-albert", pp=2, tp=1, lora_rank=4, lora_alpha=8.0, lr=1e-2, max_steps=2
+    )
+    result = train(cfg, show_progress=False)
+    overlay = export_overlay(result.final_checkpoint, tmp_path / "overlay")
+    source = dataclasses.replace(resolve_model("tiny-albert"), overlays=(overlay,))
+    model = build_model(source)
+    ids = torch.randint(10, 1900, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    with torch.inference_mode():
+        want = model(ids, mask)
+        base = build_model(resolve_model("tiny-albert"))(ids, mask)
+    assert float((want - base).abs().max()) > 1e-4  # the overlay changed the model
+    plan = make_plan(source.config, ParallelDims(pp=3))
+    with StreamGang(stream_spec(source, plan)) as gang:
+        logits = gang.submit(ids, mask).result(timeout=60)
+    assert float((logits - want).abs().max()) <= 1e-4
+
+
 def test_cli_train_then_eval_at_other_layouts(tmp_path, capsys):
     data = write_tiny_squad(tmp_path / "train.json")
     out = tmp_path / "run"

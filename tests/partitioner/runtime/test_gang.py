@@ -36,7 +36,8 @@ DIMS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny-bert", "tiny-roberta", "tiny-xlm-roberta", "tiny-electra", "tiny-distilbert"]
+    "name",
+    ["tiny-bert", "tiny-roberta", "tiny-xlm-roberta", "tiny-electra", "tiny-albert", "tiny-distilbert"],
 )
 @pytest.mark.parametrize(("pp", "tp"), DIMS)
 def test_parity_with_transformers(name, pp, tp):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -107,34 +107,34 @@ def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, 
     return metrics
 
 
-def predict_answers(
-    cfg: EvalConfig, *, show_progress: bool = True
-) -> tuple[list[SquadExample], dict[str, str]]:
-    """The scored questions and the model's answer to each (question id -> text, ``""`` = none)."""
-    import os
+@dataclass
+class EvalInputs:
+    """The scored questions, their serving windows and the batches of those windows."""
 
-    from tqdm import tqdm
+    examples: list[SquadExample]
+    feats: Any  # training.features.EvalFeatures
+    batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (ids, mask, types), each (b, s)
+
+    @property
+    def windows(self) -> int:
+        return len(self.feats)
+
+    def empty_logits(self) -> torch.Tensor:
+        """(N, S, 2) span logits to fill, batch by batch in order (padding stays -1e9)."""
+        return torch.full((self.windows, self.feats.batch.input_ids.shape[1], 2), -1e9)
+
+
+def eval_inputs(cfg: EvalConfig, source: Any) -> EvalInputs:
+    """The questions of ``cfg`` windowed with ``source``'s tokenizer, in batches trimmed to their
+    longest window; EvalConfigError for a window the model or the tokenizer cannot take."""
     from transformers import AutoTokenizer
 
-    from models.build import build_model
-    from models.registry import resolve_model
-    from partitioner.plan import ParallelDims, make_plan
-    from partitioner.precision import resolve_dtype
-    from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import stream_spec
-    from training.features import build_eval_features, postprocess_eval_predictions, prediction_texts
+    from training.features import build_eval_features
 
-    # Everything that can be refused is checked before any slow work and before the progress bar,
-    # so an error is one line of its own: dtype, model, window length, partition, data, tokenizer.
-    choice = resolve_dtype(cfg.dtype, "cpu")
-    logger.info("eval in %s (%s)", choice.name, choice.reason)
-    source = resolve_model(cfg.model)
     if cfg.window.max_seq_len > source.config.max_seq_len:
         raise EvalConfigError(
             f"max_seq_len={cfg.window.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
         )
-    dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
-    plan = make_plan(source.config, dims, seq_len=cfg.window.max_seq_len) if dims.world_size > 1 else None
     examples = _examples(cfg)
     tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
     try:
@@ -143,15 +143,59 @@ def predict_answers(
         raise EvalConfigError(str(exc)) from exc
     feats = build_eval_features(tok, examples, window=cfg.window)
     b = feats.batch
-    n = len(feats)
     batches = []
-    for start in range(0, n, cfg.batch_size):
+    for start in range(0, len(feats), cfg.batch_size):
         sl = slice(start, start + cfg.batch_size)
         length = int(b.attention_mask[sl].sum(dim=1).max())
         batches.append(
             (b.input_ids[sl, :length], b.attention_mask[sl, :length], b.token_type_ids[sl, :length])
         )
-    full = torch.full((n, b.input_ids.shape[1], 2), -1e9)  # (N, S, 2)
+    return EvalInputs(examples, feats, batches)
+
+
+def answers_of(cfg: EvalConfig, inputs: EvalInputs, full: torch.Tensor) -> dict[str, str]:
+    """Each question's answer (id -> text, ``""`` = none) from the windows' span logits (N, S, 2),
+    decoded as the server decodes."""
+    from training.features import postprocess_eval_predictions, prediction_texts
+
+    if not bool(torch.isfinite(full).all()):  # (N, S, 2): padding is -1e9, finite
+        raise EvalConfigError(
+            f"{cfg.model}: the model's span logits are not finite (NaN or infinite weights?)"
+        )
+    preds = postprocess_eval_predictions(
+        inputs.feats,
+        full[..., 0],
+        full[..., 1],
+        max_answer_length=cfg.max_answer_length,
+        null_threshold=cfg.null_threshold,
+    )
+    return prediction_texts(preds)
+
+
+def predict_answers(
+    cfg: EvalConfig, *, show_progress: bool = True
+) -> tuple[list[SquadExample], dict[str, str]]:
+    """The scored questions and the model's answer to each (question id -> text, ``""`` = none)."""
+    import os
+
+    from tqdm import tqdm
+
+    from models.build import build_model
+    from models.registry import resolve_model
+    from partitioner.plan import ParallelDims, make_plan
+    from partitioner.precision import resolve_dtype
+    from partitioner.stream.gang import StreamGang
+    from partitioner.stream.program import stream_spec
+
+    # Everything that can be refused is checked before any slow work and before the progress bar,
+    # so an error is one line of its own: dtype, model, partition, window length, data, tokenizer.
+    choice = resolve_dtype(cfg.dtype, "cpu")
+    logger.info("eval in %s (%s)", choice.name, choice.reason)
+    source = resolve_model(cfg.model)
+    dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
+    plan = make_plan(source.config, dims, seq_len=cfg.window.max_seq_len) if dims.world_size > 1 else None
+    inputs = eval_inputs(cfg, source)
+    n, full = inputs.windows, inputs.empty_logits()
 
     def progress() -> tqdm:  # started once the model is loaded (or the gang is up)
         return tqdm(total=n, desc="eval", unit="win", disable=not show_progress, dynamic_ncols=True)
@@ -160,7 +204,7 @@ def predict_answers(
     if plan is None:
         model = build_model(source, dtype=choice.dtype)
         with torch.inference_mode(), progress() as bar:
-            for ids, mask, types in batches:
+            for ids, mask, types in inputs.batches:
                 logits = model(ids, mask, types)  # (b, s, 2)
                 full[row : row + ids.shape[0], : ids.shape[1]] = logits
                 row += ids.shape[0]
@@ -169,21 +213,10 @@ def predict_answers(
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // dims.world_size)
         spec = stream_spec(source, plan, threads_per_rank=threads, dtype=choice.name)
         with StreamGang(spec, name="eval") as gang, progress() as bar:
-            futures = [gang.submit(*batch) for batch in batches]
-            for (ids, _, _), fut in zip(batches, futures, strict=True):
+            futures = [gang.submit(*batch) for batch in inputs.batches]
+            for (ids, _, _), fut in zip(inputs.batches, futures, strict=True):
                 logits = fut.result()  # (b, s, 2)
                 full[row : row + ids.shape[0], : ids.shape[1]] = logits
                 row += ids.shape[0]
                 bar.update(ids.shape[0])
-    if not bool(torch.isfinite(full).all()):  # (N, S, 2): padding is -1e9, finite
-        raise EvalConfigError(
-            f"{cfg.model}: the model's span logits are not finite (NaN or infinite weights?)"
-        )
-    preds = postprocess_eval_predictions(
-        feats,
-        full[..., 0],
-        full[..., 1],
-        max_answer_length=cfg.max_answer_length,
-        null_threshold=cfg.null_threshold,
-    )
-    return examples, prediction_texts(preds)
+    return inputs.examples, answers_of(cfg, inputs, full)

@@ -114,12 +114,17 @@ class Offline:
     def close(self) -> None:
         self.context.close()
 
+    def __enter__(self) -> Offline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 @pytest.fixture
 def offline(browser: Any, server: str) -> Iterator[Offline]:
-    o = Offline(browser, server)
-    yield o
-    o.close()
+    with Offline(browser, server) as o:
+        yield o
 
 
 def _cell(page: Any, table: str, row: int, col: int) -> str:
@@ -228,8 +233,7 @@ def test_playground_sends_the_api_key_the_server_asks_for(browser: Any, tmp_path
     factory = FakeFactory()
     factory.gate.set()
     with _live(settings, backend_factory=factory) as base:
-        o = Offline(browser, base)
-        try:
+        with Offline(browser, base) as o:
             page = o.page
             page.goto(f"{base}/")
             page.wait_for_selector("#state[data-state='ready']", timeout=15000)
@@ -245,8 +249,6 @@ def test_playground_sends_the_api_key_the_server_asks_for(browser: Any, tmp_path
             page.screenshot(path=str(tmp_path / "playground-api-key.png"), full_page=True)
             o.console_errors = [e for e in o.console_errors if "401" not in e]  # the refused request
             o.check()
-        finally:
-            o.close()
 
 
 def test_status_page_shows_the_placement_of_models_sharing_devices(browser: Any, tmp_path: Path) -> None:
@@ -256,8 +258,7 @@ def test_status_page_shows_the_placement_of_models_sharing_devices(browser: Any,
         model=["a=tiny-bert", "b=tiny-bert"], placement="multiplexed", devices=2, threads_per_rank=1
     )
     with _live(settings, backend_factory=FakeFactory()) as base:
-        o = Offline(browser, base)
-        try:
+        with Offline(browser, base) as o:
             page = o.page
             page.goto(f"{base}/")
             page.wait_for_selector("#placement tbody tr", timeout=15000)
@@ -268,5 +269,3 @@ def test_status_page_shows_the_placement_of_models_sharing_devices(browser: Any,
             assert "predicted SLO attainment" in page.locator("#placement-summary").inner_text()
             page.screenshot(path=str(tmp_path / "placement.png"), full_page=True)
             o.check()
-        finally:
-            o.close()

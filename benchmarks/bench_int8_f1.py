@@ -1,0 +1,118 @@
+"""int8 judged the MLPerf way: SQuAD F1 on the development pool against fp32's, beside its speed, one run.
+
+MLPerf Inference's BERT benchmark accepts any precision that keeps 99 % of the fp32 F1 on SQuAD
+v1.1. This scores the unpartitioned model over the development pool (``../shared/data/squad``, the
+42 dev articles) in each variant, windowed and decoded as ``shardserve eval`` does
+(``training.evaluate.eval_inputs`` / ``answers_of``), and times the forward over every window:
+
+  fp32       the reference
+  bf16       what ``--dtype auto`` picks on a CPU with bf16 units (skipped without them)
+  int8       torch.ao dynamic quantization of the encoder's Linear layers, per-tensor weights
+  int8-pc    the same with per-channel weights (``per_channel_dynamic_qconfig``)
+
+    python benchmarks/bench_int8_f1.py                                   # the whole pool, ~20 min on 2 cores
+    python benchmarks/bench_int8_f1.py --max-examples 500 --variants fp32,int8-pc --json int8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serving import machine_info
+
+from models.build import build_model
+from models.registry import resolve_model
+from training.evaluate import EvalConfig, EvalInputs, answers_of, eval_inputs
+from training.squad_metrics import evaluate
+
+logger = logging.getLogger("bench_int8_f1")
+
+VARIANTS = ("fp32", "bf16", "int8", "int8-pc")
+POOL = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad" / "squad-v1.1-train-pool.json"
+
+
+def model_of(variant: str, source: object) -> nn.Module:
+    """The unpartitioned model in ``variant`` (the QA head stays fp32 in every one)."""
+    model = build_model(source, dtype=torch.bfloat16 if variant == "bf16" else torch.float32).eval()
+    if variant.startswith("int8"):
+        from torch.ao.quantization import (
+            default_dynamic_qconfig,
+            per_channel_dynamic_qconfig,
+            quantize_dynamic,
+        )
+
+        qconfig = per_channel_dynamic_qconfig if variant == "int8-pc" else default_dynamic_qconfig
+        with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated in torch 2.13
+            warnings.simplefilter("ignore", UserWarning)
+            model.layers = quantize_dynamic(model.layers, {nn.Linear: qconfig}, dtype=torch.qint8)
+    return model
+
+
+def score(variant: str, source: object, cfg: EvalConfig, inputs: EvalInputs) -> dict[str, float]:
+    model = model_of(variant, source)
+    full, row = inputs.empty_logits(), 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for ids, mask, types in inputs.batches:
+            full[row : row + ids.shape[0], : ids.shape[1]] = model(ids, mask, types).float()  # (b, s, 2)
+            row += ids.shape[0]
+    seconds = time.perf_counter() - t0
+    metrics = evaluate(inputs.examples, answers_of(cfg, inputs, full))
+    return {"windows_s": inputs.windows / seconds, "exact": metrics["exact"], "f1": metrics["f1"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="registry name or model folder")
+    p.add_argument("--data", type=Path, default=POOL, help="SQuAD v1.1 file (default: the dev pool)")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+    )
+    p.add_argument("--max-examples", type=int, default=None, help="score only the first N questions")
+    p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        p.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    if not args.data.is_file():
+        p.error(f"{args.data}: no such file (the SQuAD data lives in ../shared/data/squad)")
+    info = machine_info("auto")
+    if "bf16" in variants and not info["bf16_units"]:
+        logger.info("bf16 skipped: %s has no bf16 units", info["cpu"])
+        variants.remove("bf16")
+    source = resolve_model(args.model)
+    cfg = EvalConfig(model=args.model, data=str(args.data), max_examples=args.max_examples)
+    inputs = eval_inputs(cfg, source)
+    rows = []
+    for variant in variants:
+        row = {"variant": variant, **score(variant, source, cfg, inputs)}
+        rows.append(row)
+        logger.info(
+            "%s: %.1f windows/s, EM %.2f, F1 %.2f", variant, row["windows_s"], row["exact"], row["f1"]
+        )
+    base = next((r["f1"] for r in rows if r["variant"] == "fp32"), None)
+    print(f"\n{info['cpu']}, {torch.get_num_threads()} threads; {args.model} on {len(inputs.examples)} questions, "
+          f"{inputs.windows} windows")  # fmt: skip
+    print(f"{'variant':8} {'win/s':>7} {'EM':>6} {'F1':>6} {'F1/fp32':>8}  (MLPerf's bound: F1/fp32 >= 0.99)")
+    for r in rows:
+        ratio = f"{r['f1'] / base:8.3f}" if base else f"{'-':>8}"
+        print(f"{r['variant']:8} {r['windows_s']:7.1f} {r['exact']:6.2f} {r['f1']:6.2f} {ratio}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": info, "model": args.model, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

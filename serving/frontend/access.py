@@ -246,6 +246,12 @@ _api_key_bearer = HTTPBearer(
 API_KEY_401 = "the API key (Authorization: Bearer <api_key>) is missing or wrong"
 
 
+def token_matches(given: str | None, expected: str) -> bool:
+    """Whether a bearer token (None: none was sent) is ``expected``, compared in constant time: the
+    one check of the API key and the admin token, over every protocol."""
+    return given is not None and hmac.compare_digest(given.strip().encode(), expected.encode())
+
+
 def require_api_key(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_api_key_bearer)]
 ) -> None:
@@ -253,8 +259,7 @@ def require_api_key(
     key = request.app.state.settings.api_key
     if not key:
         return
-    given = credentials.credentials.strip() if credentials is not None else ""
-    if credentials is None or not hmac.compare_digest(given.encode(), key.encode()):
+    if not token_matches(credentials.credentials if credentials is not None else None, key):
         raise HTTPException(
             401,
             {"error": "unauthorized", "detail": API_KEY_401},

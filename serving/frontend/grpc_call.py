@@ -26,7 +26,6 @@ Tests: ``pytest tests/serving/frontend/test_grpc.py``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -38,7 +37,13 @@ import grpc
 from fastapi import FastAPI
 
 from serving.engine.qa_types import EngineError
-from serving.frontend.access import API_KEY_401, new_request_id, record_access, valid_request_id
+from serving.frontend.access import (
+    API_KEY_401,
+    new_request_id,
+    record_access,
+    token_matches,
+    valid_request_id,
+)
 from serving.frontend.openapi import RETRY_AFTER_503_S
 
 logger = logging.getLogger(__name__)
@@ -126,8 +131,7 @@ def authorize(context: grpc.aio.ServicerContext, access: Access, settings: Any) 
         if access is Access.API_KEY:
             return
         raise GrpcError(401, "admin_disabled: no admin token is configured")
-    given = _bearer(context)
-    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+    if not token_matches(_bearer(context), expected):
         detail = API_KEY_401 if access is Access.API_KEY else "missing or wrong bearer token"
         raise GrpcError(401, f"unauthorized: {detail} (gRPC: the authorization metadata)")
 

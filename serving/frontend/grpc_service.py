@@ -35,12 +35,12 @@ from pydantic import ValidationError
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from serving.config import MODEL_NAME
-from serving.engine.answer import answer_pairs
 from serving.engine.core import Engine
 from serving.engine.qa_types import EngineError
 from serving.engine.repository import ModelRepository, ModelState, model_version
 from serving.frontend import kserve_v2, v2_binary
 from serving.frontend.grpc_call import Access, Call, GrpcError, run_rpc
+from serving.frontend.qa_call import answer_for
 from serving.frontend.schemas import qa_result
 from serving.frontend.v2_model_config import triton_config
 from serving.frontend.v2_statistics import model_statistics
@@ -251,8 +251,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         call.model = request.model_name  # the access log's and the metrics' model, refusals too
         engine = self._engine(request.model_name, request.model_version)
         call.model = engine.name
-        state = self.app.state
-        settings = state.settings
+        settings = self.app.state.settings
         try:
             body, binary = v2_request(request)
             parsed = parse_call(body, binary, max_batch_items=settings.max_batch_items)
@@ -262,13 +261,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         if (remaining := context.time_remaining()) is not None:  # the client's deadline, within the cap
             timeout_s = min(timeout_s or math.inf, remaining, settings.max_request_timeout_s)
         try:
-            answered = await answer_pairs(
+            answered = await answer_for(
+                self.app.state,
                 engine,
                 [it.pair() for it in parsed.items],
                 timeout_s=max(timeout_s, 1e-3) if timeout_s is not None else None,
-                max_context_chars=settings.max_context_chars,
-                max_question_chars=settings.max_question_chars,
-                stopping=state.shutting_down,
                 locate=v2_field,
             )
         except EngineError as err:

@@ -1,24 +1,28 @@
-"""The front end's side of one QA call, shared by the native routes and the Open Inference Protocol.
+"""The front end's side of one QA call, shared by the native routes, the Open Inference Protocol and gRPC.
 
-Both protocols hand their items to ``answer_items``: it calls the engine room's protocol-neutral
-``serving.engine.answer.answer_pairs`` with what only the HTTP side knows (the engine of the model
-asked for, from the app's model repository; whether the server is shutting down, the settings' text
-limits, the client's disconnect) and notes the model and the windows for the access log and the
-metrics. Each protocol then shapes the answers, or the ``EngineError``, its way.
+``answer_for`` calls the engine room's protocol-neutral ``serving.engine.answer.answer_pairs`` with
+what the app knows (the settings' text limits, whether the server is shutting down); gRPC calls it
+directly. The HTTP routes hand their items to ``answer_items``, which adds what only HTTP knows (the
+engine of the model asked for, from the app's model repository; the client's disconnect) and notes
+the model and the windows for the access log and the metrics. Each protocol then shapes the
+answers, or the ``EngineError``, its way.
 
     answered = await answer_items(request, body.items, body.timeout_s, model="b", locate=name_of_field)
+    answered = await answer_for(app.state, engine, pairs, timeout_s=None, locate=name_of_field)
 
 Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/test_kserve_v2.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from fastapi import Request
 
 from serving.engine.answer import Answered, answer_pairs
 from serving.engine.core import Engine
+from serving.engine.qa_types import QAPair
 from serving.frontend.access import disconnect_watcher, note_windows
 from serving.frontend.schemas import QAItem
 
@@ -34,21 +38,41 @@ async def answer_items(
     """Answer ``items`` with ``model`` (None: the default one; raises ``EngineError``: 404 for a model
     not served, 499 when the client went away); ``locate(i, field)`` names item ``i``'s field in a 422
     as the protocol's request does."""
-    state = request.app.state
-    settings = state.settings
     engine = engine_for(request, model)
-    answered = await answer_pairs(
+    answered = await answer_for(
+        request.app.state,
         engine,
         [it.pair() for it in items],
         timeout_s=timeout_s,
-        max_context_chars=settings.max_context_chars,
-        max_question_chars=settings.max_question_chars,
-        stopping=state.shutting_down,
         locate=locate,
         disconnected=disconnect_watcher(request),
     )
     note_windows(request, sum(r.windows for r in answered.results))
     return answered
+
+
+async def answer_for(
+    state: Any,
+    engine: Engine | None,
+    pairs: Sequence[QAPair],
+    *,
+    timeout_s: float | None,
+    locate: Callable[[int, str], str],
+    disconnected: Callable[[], Awaitable[Any]] | None = None,
+) -> Answered:
+    """``answer_pairs`` with the app's settings' text limits, refused while the app (``state``: its
+    ``app.state``) is shutting down; raises ``EngineError``."""
+    settings = state.settings
+    return await answer_pairs(
+        engine,
+        pairs,
+        timeout_s=timeout_s,
+        max_context_chars=settings.max_context_chars,
+        max_question_chars=settings.max_question_chars,
+        stopping=state.shutting_down,
+        locate=locate,
+        disconnected=disconnected,
+    )
 
 
 def engine_for(request: Request, model: str | None) -> Engine | None:

@@ -25,7 +25,6 @@ detail) shows file-system paths or worker tracebacks.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from serving.frontend.access import (
     Handler,
     check_first,
     request_id_of,
+    token_matches,
 )
 from serving.frontend.json_body import JsonBodyRoute
 from serving.frontend.openapi import RETRY_AFTER_503_S, responses
@@ -206,8 +206,7 @@ def require_admin(
         raise HTTPException(
             401, {"error": "admin_disabled", "detail": "no admin token is configured"}, challenge
         )
-    given = credentials.credentials.strip() if credentials is not None else ""
-    if credentials is None or not hmac.compare_digest(given.encode(), token.encode()):
+    if not token_matches(credentials.credentials if credentials is not None else None, token):
         raise HTTPException(
             401, {"error": "unauthorized", "detail": "missing or wrong bearer token"}, challenge
         )

@@ -1,6 +1,6 @@
 """Each architecture family's forward against transformers' own, at pp = tp = 1, fp32 and bf16, one run.
 
-The speed check of the families the encoder serves (issue 29): for each family a random-weight
+The speed check of the families shardserve serves (issue 29): for each family a random-weight
 checkpoint of a real model's shape is written with transformers' own ``*ForQuestionAnswering`` class
 (seeded, into a temporary folder), loaded by shardserve (``models.build.build_model``) and by
 transformers (``AutoModelForQuestionAnswering``), and both forwards are timed on the same random
@@ -16,6 +16,10 @@ Shapes (random weights; the vocabulary sizes are the real ones):
   electra      ELECTRA-small (12 x 256, embeddings 128)
   albert       ALBERT-base (one 768-wide layer applied 12 times, embeddings 128)
   distilbert   DistilBERT-base (6 x 768)
+  deberta-v2   DeBERTa-v3-base (12 x 768, 256 relative-position buckets, 128 100 pieces)
+  llama        SmolLM2-135M (30 x 576, 9 query / 3 key-value heads, SwiGLU)
+  qwen2        Qwen2 blocks at BERT-base width (12 x 768, 12 / 2 heads, q/k/v biases, 151 936 tokens)
+  mistral      Mistral blocks at BERT-base width (12 x 768, 12 / 4 heads, a 4096-token sliding window)
 """
 
 from __future__ import annotations
@@ -54,6 +58,17 @@ SHAPES: dict[str, dict[str, Any]] = {
                 "intermediate_size": 1024, "vocab_size": 30522},
     "albert": {**_BASE, "embedding_size": 128, "vocab_size": 30000, "hidden_act": "gelu_new"},
     "distilbert": {"dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072, "vocab_size": 30522},
+    "deberta-v2": {**_BASE, "vocab_size": 128100, "type_vocab_size": 0, "relative_attention": True,
+                   "position_buckets": 256, "max_relative_positions": -1, "pos_att_type": ["p2c", "c2p"],
+                   "share_att_key": True, "position_biased_input": False, "norm_rel_ebd": "layer_norm",
+                   "layer_norm_eps": 1e-7},
+    "llama": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+              "rope_theta": 100000.0},
+    "qwen2": {**_BASE, "num_key_value_heads": 2, "intermediate_size": 2048, "vocab_size": 151936,
+              "max_position_embeddings": 32768},
+    "mistral": {**_BASE, "num_key_value_heads": 4, "intermediate_size": 2048, "vocab_size": 32000,
+                "max_position_embeddings": 32768, "sliding_window": 4096},
 }  # fmt: skip
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -126,14 +126,13 @@ def parse_variants(text: str) -> list[str]:
 def load_windows(model: str, squad: Path, *, seq_len: int, n: int):
     """(source, WindowBatch) of ``n`` SQuAD windows padded to exactly ``seq_len`` tokens (generated
     text when the SQuAD file is absent)."""
-    from transformers import AutoTokenizer
 
     from models.qa_windows import WindowConfig, encode_qa, pad_windows
     from models.registry import resolve_model
 
     source = resolve_model(model)
     pairs = _pairs(squad, n)
-    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    tok = source.tokenizer()
     q_len = min(64, seq_len // 4)
     enc = encode_qa(
         tok,

@@ -298,8 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
-
     from models.build import build_model
     from models.registry import resolve_model
     from partitioner.precision import resolve_dtype
@@ -315,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     window = WindowConfig(max_seq_len=args.max_seq_len, doc_stride=args.doc_stride)
     source = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    tok = source.tokenizer()
     cache = Path(args.cache) if args.cache else None
     t0 = time.perf_counter()
     if cache is not None and cache.exists():

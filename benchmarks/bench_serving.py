@@ -143,7 +143,6 @@ def bench_raw(
     """Raw forward over the questions' windows; ``engine``: torch (at ``dtype``, on ``device``), ort-fp32
     or ort-int8 (cpu)."""
     import torch
-    from transformers import AutoTokenizer
 
     from models.build import build_model
     from models.qa_windows import WindowConfig, encode_qa, pad_windows
@@ -151,7 +150,7 @@ def bench_raw(
 
     torch.set_num_threads(threads)
     source = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    tok = source.tokenizer()
     enc = encode_qa(
         tok,
         [q for q, _ in pairs],
@@ -278,7 +277,6 @@ def run_naive_server(args: argparse.Namespace) -> None:
     import torch
     import uvicorn
     from fastapi import FastAPI
-    from transformers import AutoTokenizer
 
     from models.build import build_model
     from models.qa_decoding import decode_spans
@@ -288,7 +286,7 @@ def run_naive_server(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.cores)
     source = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    tok = source.tokenizer()
     model = build_model(source, dtype=DTYPES[args.naive_dtype], device=args.device)
     types = source.config.uses_token_types
     lock = threading.Lock()

@@ -1,4 +1,6 @@
-"""Build a whole single-device ``EncoderForQA`` from a ``ModelSource`` (the ``tp == pp == 1`` path).
+"""Build a whole single-device QA model from a ``ModelSource`` (the ``tp == pp == 1`` path), and
+``new_model``: the one place that picks a family's module (shardserve's encoder, or a decoder or
+DeBERTa over transformers' modules).
 
 from models.build import build_model
 from models.registry import resolve_model
@@ -9,9 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from models.config import EncoderConfig
+from models.deberta import DebertaForQA
+from models.decoder import DecoderForQA
 from models.encoder import EncoderForQA
 from models.hf_weights import load_weights
 from models.registry import ModelSource
+
+QAModel = EncoderForQA | DecoderForQA | DebertaForQA
+
+
+def new_model(config: EncoderConfig) -> QAModel:
+    """The family's module with fresh (or, under ``torch.device("meta")``, no) weights."""
+    if config.is_decoder:
+        return DecoderForQA(config)
+    return DebertaForQA(config) if config.arch == "deberta-v2" else EncoderForQA(config)
 
 
 def build_model(
@@ -20,11 +34,11 @@ def build_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     head_seed: int = 0,
-) -> EncoderForQA:
+) -> QAModel:
     """Create the model on the meta device, materialise it on ``device`` and load its weights
     (``model.load_report`` says what was initialised rather than read, as for stages)."""
     with torch.device("meta"):
-        model = EncoderForQA(source.config)
-    model = model.to_empty(device=device).to_compute_dtype(dtype)
+        model = new_model(source.config)
+    model = model.to_compute_dtype(dtype).to_empty(device=device)  # never the fp32 copy of a bf16 model
     model.load_report = load_weights(model, source.weights(), source.config, head_seed=head_seed)
     return model.eval()

@@ -1,11 +1,14 @@
-"""Encoder configuration: one dataclass for the BERT family, read from a Hugging Face ``config.json``.
+"""Model configuration: one dataclass for every supported family, read from a Hugging Face ``config.json``.
 
 ``EncoderConfig.from_hf_dict(json.load(...))`` maps BERT, RoBERTa, XLM-RoBERTa, ELECTRA, ALBERT
 and DistilBERT configs (and their ``*ForQuestionAnswering`` variants) onto the one set of fields the
 plain encoder in ``models/encoder.py`` needs: XLM-RoBERTa is RoBERTa's architecture (another
 vocabulary: SentencePiece); ELECTRA is BERT's with embeddings of their own width
 (``embedding_size``) projected to the hidden size; ALBERT is ELECTRA's shape with ONE layer's
-weights applied ``num_hidden_layers`` times (``shares_layers``; one hidden group of one layer). Unsupported architectures or inconsistent numbers raise
+weights applied ``num_hidden_layers`` times (``shares_layers``; one hidden group of one layer).
+Llama, Qwen2 and Mistral (``DECODER_ARCHS``) keep their whole config (``hf_config_json``:
+transformers builds their modules, ``models/decoder.py``) beside the shape fields the planner reads
+(grouped-query ``num_kv_heads``, gated MLP). Unsupported architectures or inconsistent numbers raise
 ``ModelConfigError`` naming the offending values.
 """
 
@@ -16,8 +19,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Arch = Literal["bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert"]
-SUPPORTED_ARCHS: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert")
+Arch = Literal[
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "electra",
+    "albert",
+    "distilbert",
+    "deberta-v2",
+    "llama",
+    "qwen2",
+    "mistral",
+]
+ENCODER_ARCHS: tuple[str, ...] = (
+    "bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "deberta-v2"
+)  # fmt: skip
+# decoders with a span head, run on transformers' own modules (``models/decoder.py``)
+DECODER_ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHS: tuple[str, ...] = ENCODER_ARCHS + DECODER_ARCHS
 # each architecture's classes in ``transformers`` (its config, its extractive-QA model): the reference
 # forward of every parity check, and the ``architectures`` entry of a checkpoint written here
 HF_CLASSES: dict[str, tuple[str, str]] = {
@@ -27,10 +46,14 @@ HF_CLASSES: dict[str, tuple[str, str]] = {
     "electra": ("ElectraConfig", "ElectraForQuestionAnswering"),
     "albert": ("AlbertConfig", "AlbertForQuestionAnswering"),
     "distilbert": ("DistilBertConfig", "DistilBertForQuestionAnswering"),
+    "deberta-v2": ("DebertaV2Config", "DebertaV2ForQuestionAnswering"),
+    "llama": ("LlamaConfig", "LlamaForQuestionAnswering"),
+    "qwen2": ("Qwen2Config", "Qwen2ForQuestionAnswering"),
+    "mistral": ("MistralConfig", "MistralForQuestionAnswering"),
 }
 # the architectures whose positions count from pad_token_id + 1 (RoBERTa's padding offset)
 PADDING_OFFSET_ARCHS = ("roberta", "xlm-roberta")
-_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")  # the encoder's (decoders: transformers')
 
 
 class ModelConfigError(ValueError):
@@ -57,10 +80,17 @@ class EncoderConfig:
     attention_dropout: float = 0.1
     sinusoidal_positions: bool = False
     embedding_size: int = 0  # width of the embedding tables (ELECTRA: may differ); 0: hidden_size
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: num_heads
+    head_size: int = 0  # width of one head where a config sets it; 0: hidden_size // num_heads
+    qkv_bias: bool = True  # the query/key/value projections have biases
+    gated_mlp: bool = False  # gate and up projections (SwiGLU: three MLP matrices)
+    hf_config_json: str = ""  # a decoder's whole config.json: transformers builds its modules from it
 
     def __post_init__(self) -> None:
         if self.embedding_size == 0:
             object.__setattr__(self, "embedding_size", self.hidden_size)
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.arch not in SUPPORTED_ARCHS:
             raise ModelConfigError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
         for name in (
@@ -74,10 +104,16 @@ class EncoderConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name}={getattr(self, name)} must be positive")
-        if self.hidden_size % self.num_heads:
+        if self.hidden_size % self.num_heads and not self.head_size:
             raise ModelConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_heads}"
             )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.is_decoder:
+            return
         if self.hidden_act not in _ACTIVATIONS:
             raise ModelConfigError(f"hidden_act={self.hidden_act!r} unsupported; supported: {_ACTIVATIONS}")
         if self.arch in PADDING_OFFSET_ARCHS and self.max_position_embeddings <= self.pad_token_id + 1:
@@ -97,13 +133,24 @@ class EncoderConfig:
         return self.arch == "albert"
 
     @property
+    def has_stage_copies(self) -> bool:
+        """Every pipeline stage holds a copy of some parameters (ALBERT's one layer, DeBERTa's
+        relative-position table): training sums their gradients over the stages."""
+        return self.shares_layers or self.arch == "deberta-v2"
+
+    @property
     def projects_embeddings(self) -> bool:
         """The embeddings are narrower or wider than the hidden states: a Linear maps them (ELECTRA)."""
         return self.embedding_size != self.hidden_size
 
     @property
+    def is_decoder(self) -> bool:
+        """A causal decoder with a span head, built from transformers' modules (``models/decoder.py``)."""
+        return self.arch in DECODER_ARCHS
+
+    @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def uses_token_types(self) -> bool:
@@ -176,6 +223,10 @@ class EncoderConfig:
                     attention_dropout=float(cfg.get("attention_dropout", 0.1)),
                     sinusoidal_positions=bool(cfg.get("sinusoidal_pos_embds", False)),
                 )
+            if model_type in DECODER_ARCHS:
+                return cls._from_decoder_dict(cfg)
+            if model_type == "deberta-v2":
+                return cls._from_deberta_dict(cfg)
         except KeyError as exc:
             raise ModelConfigError(
                 f"{source}: missing field {exc.args[0]!r} for model_type={model_type!r}"
@@ -185,6 +236,60 @@ class EncoderConfig:
         raise ModelConfigError(
             f"{source}: unsupported model_type={model_type!r} (architectures={cfg.get('architectures')}); "
             f"supported: {SUPPORTED_ARCHS}"
+        )
+
+    @classmethod
+    def _from_decoder_dict(cls, cfg: dict[str, Any]) -> EncoderConfig:
+        """Llama / Qwen2 / Mistral: the shape fields the planner needs, and the whole config for
+        transformers to build the modules from."""
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            arch=cfg["model_type"],
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_size=int(cfg.get("head_dim") or 0),
+            intermediate_size=int(cfg["intermediate_size"]),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            type_vocab_size=0,
+            layer_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            pad_token_id=int(cfg.get("pad_token_id") or 0),
+            initializer_range=float(cfg.get("initializer_range", 0.02)),
+            hidden_dropout=0.0,
+            attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+            qkv_bias=cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False)),
+            gated_mlp=True,
+            hf_config_json=json.dumps(cfg, sort_keys=True),
+        )
+
+    @classmethod
+    def _from_deberta_dict(cls, cfg: dict[str, Any]) -> EncoderConfig:
+        """DeBERTa-v2/v3: BERT's shape fields, and the whole config for transformers to build from."""
+        if int(cfg.get("conv_kernel_size", 0) or 0) > 0:
+            raise ModelConfigError(
+                f"DeBERTa with conv_kernel_size={cfg['conv_kernel_size']} is unsupported (its convolution "
+                "after the first layer reads the embeddings: DeBERTa-v3 has none)"
+            )
+        return cls(
+            arch="deberta-v2",
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=int(cfg["num_attention_heads"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            type_vocab_size=int(cfg.get("type_vocab_size", 0)),
+            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-7)),
+            hidden_act=str(cfg.get("hidden_act", "gelu")),
+            pad_token_id=int(cfg.get("pad_token_id") or 0),
+            initializer_range=float(cfg.get("initializer_range", 0.02)),
+            hidden_dropout=float(cfg.get("hidden_dropout_prob", 0.1)),
+            attention_dropout=float(cfg.get("attention_probs_dropout_prob", 0.1)),
+            embedding_size=int(cfg.get("embedding_size") or cfg["hidden_size"]),
+            hf_config_json=json.dumps(cfg, sort_keys=True),
         )
 
     @classmethod

@@ -146,6 +146,19 @@ def expand_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 class EncoderForQA(nn.Module):
     """Embeddings -> encoder layers -> span head producing start/end logits."""
 
+    # what tensor parallelism shards inside a layer (names relative to the layer), and the head
+    column_linears = ("attention.query", "attention.key", "attention.value", "mlp.up")
+    row_linears = ("attention.out", "mlp.down")
+    key_value_linears: tuple[str, ...] = ()  # as many key/value heads as query heads
+    head_modules = ("qa_outputs",)  # the parts only the last stage holds
+
+    def shard_heads(self, layer: nn.Module, tp: int) -> None:
+        """Nothing to tell a tensor-parallel layer: its attention reads its heads off the widths."""
+
+    def stage_copies(self) -> nn.Module | None:
+        """The part every pipeline stage holds a copy of: ALBERT's one layer (else none)."""
+        return self.layers if self.config.shares_layers else None
+
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint reading and name mapping for the BERT family.
+"""Hugging Face checkpoint reading and name mapping for every supported family.
 
 ``CheckpointReader`` opens a local HF model directory (``model.safetensors``, a sharded
 ``model.safetensors.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``) and
@@ -6,7 +6,8 @@ reads whole tensors or index regions of them (``Region``, a tuple of slices) laz
 regions come straight off the mmap, so a caller that wants a quarter of a matrix reads a quarter of
 its bytes.
 
-``hf_name(arch, canonical)`` maps this project's canonical parameter names (``models/encoder.py``)
+``hf_name(arch, canonical)`` maps this project's canonical parameter names (``models/encoder.py``;
+a family on transformers' modules: ``Family.checkpoint_name`` in ``models/hf_family.py``)
 to Hugging Face names; ``load_weights(module, source, config)`` fills every parameter of a
 (possibly partial) ``EncoderForQA`` from a ``WeightSource``. Its ``region_of`` hook (canonical
 name -> ``Region`` or None) lets a caller ask for only part of each stored tensor; what such a part
@@ -31,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from models.config import HF_CLASSES, EncoderConfig
+from models.hf_family import FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 def hf_name(arch: str, canonical: str) -> str:
     """Canonical name -> Hugging Face name without the base-model prefix (``bert.`` etc.)."""
+    if arch in FAMILIES:
+        return FAMILIES[arch].checkpoint_name(canonical)
     if canonical.startswith(
         "embeddings.project."
     ):  # ELECTRA's beside its embeddings, ALBERT's in its encoder
@@ -105,6 +109,8 @@ def hf_name(arch: str, canonical: str) -> str:
 
 def hf_prefix(arch: str) -> str:
     """The base model's attribute in ``*ForQuestionAnswering`` (XLM-RoBERTa's is ``roberta``)."""
+    if arch in FAMILIES:
+        return FAMILIES[arch].prefix + "."
     return "roberta." if arch == "xlm-roberta" else f"{arch}."
 
 
@@ -133,23 +139,29 @@ def region_shape(shape: tuple[int, ...], region: Region | None) -> tuple[int, ..
 
 
 class _SafetensorsFile:
+    """One safetensors file. Each read maps the file afresh and unmaps it after: the pages a rank read
+    do not stay in its resident set beside the parameters they were copied into (with one mapping
+    held open, a rank's peak RSS was its weights twice over)."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.handle = safe_open(str(path), framework="pt", device="cpu")
-            self.keys = set(self.handle.keys())
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                self.shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot open safetensors file ({exc})") from exc
+        self.keys = set(self.shapes)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.handle.get_slice(name).get_shape())
+        return self.shapes[name]
 
     def read(self, name: str, region: Region | None) -> torch.Tensor:
         try:
-            if region is None:
-                return self.handle.get_tensor(name)
-            sl = self.handle.get_slice(name)
-            return sl[(*region, *[slice(None)] * (len(sl.get_shape()) - len(region)))]
+            with safe_open(str(self.path), framework="pt", device="cpu") as handle:
+                if region is None:
+                    return handle.get_tensor(name)
+                rest = [slice(None)] * (len(self.shapes[name]) - len(region))
+                return handle.get_slice(name)[(*region, *rest)]
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: cannot read tensor {name!r} ({exc})") from exc
 
@@ -252,7 +264,7 @@ class WeightSource:
         if self._reader is None:
             self._reader = CheckpointReader(self.checkpoint)
             self._overlay_readers = [CheckpointReader(p) for p in self.overlays]
-            prefixed = hf_prefix(self.arch) + "embeddings.word_embeddings.weight"
+            prefixed = hf_prefix(self.arch) + hf_name(self.arch, "embeddings.word_embeddings.weight")
             self._prefix = hf_prefix(self.arch) if prefixed in self._reader else ""
 
     def overlay_tensor(self, canonical: str) -> tuple[CheckpointReader, str] | None:

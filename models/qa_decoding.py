@@ -194,6 +194,8 @@ def decode_spans(
             w, rem = divmod(index, seq * band)
             s, a = divmod(rem, band)
             cs, ce = int(char_start[w, s]), int(char_end[w, s + a])
+            while cs < ce - 1 and context[cs].isspace():  # byte-level BPE: a token's span holds its space
+                cs += 1
             if (cs, ce) in seen:
                 continue
             seen.add((cs, ce))

@@ -8,11 +8,13 @@ overlays, config, tokenizer directory) that every rank of a gang can open on its
   when present (until it is, the QA head is initialised and a warning says so).
 - ``minilm``: the bundled MiniLM encoder alone (no QA head).
 - ``tiny-bert``, ``tiny-roberta``, ``tiny-xlm-roberta``, ``tiny-electra``, ``tiny-albert``,
-  ``tiny-distilbert``: small random-weight ``*ForQuestionAnswering`` checkpoints for tests, written once
-  by ``transformers`` itself (seeded) into the cache directory ``$SHARDSERVE_CACHE`` (default
-  ``~/.cache/shardserve``). They tokenize with the bundled WordPiece vocabulary, but
-  ``tiny-xlm-roberta`` and ``tiny-albert``: SentencePiece-style (Unigram, ``▁`` word marks) tokenizers
-  with their models' pair templates, trained here (``tiny_unigram_tokenizer``).
+  ``tiny-distilbert``, ``tiny-deberta-v2``, ``tiny-llama``, ``tiny-qwen2``, ``tiny-mistral``: small
+  random-weight ``*ForQuestionAnswering`` checkpoints for tests, written once by ``transformers``
+  itself (seeded) into the cache directory ``$SHARDSERVE_CACHE`` (default ``~/.cache/shardserve``).
+  They tokenize with the bundled WordPiece vocabulary, but ``tiny-xlm-roberta``, ``tiny-albert`` and
+  ``tiny-deberta-v2``: SentencePiece-style (Unigram, ``▁`` word marks) tokenizers with their models' pair templates
+  (``tiny_unigram_tokenizer``), and the decoders: BPE tokenizers framed as their families frame a
+  pair (``tiny_bpe_tokenizer``), all trained here.
 - any local Hugging Face model directory, with its tokenizer files; a folder without them gets the
   bundled BERT-uncased tokenizer only when its config is BERT / DistilBERT with the same vocab_size
   (a warning says so), else ``ModelConfigError`` names the folder (``fallback_tokenizer_dir``).
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.config import HF_CLASSES, EncoderConfig, ModelConfigError
+from models.config import DECODER_ARCHS, HF_CLASSES, EncoderConfig, ModelConfigError
 from models.hf_weights import WeightSource, copy_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,17 @@ DEFAULT_OVERLAY_DIR = Path(__file__).resolve().parent / "default"
 # Small configs for tests: 6 layers so pp=3 gets 2 each; 4 heads and intermediate 128 so tp=2 divides.
 # initializer_range 0.1 (not 0.02) so random logits are large enough for parity checks to bite.
 _TINY_COMMON: dict[str, Any] = {"vocab_size": 30522, "max_position_embeddings": 512, "initializer_range": 0.1}
+_TINY_DECODER: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 2000,  # the byte-level / SentencePiece BPE tokenizer's (UNIGRAM_VOCAB)
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
 TINY_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-bert": {
         "model_type": "bert",
@@ -107,6 +120,39 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 512,
         "initializer_range": 0.1,
     },
+    # DeBERTa-v3's layout: disentangled attention over 32 relative-position buckets (fewer than the
+    # verify samples' tokens: bucketing is exercised), the key/query projections shared with them
+    "tiny-deberta-v2": {
+        "model_type": "deberta-v2",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 2000,  # the Unigram tokenizer's (UNIGRAM_VOCAB)
+        "max_position_embeddings": 512,
+        "type_vocab_size": 0,
+        "relative_attention": True,
+        "position_buckets": 32,
+        "max_relative_positions": -1,
+        "pos_att_type": ["p2c", "c2p"],
+        "share_att_key": True,
+        "position_biased_input": False,
+        "norm_rel_ebd": "layer_norm",
+        "layer_norm_eps": 1e-7,
+        "pad_token_id": 0,
+        "initializer_range": 0.1,
+    },
+    # decoders: grouped-query attention (4 query heads read 2 key/value heads), SwiGLU MLPs
+    "tiny-llama": {"model_type": "llama", **_TINY_DECODER, "bos_token_id": 1, "eos_token_id": 2},
+    "tiny-qwen2": {"model_type": "qwen2", **_TINY_DECODER, "bos_token_id": 0, "eos_token_id": 0},
+    # a 32-token sliding window: windows longer than it exercise the sliding-window mask
+    "tiny-mistral": {
+        "model_type": "mistral",
+        **_TINY_DECODER,
+        "sliding_window": 32,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "tiny-distilbert": {
         "model_type": "distilbert",
         "dim": 64,
@@ -134,6 +180,16 @@ class ModelSource:
 
     def weights(self) -> WeightSource:
         return WeightSource(checkpoint=self.checkpoint, arch=self.config.arch, overlays=self.overlays)
+
+    def tokenizer(self) -> Any:
+        """The model's fast tokenizer; one without a pad token (Llama's, Mistral's) pads with its
+        end-of-sequence (else unknown) token: padded positions are masked out anyway."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token or tok.unk_token
+        return tok
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -244,8 +300,10 @@ def materialise_preset(name: str, *, root: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         _write_hf_checkpoint(spec, tmp)
-        if spec["model_type"] in ("xlm-roberta", "albert"):
+        if spec["model_type"] in ("xlm-roberta", "albert", "deberta-v2"):
             tiny_unigram_tokenizer(spec["model_type"]).save_pretrained(tmp)
+        elif spec["model_type"] in DECODER_ARCHS:
+            tiny_bpe_tokenizer(spec["model_type"]).save_pretrained(tmp)
         else:
             copy_tokenizer_files(minilm_dir(), tmp)
         try:
@@ -272,18 +330,60 @@ def _write_hf_checkpoint(spec: dict[str, Any], out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+def _tiny_corpus() -> list[str]:
+    """Training text for the tiny tokenizers: the bundled WordPiece vocabulary's whole words, lower
+    and capitalised, and punctuation, 64 to a line (offline, deterministic)."""
+    words = [w for w in (minilm_dir() / "vocab.txt").read_text(encoding="utf-8").split() if w.isalnum()]
+    words += [w.capitalize() for w in words if w.isalpha()] + list(".,;:!?'\"()-%$")
+    return [" ".join(words[i : i + 64]) for i in range(0, len(words), 64)]
+
+
+def tiny_bpe_tokenizer(kind: str) -> Any:
+    """A decoder's tokenizer of ``UNIGRAM_VOCAB`` BPE pieces, framed as the family's own frames a
+    pair: ``qwen2`` byte-level (GPT-2 style, spans keep their leading space, ``<|endoftext|>`` 0,
+    the pair is ``A B`` with nothing between); ``llama`` / ``mistral`` SentencePiece-style (``▁`` word
+    marks; ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2; the pair is ``<s> A <s> B``). No token types."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if kind == "qwen2":
+        specials, names = ["<|endoftext|>"], dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        post = processors.ByteLevel(trim_offsets=False)
+    else:
+        specials = ["<unk>", "<s>", "</s>"]
+        names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        alphabet = []
+        post = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s>:1 $B:1", special_tokens=[("<s>", 1)]
+        )
+    trainer = trainers.BpeTrainer(
+        vocab_size=UNIGRAM_VOCAB, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer)
+    tok.post_processor = post
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, model_input_names=["input_ids", "attention_mask"], **names
+    )
+
+
 def tiny_unigram_tokenizer(kind: str) -> Any:
     """A SentencePiece-style fast tokenizer of ``UNIGRAM_VOCAB`` pieces (Unigram model, ``▁`` word
     marks) for ``kind``: ``xlm-roberta`` (cased; ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3; pair
     ``<s> A </s></s> B </s>``, no token types) or ``albert`` (lower-cased; ``<pad>`` 0, ``<unk>`` 1,
-    ``[CLS]`` 2, ``[SEP]`` 3; pair ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1). Trained on the
+    ``[CLS]`` 2, ``[SEP]`` 3; pair ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1) or ``deberta-v2``
+    (DeBERTa-v3's: cased; ``[PAD]`` 0, ``[CLS]`` 1, ``[SEP]`` 2, ``[UNK]`` 3; the same pair). Trained on the
     bundled WordPiece vocabulary's whole words, lower and capitalised, and punctuation (offline,
     deterministic)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-    words = [w for w in (minilm_dir() / "vocab.txt").read_text(encoding="utf-8").split() if w.isalnum()]
-    words += [w.capitalize() for w in words if w.isalpha()] + list(".,;:!?'\"()-%$")
     if kind == "xlm-roberta":
         specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
         names = dict(bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", unk_token="<unk>",
@@ -292,6 +392,16 @@ def tiny_unigram_tokenizer(kind: str) -> Any:
             single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
         )
         normalizer, cls = normalizers.NFKC(), transformers.XLMRobertaTokenizerFast
+    elif kind == "deberta-v2":
+        specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+        names = dict(bos_token="[CLS]", eos_token="[SEP]", sep_token="[SEP]", cls_token="[CLS]", unk_token="[UNK]",
+                     pad_token="[PAD]", mask_token="[MASK]")  # fmt: skip
+        post = processors.TemplateProcessing(
+            single="[CLS]:0 $A:0 [SEP]:0",
+            pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", 1), ("[SEP]", 2)],
+        )
+        normalizer, cls = normalizers.NFKC(), transformers.PreTrainedTokenizerFast
     else:
         specials = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
         names = dict(bos_token="[CLS]", eos_token="[SEP]", sep_token="[SEP]", cls_token="[CLS]", unk_token="<unk>",
@@ -312,7 +422,7 @@ def tiny_unigram_tokenizer(kind: str) -> Any:
     trainer = trainers.UnigramTrainer(
         vocab_size=UNIGRAM_VOCAB, special_tokens=specials, unk_token=names["unk_token"], show_progress=False
     )
-    tok.train_from_iterator([" ".join(words[i : i + 64]) for i in range(0, len(words), 64)], trainer)
+    tok.train_from_iterator(_tiny_corpus(), trainer)
     tok.post_processor = post
-    types = ["token_type_ids"] if kind == "albert" else []
+    types = ["token_type_ids"] if kind in ("albert", "deberta-v2") else []
     return cls(tokenizer_object=tok, model_input_names=["input_ids", *types, "attention_mask"], **names)

@@ -6,6 +6,7 @@ settings (``partitioner/stream/verify_command.py``).
 
     shardserve plan --model minilm --pp 2 --tp 2 --batch-size 8 --seq-len 384
     shardserve plan --model tiny-bert --pp 3 --json
+    shardserve plan --model default --pp auto --tp auto --max-memory-per-rank 450MiB  # the fewest ranks that fit
     shardserve plan --model minilm --dp 2 --pp 2 --batch-size 4 --seq-len 256   # training: 4 ranks
 
 With ``--placement`` it plans several models on a pool of devices instead (AlpaServe-style, the
@@ -25,16 +26,26 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from models.config import EncoderConfig
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.command import Command, Settings, at_least, positive_number, split_list
-from partitioner.cost import analytic_costs, profile_costs
+from partitioner.cost import UnitCost, analytic_costs, profile_costs
+from partitioner.fit import (
+    DEGREE_HELP,
+    MEMORY_HELP,
+    Degree,
+    LayoutChoice,
+    MemorySize,
+    fit_layout,
+    memory_budget,
+)
 from partitioner.placement.cost_profile import ASSUMED_FLOPS, cost_profiles, default_device_memory_bytes
 from partitioner.placement.latency import MeasuredLatency, ModelProfile
 from partitioner.placement.search import PlacementChoice, choose_placement
 from partitioner.placement.simulator import SimConfig
 from partitioner.placement.workload import steady
 from partitioner.plan import ParallelDims, default_devices, make_plan
-from partitioner.precision import DTYPE_CHOICES, resolve_dtype
+from partitioner.precision import DTYPE_CHOICES, DtypeChoice, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +83,13 @@ class PartitionSettings(Settings):
     model: str = Field(
         "default", description=f"registry name {MODEL_NAMES} or a local Hugging Face model directory"
     )
-    pp: int = Field(1, description="pipeline-parallel degree: number of stages")
-    tp: int = Field(1, description="tensor-parallel degree: ranks per stage sharing heads and MLP")
+    pp: Degree = Field(1, description=f"pipeline-parallel degree: number of stages, {DEGREE_HELP}")
+    tp: Degree = Field(
+        1, description=f"tensor-parallel degree: ranks per stage sharing heads and MLP, {DEGREE_HELP}"
+    )
+    max_memory_per_rank: MemorySize = Field(
+        None, description=MEMORY_HELP, json_schema_extra={"metavar": "SIZE"}
+    )
     device: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="where ranks run: cpu (gloo), or cuda (one GPU per rank round-robin; NCCL when every "
@@ -94,6 +110,34 @@ class PartitionSettings(Settings):
     @classmethod
     def _split_boundaries(cls, data: Any) -> Any:
         return split_list(data, "boundaries")
+
+    def layout(
+        self,
+        name: str,
+        config: EncoderConfig,
+        *,
+        batch_size: int,
+        seq_len: int,
+        dtype: DtypeChoice,
+        costs: list[UnitCost] | None = None,
+        remedy: str | None = None,
+    ) -> LayoutChoice:
+        """``pp`` x ``tp`` (either ``auto``) checked against ``max_memory_per_rank`` by the serving
+        estimate of a ``batch_size x seq_len`` micro-batch (``partitioner/fit.py``): ``LayoutDoesNotFit``
+        (one line, exit 2) when it does not fit."""
+        budget = memory_budget(
+            self.max_memory_per_rank, device=self.device, batch_size=batch_size, seq_len=seq_len, dtype=dtype
+        )
+        return fit_layout(
+            {name: config},
+            pp=self.pp,
+            tp=self.tp,
+            budget=budget,
+            device=self.device,
+            costs=None if costs is None else {name: costs},
+            boundaries=self.boundaries,
+            **({} if remedy is None else {"remedy": remedy}),
+        )
 
 
 class PlanSettings(PartitionSettings):
@@ -206,7 +250,11 @@ def cmd_plan(args: PlanSettings) -> int:
         how = "profile"
     else:
         costs, how = analytic_costs(cfg, seq_len=args.seq_len), "analytic"
-    dims = ParallelDims(pp=args.pp, tp=args.tp, dp=args.dp)
+    choice = resolve_dtype(args.dtype, "cuda:0" if args.device == "cuda" else "cpu")
+    layout = args.layout(
+        source.name, cfg, batch_size=args.batch_size, seq_len=args.seq_len, dtype=choice, costs=costs
+    )
+    dims = ParallelDims(pp=layout.dims.pp, tp=layout.dims.tp, dp=args.dp)
     plan = make_plan(
         cfg,
         dims,
@@ -215,7 +263,6 @@ def cmd_plan(args: PlanSettings) -> int:
         cost_source=how,
         devices=default_devices(dims.world_size, device=args.device),
     )
-    choice = resolve_dtype(args.dtype, plan.devices[0])
     mem = plan.memory_estimates(
         cfg, batch_size=args.batch_size, seq_len=args.seq_len, dtype_bytes=choice.itemsize
     )
@@ -223,6 +270,8 @@ def cmd_plan(args: PlanSettings) -> int:
         out = plan.to_dict()
         out["model"] = source.describe()
         out["dtype"] = choice.name
+        out["max_memory_per_rank"] = layout.budget.limit_bytes
+        out["layout"] = layout.line()
         for s, m in zip(out["stages"], mem, strict=True):
             s.update(m)
         print(json.dumps(out, indent=2))
@@ -230,10 +279,12 @@ def cmd_plan(args: PlanSettings) -> int:
     dp = f"dp={args.dp} " if args.dp > 1 else ""
     print(
         f"model {source.name}: {cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_heads} heads; {dp}pp={args.pp} tp={args.tp} ({plan.dims.world_size} ranks); "
+        f"{cfg.num_heads} heads; {dp}pp={dims.pp} tp={dims.tp} ({plan.dims.world_size} ranks); "
         f"cost: {plan.cost_source}; memory at batch {args.batch_size} x seq {args.seq_len}, {choice.name} "
         f"(training: fp32 weights + Adam, 16 B/param)"
     )
+    if layout.auto or args.max_memory_per_rank is not None:
+        print(layout.line())
     if args.dp > 1:
         mp = plan.dims.model_parallel_size
         print(

@@ -9,8 +9,8 @@ from a short measurement on the target device (``profile_costs``).
 (a min-max linear partition, solved exactly by dynamic programming). Embeddings always sit in
 stage 0 and the head in the last stage; every stage owns at least one layer.
 
-Memory (``serving_memory_bytes`` / ``training_memory_bytes``) follows the usual accounting:
-weights / tp for sharded matrices, plus activations of the micro-batches in flight; training adds
+Memory (``serving_memory_bytes`` / ``training_memory_bytes``) follows the usual accounting: the
+rank process's own runtime (``RANK_RUNTIME_BYTES``), weights / tp for sharded matrices, plus activations of the micro-batches in flight; training adds
 gradients and Adam moments (the 16·N-bytes rule for mixed precision: 2 weights + 2 grads + 4 fp32
 master + 4 + 4 moments; fp32 training is 4 + 4 + 4 + 4 = 16 as well). The data-parallel
 all-reduce volume of a rank per optimizer step is ``ring_allreduce_bytes`` of its fp32 gradients.
@@ -18,12 +18,18 @@ all-reduce volume of a rank per optimizer step is ``ring_allreduce_bytes`` of it
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 from models.config import EncoderConfig
+
+# A rank process's own resident memory before any weight: Python, torch, transformers' modules, gloo
+# (measured on CPU, torch 2.13 / transformers 5.24: 370-390 MB). ``PartitionPlan.memory_estimates``
+# adds it once per rank.
+RANK_RUNTIME_BYTES = 400 * 2**20
 
 
 class InfeasiblePlanError(ValueError):
@@ -42,17 +48,29 @@ class UnitCost:
     shared: bool = False  # its parameters are those of every other shared unit (ALBERT's layers)
 
 
+def _layer_matrices(c: EncoderConfig) -> int:
+    """Weights of a layer's projections: q and out (heads x head_dim), k and v (key/value heads), and
+    two MLP matrices (three when gated: gate, up, down); all tp-sharded."""
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return 2 * h * q + 2 * h * kv + (3 if c.gated_mlp else 2) * h * c.intermediate_size
+
+
 def _layer_params(c: EncoderConfig) -> tuple[int, int]:
     h, i = c.hidden_size, c.intermediate_size
-    matrices = 4 * h * h + 2 * h * i  # q, k, v, out, up, down weights (all tp-sharded)
-    sharded_bias = 3 * h + i  # q, k, v, up biases are column-parallel (sharded)
-    replicated = 2 * h + 4 * h  # out/down biases, two LayerNorms
+    qkv_bias = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim if c.qkv_bias else 0
+    if c.is_decoder:  # column-parallel q/k/v biases (Qwen2); two RMSNorm weights
+        sharded_bias, replicated = qkv_bias, 2 * h
+    else:  # q, k, v, up biases are column-parallel; out/down biases and two LayerNorms replicated
+        sharded_bias, replicated = qkv_bias + i, 2 * h + 4 * h
+    matrices = _layer_matrices(c)
     return matrices + sharded_bias + replicated, matrices + sharded_bias
 
 
 def _embedding_params(c: EncoderConfig) -> tuple[int, int]:
     e = c.embedding_size
     word = c.vocab_size * e  # vocab-parallel
+    if c.is_decoder:  # the token table alone (rotary positions have no weights)
+        return word, word
     other = (c.max_position_embeddings + c.type_vocab_size) * e + 2 * e
     if c.projects_embeddings:  # ELECTRA: E -> H, replicated
         other += e * c.hidden_size + c.hidden_size
@@ -62,7 +80,7 @@ def _embedding_params(c: EncoderConfig) -> tuple[int, int]:
 def analytic_costs(config: EncoderConfig, *, seq_len: int) -> list[UnitCost]:
     """Per-token forward cost of each unit from shapes (FLOPs, elementwise ops weighted 1)."""
     h, i, s = config.hidden_size, config.intermediate_size, seq_len
-    layer_flops = 2 * (4 * h * h + 2 * h * i) + 4 * s * h  # projections + QK^T and AV
+    layer_flops = 2 * _layer_matrices(config) + 4 * s * config.num_heads * config.head_dim  # + QK^T, AV
     layer_elementwise = 12 * h + i + 5 * config.num_heads * s  # norms, residuals, act, softmax
     units = [UnitCost("embeddings", 10.0 * h, *_embedding_params(config), shard_row=h)]
     lp, ls = _layer_params(config)
@@ -70,7 +88,8 @@ def analytic_costs(config: EncoderConfig, *, seq_len: int) -> list[UnitCost]:
         UnitCost(f"layer.{k}", float(layer_flops + layer_elementwise), lp, ls, shared=config.shares_layers)
         for k in range(config.num_layers)
     ]
-    units.append(UnitCost("qa_head", float(4 * h + 2), 2 * h + 2, 0))
+    final_norm = h if config.is_decoder else 0  # a decoder's last norm sits before the head
+    units.append(UnitCost("qa_head", float(4 * h + 2 + final_norm), 2 * h + 2 + final_norm, 0))
     return units
 
 
@@ -84,11 +103,11 @@ def profile_costs(
     repeats: int = 3,
 ) -> list[UnitCost]:
     """Measure each unit's forward time (seconds, median of ``repeats``) on random weights."""
-    from models.encoder import EncoderForQA, expand_mask
+    from models.build import new_model
 
-    model = EncoderForQA(config).to(device).eval()
+    model = new_model(dataclasses.replace(config, num_layers=1)).to(device).eval()  # layers are alike
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
-    mask = expand_mask(torch.ones(batch_size, seq_len, dtype=torch.long, device=device))
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
 
     def timed(fn) -> float:
         fn()  # warm-up
@@ -104,13 +123,15 @@ def profile_costs(
         return sorted(samples)[len(samples) // 2]
 
     analytic = analytic_costs(config, seq_len=seq_len)
-    assert model.embeddings is not None and model.qa_outputs is not None
-    hidden = model.embeddings(ids)
-    layer0 = model.layers["0"]
-    head = model.qa_outputs
-    t_emb = timed(lambda: model.embeddings(ids))
-    t_layer = timed(lambda: layer0(hidden, mask))  # layers are identical in shape
+    embeddings, head = model.embeddings, model.qa_outputs
+    assert embeddings is not None and head is not None
+    hidden = embeddings(ids)
+    t_emb = timed(lambda: embeddings(ids))
     t_head = timed(lambda: head(hidden))
+    model.embeddings = None
+    for name in model.head_modules:
+        setattr(model, name, None)
+    t_layer = timed(lambda: model(hidden, mask))  # the one layer (and its mask)
     measured = [t_emb] + [t_layer] * config.num_layers + [t_head]
     return [
         UnitCost(u.name, t, u.params, u.sharded_params, u.shard_row, u.shared)
@@ -219,7 +240,8 @@ def serving_memory_bytes(
     dtype_bytes: int = 4,
     inflight: int = 2,
 ) -> int:
-    """One rank serving: weights + one layer's working set + ``inflight`` boundary activations."""
+    """One model on one rank serving: weights + one layer's working set + ``inflight`` boundary
+    activations (the process's own ``RANK_RUNTIME_BYTES`` comes on top, once per process)."""
     act = activation_bytes_per_layer(
         config, batch_size=batch_size, seq_len=seq_len, tp=tp, dtype_bytes=dtype_bytes, training=False
     )
@@ -239,7 +261,8 @@ def training_memory_bytes(
     pp: int,
     dtype_bytes: int = 4,
 ) -> int:
-    """One rank training with Adam under 1F1B: 16 bytes/param + stored activations.
+    """One rank training with Adam under 1F1B: 16 bytes/param + stored activations (+ the process's
+    ``RANK_RUNTIME_BYTES``).
 
     1F1B keeps at most ``pp - stage_index`` micro-batches' activations alive on a stage.
     """

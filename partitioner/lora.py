@@ -21,7 +21,7 @@ then sliced, so every (pp, tp) layout starts from the same adapter. ``shard_spec
 gain the factors' slices, so the checkpoint gatherer treats them like any other sharded tensor
 (and ``partitioner/shard_loading.py`` reads overlay factors slice by slice).
 
-    n = apply_lora(stage, rank=16, alpha=32.0, targets=LORA_TARGETS, seed=0)
+    n = apply_lora(stage, rank=16, alpha=32.0, seed=0)     # targets: lora_targets(stage)
     merged = merged_state_dict(stage)          # W + (alpha/r) B A per linear, local shards
 """
 
@@ -35,19 +35,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.encoder import EncoderForQA
+from models.build import QAModel
 from partitioner.collectives import copy_to_tp, reduce_from_tp
 from partitioner.shard_loading import ShardSlice
 from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
 
-LORA_TARGETS: tuple[str, ...] = (
-    "attention.query",
-    "attention.key",
-    "attention.value",
-    "attention.out",
-    "mlp.up",
-    "mlp.down",
-)
+
+def lora_targets(model: QAModel) -> tuple[str, ...]:
+    """The projections LoRA adapts by default: every linear tensor parallelism shards (q, k, v, out
+    and the MLP's), named inside a layer."""
+    return (*model.column_linears, *model.row_linears)
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -88,11 +85,11 @@ class _LoRAHook:
 
 
 def apply_lora(
-    stage: EncoderForQA,
+    stage: QAModel,
     *,
     rank: int,
     alpha: float,
-    targets: Sequence[str] = LORA_TARGETS,
+    targets: Sequence[str] | None = None,
     seed: int = 0,
 ) -> int:
     """Add LoRA factors to every targeted linear of ``stage``; returns how many linears got one."""
@@ -100,7 +97,7 @@ def apply_lora(
         raise ValueError(f"LoRA rank={rank} must be >= 1")
     count = 0
     for lname, layer in stage.layers.items():
-        for target in targets:
+        for target in targets or lora_targets(stage):
             module = layer.get_submodule(target)
             canonical = f"layers.{lname}.{target}"
             w = module.weight
@@ -124,7 +121,7 @@ def apply_lora(
                 local = w.shape[0]
                 a = a_full  # (r, in), replicated
                 b = torch.zeros(local, rank)  # (out/t, r)
-                specs["lora_B"] = ShardSlice(0, tp_rank * local, local)
+                specs["lora_B"] = ShardSlice(0, module.shard_specs["weight"].start, local)
             else:
                 a, b = a_full, torch.zeros(full_out, rank)
             module.lora_A = nn.Parameter(a.to(device=w.device, dtype=w.dtype).contiguous())
@@ -138,7 +135,7 @@ def apply_lora(
 
 
 def freeze_for_peft(
-    stage: EncoderForQA, *, freeze_layers: int, lora: bool, freeze_embeddings: bool = False
+    stage: QAModel, *, freeze_layers: int, lora: bool, freeze_embeddings: bool = False
 ) -> None:
     """Set ``requires_grad``: with LoRA only the factors, biases, LayerNorms and the QA head train
     (embeddings and base matrices are frozen); with ``freeze_layers=k`` the embeddings and layers

@@ -22,6 +22,7 @@ from typing import Any
 
 from models.config import EncoderConfig
 from partitioner.cost import (
+    RANK_RUNTIME_BYTES,
     InfeasiblePlanError,
     UnitCost,
     analytic_costs,
@@ -64,6 +65,11 @@ class ParallelDims:
         """Reject degrees the model cannot be split into, printing the numbers."""
         if config.num_heads % self.tp:
             raise InfeasiblePlanError(f"tp={self.tp} does not divide num_attention_heads={config.num_heads}")
+        kv = config.num_kv_heads
+        if (kv % self.tp if self.tp <= kv else self.tp % kv) and kv != config.num_heads:
+            raise InfeasiblePlanError(
+                f"tp={self.tp} neither divides num_key_value_heads={kv} nor is a multiple of it"
+            )
         if config.intermediate_size % self.tp:
             raise InfeasiblePlanError(
                 f"tp={self.tp} does not divide intermediate_size={config.intermediate_size}"
@@ -160,8 +166,8 @@ class PartitionPlan:
     def memory_estimates(
         self, config: EncoderConfig, *, batch_size: int, seq_len: int, dtype_bytes: int = 4
     ) -> list[dict[str, int]]:
-        """Per stage, bytes on one rank for serving and for training at this batch/sequence, and for
-        ``dp > 1`` the gradient bytes each rank sends (and receives) per optimizer step in the ring
+        """Per stage, bytes on one rank (its process's runtime included) for serving and for training
+        at this batch/sequence, and for ``dp > 1`` the gradient bytes each rank sends (and receives) per optimizer step in the ring
         all-reduce over its data-parallel group: ``2 (dp - 1) / dp`` x its fp32 gradients (full
         fine-tuning). Training memory is the same at every dp: AdamW state is replicated (no ZeRO)."""
         out = []
@@ -169,10 +175,10 @@ class PartitionPlan:
             kw = dict(n_layers=len(s.layers), batch_size=batch_size, seq_len=seq_len, tp=self.dims.tp)
             out.append(
                 {
-                    "serving_bytes": serving_memory_bytes(
-                        s.params_per_rank, config, dtype_bytes=dtype_bytes, **kw
-                    ),
-                    "training_bytes": training_memory_bytes(
+                    "serving_bytes": RANK_RUNTIME_BYTES
+                    + serving_memory_bytes(s.params_per_rank, config, dtype_bytes=dtype_bytes, **kw),
+                    "training_bytes": RANK_RUNTIME_BYTES
+                    + training_memory_bytes(
                         s.params_per_rank,
                         config,
                         stage_index=s.index,

@@ -1,10 +1,13 @@
-"""``apply_tensor_parallel``: turn a plain ``EncoderForQA`` (or a stage of it) tensor-parallel.
+"""``apply_tensor_parallel``: turn a plain QA model (or a stage of it) tensor-parallel.
 
-One short transform applied after the model is built (on the meta device, before loading):
-Q/K/V and the MLP up-projection become column-parallel (each rank keeps num_heads/tp heads and
-intermediate/tp units), the attention output and MLP down-projection row-parallel (one all-reduce
-after each block), and the word embeddings vocab-parallel. LayerNorms, position/type embeddings and
-the QA head stay replicated. With ``tp_size == 1`` the model is returned untouched.
+One short transform applied after the model is built (on the meta device, before loading): the
+linears a model names as ``column_linears`` (Q/K/V, the MLP's up and gate projections) become
+column-parallel (each rank keeps num_heads/tp heads and intermediate/tp units), its
+``row_linears`` (attention output, MLP down-projection) row-parallel (one all-reduce after each
+block), and the word embeddings vocab-parallel. Grouped-query attention splits its key/value heads
+``tp`` ways too, or, with fewer of them than ranks, gives each rank the one its query heads read.
+Norms, position/type embeddings and the QA head stay replicated. With ``tp_size == 1`` the model
+is returned untouched.
 
     stage = apply_tensor_parallel(stage, tp_rank=r, tp_size=2, group=tp_group)
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from models.encoder import EncoderForQA
+from models.build import QAModel
 from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -25,6 +28,7 @@ def _swap_linear(
     tp_rank: int,
     tp_size: int,
     group: dist.ProcessGroup | None,
+    parts: int | None = None,
 ) -> nn.Module:
     """A sharded ``cls`` with ``old``'s shape, bias, device and dtype (parameters uninitialised)."""
     return cls(
@@ -36,24 +40,31 @@ def _swap_linear(
         bias=old.bias is not None,
         device=old.weight.device,
         dtype=old.weight.dtype,
+        parts=parts,
     )
 
 
+def _swap(layer: nn.Module, name: str, cls: type[ColumnParallelLinear | RowParallelLinear], **kw) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = layer.get_submodule(owner_name)
+    setattr(owner, attr, _swap_linear(getattr(owner, attr), cls, **kw))
+
+
 def apply_tensor_parallel(
-    model: EncoderForQA, *, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None
-) -> EncoderForQA:
+    model: QAModel, *, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None
+) -> QAModel:
     """Replace the model's linears/embeddings by sharded ones (new, uninitialised parameters)."""
     if tp_size == 1:
         return model
     kw = dict(tp_rank=tp_rank, tp_size=tp_size, group=group)
+    kv_parts = min(model.config.num_kv_heads, tp_size)  # fewer key/value heads than ranks: one each, shared
     for layer in {id(m): m for m in model.layers.values()}.values():  # a shared layer (ALBERT) once
-        attn, mlp = layer.attention, layer.mlp
-        attn.query = _swap_linear(attn.query, ColumnParallelLinear, **kw)
-        attn.key = _swap_linear(attn.key, ColumnParallelLinear, **kw)
-        attn.value = _swap_linear(attn.value, ColumnParallelLinear, **kw)
-        attn.out = _swap_linear(attn.out, RowParallelLinear, **kw)
-        mlp.up = _swap_linear(mlp.up, ColumnParallelLinear, **kw)
-        mlp.down = _swap_linear(mlp.down, RowParallelLinear, **kw)
+        for name in model.column_linears:
+            parts = kv_parts if name in model.key_value_linears else None
+            _swap(layer, name, ColumnParallelLinear, parts=parts, **kw)
+        for name in model.row_linears:
+            _swap(layer, name, RowParallelLinear, **kw)
+        model.shard_heads(layer, tp_size)
     if model.embeddings is not None:
         old = model.embeddings.word_embeddings
         model.embeddings.word_embeddings = VocabParallelEmbedding(

@@ -54,19 +54,25 @@ class _ParallelLinear(nn.Module):
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parts: int | None = None,
     ) -> None:
         super().__init__()
+        # ``parts`` < tp (key/value heads fewer than the ranks): the weight is cut into ``parts``
+        # pieces and rank r holds piece r * parts // tp (a piece is replicated on tp / parts ranks)
+        parts = parts or tp_size
         full = [out_features, in_features]
-        if full[self.split_dim] % tp_size:
+        if full[self.split_dim] % parts or (parts < tp_size and tp_size % parts):
             name = ("out_features", "in_features")[self.split_dim]
-            raise ValueError(f"{name}={full[self.split_dim]} not divisible by tp={tp_size}")
+            raise ValueError(
+                f"{name}={full[self.split_dim]} not divisible by tp={tp_size} (in {parts} parts)"
+            )
         self.group = group
-        local = full[self.split_dim] // tp_size
+        local = full[self.split_dim] // parts
         shape = list(full)
         shape[self.split_dim] = local  # (out / tp, in) or (out, in / tp)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
-        spec = ShardSlice(self.split_dim, tp_rank * local, local)
+        spec = ShardSlice(self.split_dim, tp_rank * parts // tp_size * local, local)
         self.shard_specs = {"weight": spec, **({"bias": spec} if self.split_dim == 0 else {})}
 
 

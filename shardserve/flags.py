@@ -2,12 +2,12 @@
 
 The one flag generator of the console script: a ``partitioner.command.Command``'s settings model
 becomes a subparser with a flag per field (``max_seq_len`` -> ``--max-seq-len``), its help the
-field's description (field names in it shown as their flags), ``Literal`` fields as choices, a
-``bool`` as a switch, a list as comma-separated items, and "(default: X)" where there is one; a
-pydantic-settings model's flags also name their ``SHARDSERVE_<NAME>`` variable. A field that is
-itself a settings model (``TrainSettings.gang``) is a section of flags of its own. A
-pydantic-settings model's flags not given stay None, so the environment and then the field's
-default apply (``build_settings``).
+field's description (field names in it shown as their flags), ``Literal`` fields as choices, an
+``int | Literal["auto"]`` field as an integer or that word (``--pp auto``), a ``bool`` as a switch,
+a list as comma-separated items, and "(default: X)" where there is one; a pydantic-settings
+model's flags also name their ``SHARDSERVE_<NAME>`` variable. A field that is itself a settings
+model (``TrainSettings.gang``) is a section of flags of its own. A pydantic-settings model's flags
+not given stay None, so the environment and then the field's default apply (``build_settings``).
 
     add_command(subparsers, PLAN)                      # parser.parse_args -> args.shardserve_command
     settings = build_settings(vars(args), PlanSettings)  # InvalidSettings -> .line() / .usage()
@@ -19,10 +19,10 @@ import argparse
 import re
 import types
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, PlainValidator, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
@@ -77,6 +77,33 @@ def _help(model: type[BaseModel], name: str, field: FieldInfo, snake: str) -> st
     return text.replace("%", "%%")
 
 
+def _int_or_words(annotation: Any) -> tuple[str, ...]:
+    """The words of an ``int | Literal["auto"]`` field (``("auto",)``); empty for any other type."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return ()
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    literals = [a for a in args if typing.get_origin(a) is typing.Literal]
+    if int not in args or len(literals) + 1 != len(args):
+        return ()
+    return tuple(str(w) for lit in literals for w in typing.get_args(lit))
+
+
+def _int_or(words: tuple[str, ...]) -> Callable[[str], int | str]:
+    """argparse's type of an ``int | Literal[...]`` flag: one of ``words`` (``--pp auto``), or an int."""
+
+    def convert(text: str) -> int | str:
+        if text.strip().lower() in words:
+            return text.strip().lower()
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid int value: {text!r} (give an integer or {' or '.join(words)})"
+            ) from None
+
+    return convert
+
+
 def _argument(model: type[BaseModel], name: str, field: FieldInfo, snake: str) -> dict[str, Any]:
     """``add_argument``'s keywords for one field."""
     base = _base(field.annotation)
@@ -92,6 +119,8 @@ def _argument(model: type[BaseModel], name: str, field: FieldInfo, snake: str) -
         return {**kw, "action": "store_true"}
     if typing.get_origin(base) is typing.Literal:
         return {**kw, "choices": typing.get_args(base)}
+    if words := _int_or_words(base):
+        return {**kw, "type": _int_or(words), "metavar": extra.get("metavar") or f"{{N,{','.join(words)}}}"}
     item = typing.get_args(base)[0] if typing.get_origin(base) is list else None
     if extra.get("action") == "append":
         kw.update(action="append", type=_base(item) if item else str)
@@ -99,8 +128,9 @@ def _argument(model: type[BaseModel], name: str, field: FieldInfo, snake: str) -
         kw.update(nargs=extra["nargs"], type=_base(item) if item else str)
     elif item is not None:
         kw.update(type=str, metavar="N,N,...")
-    else:
-        kw.update(type=base if base in (int, float) else str)
+    else:  # a field with a before-validator reads the text itself (``--max-memory-per-rank 4GiB``)
+        reads_text = any(isinstance(m, BeforeValidator | PlainValidator) for m in field.metadata)
+        kw.update(type=base if base in (int, float) and not reads_text else str)
     kw.setdefault("metavar", extra.get("metavar") or _key(name, field).upper())
     return kw
 

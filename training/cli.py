@@ -150,6 +150,38 @@ def network_problem(args: TrainSettings) -> tuple[str | None, GangNetwork | None
     return None, dataclasses.replace(flags.network(), program=TRAIN_PROGRAM)
 
 
+def fit_train_layout(args: TrainSettings) -> TrainSettings:
+    """``args`` with ``--pp``/``--tp auto`` replaced by the fewest ranks whose every rank fits
+    ``--max-memory-per-rank`` by the training estimate (``partitioner/fit.py``: weights, gradients and
+    AdamW state + 1F1B's activations of ``--micro-batch-size x --max-seq-len`` in the compute
+    precision); an explicit layout is only checked. ``LayoutDoesNotFit`` with the numbers otherwise."""
+    from models.registry import resolve_model
+    from partitioner.fit import fit_layout, memory_budget
+    from partitioner.precision import resolve_dtype
+
+    config = resolve_model(args.model).config
+    budget = memory_budget(
+        args.max_memory_per_rank,
+        device=args.device,
+        batch_size=args.micro_batch_size,
+        seq_len=args.max_seq_len,
+        dtype=resolve_dtype(args.precision, args.device),
+        training=True,
+    )
+    choice = fit_layout(
+        {args.model: config},
+        pp=args.pp,
+        tp=args.tp,
+        budget=budget,
+        device=args.device,
+        boundaries=args.boundaries,
+        remedy="raise --max-memory-per-rank, or lower --micro-batch-size / --max-seq-len",
+    )
+    if choice.auto:
+        print(f"train: {choice.line()}", flush=True)
+    return args.model_copy(update={"pp": choice.dims.pp, "tp": choice.dims.tp})
+
+
 def stopped_run_hint(output: Path) -> str:
     """Where a run stopped early (Ctrl-C, SIGTERM) stands: the checkpoint ``--resume`` continues
     from, or how to start again when none was written."""
@@ -182,13 +214,16 @@ def _train(args: TrainSettings) -> int:
     from training.driver import train
     from training.squad_data import SquadFormatError
 
-    problem, network = network_problem(args)
     problem = (
-        problem
-        or flag_conflict(args)
+        flag_conflict(args)
         or input_file_error(args.train_file, "--train-file")
         or input_file_error(args.eval_file, "--eval-file")
     )
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    args = fit_train_layout(args)  # LayoutDoesNotFit: one line, exit 2 (shardserve/errors.py), no weights yet
+    problem, network = network_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -302,7 +337,7 @@ TRAIN = Command(
     settings=TrainSettings,
     run=cmd_train,
     groups=TRAIN_GROUPS,
-    invalid="invalid gang settings",
+    invalid="invalid train settings",
 )
 EVAL = Command(
     "eval",

@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 
 from models.qa_windows import WindowConfig
 from partitioner.command import Settings
+from partitioner.fit import DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
 from partitioner.precision import PRECISION_CHOICES
 from partitioner.runtime.gang_flags import GangFlags
 from partitioner.schedules import SCHEDULES
@@ -300,8 +301,16 @@ class TrainSettings(WindowSettings):
         "has been read and checked)"
     )
     # ---- parallelism
-    pp: int = Field(_default("pp"), description="pipeline stages")
-    tp: int = Field(_default("tp"), description="tensor-parallel ranks per stage")
+    pp: Degree = Field(_default("pp"), description=f"pipeline stages, {DEGREE_HELP}")
+    tp: Degree = Field(_default("tp"), description=f"tensor-parallel ranks per stage, {DEGREE_HELP}")
+    max_memory_per_rank: MemorySize = Field(
+        None,
+        description=f"{MEMORY_HELP}. Estimated for training: weights, gradients and AdamW state (16 B/param, "
+        "full fine-tuning: an overestimate with LoRA or frozen layers) + the activations 1F1B keeps of "
+        "micro_batch_size x max_seq_len windows. With resume, auto must pick the checkpoint's layout "
+        "unless elastic",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     dp: int = Field(
         _default("dp"),
         description="data-parallel copies of the pp x tp pipeline (dp*pp*tp ranks); each runs batch/micro/dp "
@@ -406,7 +415,7 @@ TRAIN_GROUPS: dict[str, tuple[str, ...]] = {  # train's help sections
         "model", "train_file", "eval_file", "holdout_articles", "split_seed", "max_train_examples",
         "max_eval_examples", "max_seq_len", "doc_stride", "max_question_len", "output",
     ),
-    "parallelism": ("pp", "tp", "dp", "bucket_mb", "boundaries", "schedule", "device", "precision", "threads_per_rank"),
+    "parallelism": ("pp", "tp", "max_memory_per_rank", "dp", "bucket_mb", "boundaries", "schedule", "device", "precision", "threads_per_rank"),
     "a gang across hosts (the same flags as serve's; each external rank runs `shardserve worker` on its "
     "host; rank 0 stays here)": ("gang",),
     "optimisation": (

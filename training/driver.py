@@ -124,6 +124,17 @@ def train(
             f"freeze_layers={cfg.freeze_layers}: every layer of this {source.config.arch} model is the same "
             "shared layer; freeze it all with --lora-rank, or train it (freeze_embeddings freezes the rest)"
         )
+    if cfg.freeze_layers and source.config.has_stage_copies:
+        raise TrainConfigError(
+            f"freeze_layers={cfg.freeze_layers}: every layer of this {source.config.arch} model reads its "
+            "relative-position table, which trains with the layers; use --lora-rank or --freeze-embeddings"
+        )
+    if cfg.tp > source.config.num_kv_heads:
+        raise TrainConfigError(
+            f"tp={cfg.tp} > num_key_value_heads={source.config.num_kv_heads}: ranks sharing a key/value head "
+            f"would each train their own copy of it; train at tp <= {source.config.num_kv_heads} (serving may "
+            "use more)"
+        )
     precision = resolve_dtype(cfg.precision, plan.devices[0])  # PrecisionError names the device
     mode = "no autocast" if precision.name == "float32" else "autocast, fp32 master weights"
     logger.info("precision: %s %s (%s)", precision.name, mode, precision.reason)

@@ -127,7 +127,6 @@ class EvalInputs:
 def eval_inputs(cfg: EvalConfig, source: Any) -> EvalInputs:
     """The questions of ``cfg`` windowed with ``source``'s tokenizer, in batches trimmed to their
     longest window; EvalConfigError for a window the model or the tokenizer cannot take."""
-    from transformers import AutoTokenizer
 
     from training.features import build_eval_features
 
@@ -136,7 +135,7 @@ def eval_inputs(cfg: EvalConfig, source: Any) -> EvalInputs:
             f"max_seq_len={cfg.window.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
         )
     examples = _examples(cfg)
-    tok = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    tok = source.tokenizer()
     try:
         cfg.window.check_tokenizer(tok)
     except (ValueError, TypeError) as exc:

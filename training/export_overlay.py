@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from models.build import build_model
 from models.registry import resolve_model
-from partitioner.lora import LORA_TARGETS
+from partitioner.lora import lora_targets
 from training.checkpoint import OVERLAY_FILE, read_state
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def low_rank_overlay(
     """The overlay of a fully fine-tuned ``checkpoint`` over ``base``, at most ``max_bytes``.
 
     Tensors that equal the base's are left out (unless the base only initialised them, like a
-    missing QA head); changed projections (``LORA_TARGETS``) are stored as
+    missing QA head); changed projections (``lora_targets``) are stored as
     ``lora_B @ lora_A`` = their update's best rank-r approximation (truncated SVD, the factors sharing
     the singular values as ``U sqrt(S)`` and ``sqrt(S) V^T``); every other changed tensor is stored
     whole. Ranks: the rank-one terms of all projections are taken in order of ``sigma^2`` per byte
@@ -87,6 +87,7 @@ def low_rank_overlay(
         raise ValueError(
             f"{checkpoint} and {base} are different architectures: {sorted(ft.keys() ^ ref.keys())}"
         )
+    projections = lora_targets(base_model)
     item = torch.empty((), dtype=dtype).element_size()
     whole: dict[str, torch.Tensor] = {}
     svds: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -94,7 +95,7 @@ def low_rank_overlay(
         if torch.equal(w, ref[name]) and name not in not_in_base:
             continue
         owner = name.removesuffix(".weight")
-        if name.endswith(".weight") and owner.endswith(LORA_TARGETS):
+        if name.endswith(".weight") and owner.endswith(projections):
             svds[owner] = torch.linalg.svd((w - ref[name]).double(), full_matrices=False)  # U, S, Vh
         else:
             whole[name] = w

@@ -355,13 +355,12 @@ def prepare_data(cfg: TrainConfig, source: ModelSource, *, show_progress: bool =
     when ``eval_features`` is first used. Otherwise the data is read and checked before
     ``cfg.output`` is created (`create_output_dir`), so a bad data file leaves no empty run directory.
     """
-    from transformers import AutoTokenizer
 
     sha = sha256_file(cfg.train_file)
     out = Path(cfg.output) / ".cache" / f"features-{features_key(cfg, source, train_sha256=sha)}.safetensors"
 
     def tokenizer() -> Any:
-        return AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+        return source.tokenizer()
 
     if out.is_file():
         with safe_open(str(out), framework="pt", device="cpu") as f:

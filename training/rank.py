@@ -54,7 +54,7 @@ from torch import nn
 
 from models.registry import ModelSource
 from partitioner.data_parallel import GradReducer
-from partitioner.lora import LORA_TARGETS, apply_lora, freeze_for_peft
+from partitioner.lora import apply_lora, freeze_for_peft
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
 from partitioner.precision import DTYPES, DynamicLossScale, autocast_for
@@ -118,14 +118,15 @@ def trim(*tensors: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 def apply_peft(stage: nn.Module, cfg: TrainConfig) -> None:
     """LoRA factors and/or frozen layers, as the config asks (full fine-tuning otherwise).
 
-    Tensors the loss cannot see are always frozen (``NULL_SPACE``): every attention key bias adds
+    Tensors the loss cannot see are always frozen (``NULL_SPACE``): every encoder attention key bias adds
     ``q . b_k``, the same for every key, to a softmax over keys; the QA head bias and the last
     layer's output LayerNorm bias add one constant to every start (end) logit, which the softmax
     over positions ignores. Their true gradient is exactly zero; AdamW would only turn round-off
-    into lr-sized random steps (different for every summation order, i.e. every layout).
+    into lr-sized random steps (different for every summation order, i.e. every layout). (A rotary
+    model's key bias is rotated by each key's position, so the loss does see it: it trains.)
     """
     if cfg.lora_rank > 0:
-        apply_lora(stage, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=LORA_TARGETS, seed=cfg.seed)
+        apply_lora(stage, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     freeze_for_peft(
         stage,
         freeze_layers=cfg.freeze_layers,
@@ -164,14 +165,15 @@ LABELS: dict[str, tuple[str, str]] = {  # answer_occurrences -> (start, end) lab
 
 
 def shared_layer_params(stage: nn.Module) -> list[nn.Parameter]:
-    """The parameters of a layer every stage holds a copy of (ALBERT's one layer), in a fixed order;
-    none for other models."""
-    return list(stage.layers.parameters()) if stage.config.shares_layers else []
+    """The parameters every stage holds a copy of (ALBERT's one layer, DeBERTa's relative-position
+    table), in a fixed order; none for other models."""
+    part = stage.stage_copies()
+    return [] if part is None else list(part.parameters())
 
 
 def _sync_shared_grads(stage: nn.Module, ctx: RankContext) -> None:
-    """Sum the shared layer's gradients over the stages (each copy saw only its stage's layers), so
-    every copy takes the same step as the one layer of the unpartitioned model."""
+    """Sum the shared parameters' gradients over the stages (each copy saw only its stage's layers),
+    so every copy takes the same step as the one of the unpartitioned model."""
     params = [p for p in shared_layer_params(stage) if p.requires_grad]
     if ctx.shared_group is None or not params:
         return
@@ -185,7 +187,7 @@ def _sync_shared_grads(stage: nn.Module, ctx: RankContext) -> None:
 
 def _global_grad_norm(stage: nn.Module, ctx: RankContext) -> torch.Tensor:
     """sqrt(sum of squared grads over the model): sharded tensors counted on every tp rank,
-    replicated ones on tp rank 0 only, a layer shared by the stages (ALBERT) on stage 0 only,
+    replicated ones on tp rank 0 only, parameters every stage holds a copy of on stage 0 only,
     summed over this replica's pp x tp ranks with one all-reduce (after the data-parallel
     reduction every replica holds the same gradients)."""
     specs = shard_specs_of(stage)

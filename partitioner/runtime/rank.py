@@ -305,7 +305,7 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
         dp_rank = plan.dims.dp_rank(rank)
         tp_group = tp_group_for(plan, stage, dp_rank)
         dp_group, mp_group = dp_groups_for(plan, rank)
-        shared_group = shared_layer_group_for(plan, rank) if spec.source.config.shares_layers else None
+        shared_group = shared_layer_group_for(plan, rank) if spec.source.config.has_stage_copies else None
         ctx = RankContext(
             rank,
             stage,

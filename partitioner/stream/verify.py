@@ -67,6 +67,7 @@ SAMPLES: list[tuple[str, str]] = [
 # (tests/partitioner/test_precision.py); fp16 keeps 3 more bits.
 TOLERANCES: dict[str, float] = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}
 MAX_ANSWER_TOKENS = 30
+SAMPLE_SEQ_LEN = 256  # the longest sample window (tokens); the largest batch is all of SAMPLES
 
 
 @dataclass
@@ -94,11 +95,12 @@ class VerifyResult:
         return self.max_abs <= self.tolerance
 
 
-def sample_batches(source: ModelSource, *, max_seq_len: int = 256) -> list[dict[str, torch.Tensor]]:
+def sample_batches(
+    source: ModelSource, *, max_seq_len: int = SAMPLE_SEQ_LEN
+) -> list[dict[str, torch.Tensor]]:
     """Padded micro-batches of mixed lengths: all samples together, one short one, the long pair."""
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    tok = source.tokenizer()
     max_len = min(max_seq_len, source.config.max_seq_len)
 
     def encode(pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ the check itself is ``partitioner/stream/verify.py``.
 
     shardserve verify --model tiny-roberta --pp 2 --tp 2
     shardserve verify --model default --pp 2 --dtype bfloat16
+    shardserve verify --model default --tp auto --max-memory-per-rank 450MiB  # the fewest ranks that fit
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from partitioner.command import Command, at_least, positive_number
 from partitioner.compiled import COMPILE_CHOICES, resolve_compile
 from partitioner.plan import ParallelDims
 from partitioner.precision import resolve_dtype
-from partitioner.stream.verify import TOLERANCES, verify_partitioned
+from partitioner.stream.verify import SAMPLE_SEQ_LEN, SAMPLES, TOLERANCES, verify_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,25 @@ def cmd_verify(args: VerifySettings) -> int:
     """``shardserve verify``: the partitioned logits against the reference; exit 1 above the tolerance."""
     source = resolve_model(args.model)
     choice = resolve_dtype(args.dtype, args.device)
-    compiled = resolve_compile(args.compile, device=args.device, tp=args.tp)
+    # the layout, checked against --max-memory-per-rank at verify's largest batch before a rank starts
+    cfg = source.config
+    seq_len = min(SAMPLE_SEQ_LEN, cfg.max_seq_len)
+    layout = args.layout(
+        source.name,
+        cfg,
+        batch_size=len(SAMPLES),
+        seq_len=seq_len,
+        dtype=choice,
+        remedy="raise --max-memory-per-rank (verify's sample batch is fixed)",
+    )
+    if layout.auto or args.max_memory_per_rank is not None:
+        print(layout.line(), flush=True)
+    dims = layout.dims
+    compiled = resolve_compile(args.compile, device=args.device, tp=dims.tp)
     logger.info("dtype %s (%s), compile %s", choice.name, choice.reason, args.compile)
     result = verify_partitioned(
         source,
-        ParallelDims(pp=args.pp, tp=args.tp),
+        ParallelDims(pp=dims.pp, tp=dims.tp),
         tolerance=args.tolerance,
         threads_per_rank=args.threads_per_rank,
         boundaries=args.boundaries,
@@ -62,7 +77,7 @@ def cmd_verify(args: VerifySettings) -> int:
     )
     verdict = "PASS" if result.passed else "FAIL"
     print(
-        f"{verdict} model={source.name} pp={args.pp} tp={args.tp} dtype={result.dtype}"
+        f"{verdict} model={source.name} pp={dims.pp} tp={dims.tp} dtype={result.dtype}"
         f"{' compiled' if compiled else ''} "
         f"batches={result.batch_shapes} max|d start|={result.max_abs_start:.3g} "
         f"max|d end|={result.max_abs_end:.3g} tolerance={result.tolerance:g} "

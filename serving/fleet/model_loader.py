@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 
-from transformers import AutoTokenizer
-
 from models.hf_weights import CheckpointError, CheckpointReader
 from models.registry import ModelSource, resolve_model
 from partitioner.plan import ParallelDims
@@ -43,7 +41,7 @@ def load_generation(config: FleetConfig, name: str, *, generation: int) -> Model
             f"max_seq_len={config.max_seq_len} exceeds the model's {source.config.max_seq_len} positions"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+        tokenizer = source.tokenizer()
     except Exception as err:  # transformers / tokenizers raise anything here (KeyError, JSON errors, ...)
         raise CheckpointError(f"{source.tokenizer_dir}: the tokenizer cannot be loaded: {err!r}") from err
     if not getattr(tokenizer, "is_fast", False):

@@ -65,6 +65,7 @@ from serving.engine.core import Engine
 from serving.engine.repository import ModelRepository
 from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
 from serving.frontend.access import AccessMiddleware, include_protected
+from serving.frontend.layout import fit_serve_layout
 from serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from serving.frontend.pages import install_pages
 from serving.frontend.routes import admin_router, api_router, health_router
@@ -320,6 +321,9 @@ def build_app(
     """The server application; ``backend_factory`` replaces real gangs (tests); ``models``: generations
     already loaded by ``load_model``, by public name (the CLI checks the models before uvicorn starts)."""
     settings = settings or ServeSettings()
+    if settings.auto_layout:  # pp/tp auto: the fewest ranks that fit (the CLI chose it already)
+        settings, chosen = fit_serve_layout(settings)
+        logger.info("%s", chosen)
     app = FastAPI(
         title="shardserve",
         version="0.1.0",

@@ -2,6 +2,7 @@
 
     shardserve serve                                  # default model, 0.0.0.0:8000, 1 replica, pp=1 tp=1
     shardserve serve --model tiny-bert --pp 2 --min-replicas 1 --max-replicas 3 --admin-token s3cret
+    shardserve serve --model default --pp auto --max-memory-per-rank 2GiB   # the fewest ranks that fit
     SHARDSERVE_PORT=9000 shardserve serve             # every flag has a SHARDSERVE_<NAME> variable
     shardserve serve --help                           # every flag, its default and its variable
 
@@ -33,6 +34,7 @@ import uvicorn
 
 from partitioner.command import Command
 from partitioner.runtime.gang_flags import GANG_FIELDS
+from serving.frontend.layout import fit_serve_layout
 from serving.frontend.placement_flags import PLACEMENT_FIELDS
 from serving.frontend.settings import ServeSettings
 from serving.redact import one_line
@@ -123,6 +125,13 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
         if port is not None and (problem := bind_problem(settings.host, port, flag=flag)):
             print(f"error: {problem}", file=sys.stderr)  # before the model loads (seconds)
             return 2
+    try:  # --pp/--tp auto chosen, and the layout checked against --max-memory-per-rank: no weights yet
+        settings, chosen = fit_serve_layout(settings)
+    except ValueError as err:  # LayoutDoesNotFit / InfeasiblePlanError, or the chosen layout's problems
+        print(f"error: {err}", file=sys.stderr)  # one line of numbers, whole (one_line would cut it)
+        return 2
+    if chosen is not None:
+        print(f"shardserve: {chosen}", flush=True)
     # fail fast, in one line, on what a user gets wrong: model, weights, partition, limits; of several
     # models, one that fails is reported and the others served (it fails only when none loads)
     fleet = settings.fleet_config()  # the models and the pool are checked at any dtype

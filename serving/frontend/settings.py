@@ -24,6 +24,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 from models.qa_windows import WindowConfig
 from partitioner.command import split_list
 from partitioner.compiled import COMPILE_CHOICES
+from partitioner.fit import AUTO, DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
 from partitioner.precision import DTYPE_CHOICES
 from partitioner.runtime.gang_flags import GangFlags, secret_from_file
 from serving.config import (
@@ -93,8 +94,15 @@ class ServeSettings(GangFlags, PlacementFlags):
         "NAME, after the model flags; POST /v2/repository/models/NAME/load and /unload (admin token) "
         "change the served models live",
     )
-    pp: int = Field(1, ge=1, description="pipeline-parallel stages per replica gang")
-    tp: int = Field(1, ge=1, description="tensor-parallel ranks per stage")
+    pp: Degree = Field(1, description=f"pipeline-parallel stages per replica gang, {DEGREE_HELP}")
+    tp: Degree = Field(1, description=f"tensor-parallel ranks per stage, {DEGREE_HELP}")
+    max_memory_per_rank: MemorySize = Field(
+        None,
+        description=f"{MEMORY_HELP}; on cuda divided by ranks_per_gpu. Estimated for a micro-batch of "
+        "max_batch_size windows (at most max_batch_tokens / max_seq_len) of max_seq_len tokens; every "
+        "model must fit the one layout",
+        json_schema_extra={"metavar": "SIZE"},
+    )
     threads_per_rank: int | None = Field(
         None,
         ge=1,
@@ -283,9 +291,6 @@ class ServeSettings(GangFlags, PlacementFlags):
                 f"replicas={self.replicas} cannot be combined with min_replicas={self.min_replicas} / "
                 f"max_replicas={self.max_replicas}"
             )
-        lo, hi = self.replica_bounds
-        if lo > hi:
-            problems.append(f"min_replicas={lo} > max_replicas={hi}")
         if self.length_buckets and self.length_buckets[-1] < self.max_seq_len:
             problems.append(
                 f"largest length bucket {self.length_buckets[-1]} < max_seq_len={self.max_seq_len}: "
@@ -317,13 +322,36 @@ class ServeSettings(GangFlags, PlacementFlags):
             problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
         if self.compile not in COMPILE_CHOICES:
             problems.append(f"compile={self.compile!r} must be one of {', '.join(COMPILE_CHOICES)}")
-        problems += self._gang_problems()
+        if self.placement is not None and "max_memory_per_rank" in self.model_fields_set:
+            problems.append("max_memory_per_rank does not apply with placement (its device_memory_mb does)")
+        problems += [] if self.auto_layout else self._layout_problems()
         problems += self.placement_problems(self.model_fields_set)
         if problems:
             raise ValueError("invalid settings: " + "; ".join(problems))
-        self.scheduler_config()  # raises with the numbers
-        self.autoscaling_config()
+        if not self.auto_layout:  # else with_layout checks these, once the layout is chosen
+            self.scheduler_config()  # raises with the numbers
+            self.autoscaling_config()
         return self
+
+    @property
+    def auto_layout(self) -> bool:
+        """pp or tp is ``auto``: the layout is chosen at start (``partitioner/fit.py``, ``with_layout``)."""
+        return self.pp == AUTO or self.tp == AUTO
+
+    def with_layout(self, pp: int, tp: int) -> ServeSettings:
+        """These settings with the layout ``pp`` x ``tp`` (what ``auto`` chose), checked as a layout
+        given as flags is (``ValueError`` with the numbers)."""
+        out = self.model_copy(update={"pp": pp, "tp": tp})
+        if problems := out._layout_problems():
+            raise ValueError("invalid settings: " + "; ".join(problems))
+        out.scheduler_config()
+        out.autoscaling_config()
+        return out
+
+    def _layout_problems(self) -> list[str]:
+        """The problems that need pp and tp as numbers: the replica bounds, the gang across hosts."""
+        lo, hi = self.replica_bounds
+        return ([f"min_replicas={lo} > max_replicas={hi}"] if lo > hi else []) + self._gang_problems()
 
     def _model_problems(self) -> list[str]:
         flags = self.model or []

@@ -27,10 +27,33 @@ def test_tiny_presets_map(name):
     cfg = EncoderConfig.from_hf_dict(TINY_PRESETS[name])
     assert cfg.hidden_size == 64 and cfg.num_layers == 6 and cfg.num_heads == 4
     types = {"tiny-roberta": 1, "tiny-xlm-roberta": 1, "tiny-distilbert": 0}
+    types |= dict.fromkeys(("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-deberta-v2"), 0)
     assert cfg.type_vocab_size == types.get(name, 2)
+    assert cfg.is_decoder == (name in ("tiny-llama", "tiny-qwen2", "tiny-mistral"))
+    assert (cfg.num_kv_heads, cfg.gated_mlp) == ((2, True) if cfg.is_decoder else (4, False))
     assert cfg.projects_embeddings == (name in ("tiny-electra", "tiny-albert"))
     assert cfg.embedding_size == (32 if cfg.projects_embeddings else 64)
     assert cfg.shares_layers == (name == "tiny-albert")
+
+
+def test_decoder_configs_keep_their_whole_config_for_transformers():
+    cfg = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-qwen2"])
+    assert cfg.qkv_bias and cfg.max_seq_len == 512 and not cfg.uses_token_types
+    assert json.loads(cfg.hf_config_json)["num_key_value_heads"] == 2
+    assert not EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-llama"]).qkv_bias
+    with pytest.raises(
+        ModelConfigError, match="num_attention_heads=4 is not a multiple of num_key_value_heads=3"
+    ):
+        EncoderConfig.from_hf_dict({**TINY_PRESETS["tiny-llama"], "num_key_value_heads": 3})
+    with pytest.raises(ModelConfigError, match="missing field 'intermediate_size' for model_type='mistral'"):
+        EncoderConfig.from_hf_dict(
+            {k: v for k, v in TINY_PRESETS["tiny-mistral"].items() if k != "intermediate_size"}
+        )
+
+
+def test_deberta_with_a_convolution_is_refused_with_its_number():
+    with pytest.raises(ModelConfigError, match="conv_kernel_size=3 is unsupported"):
+        EncoderConfig.from_hf_dict({**TINY_PRESETS["tiny-deberta-v2"], "conv_kernel_size": 3})
 
 
 def test_roberta_max_seq_len_reserves_padding_offset():

@@ -148,6 +148,10 @@ def test_best_spans_respects_order_length_and_padding():
         ("tiny-xlm-roberta", 2, 2),
         ("tiny-electra", 2, 2),
         ("tiny-albert", 2, 2),
+        ("tiny-deberta-v2", 2, 2),
+        ("tiny-llama", 2, 2),
+        ("tiny-qwen2", 2, 2),
+        ("tiny-mistral", 2, 2),
     ],
 )
 def test_bf16_gang_stays_within_the_stated_bound(name, pp, tp):

@@ -116,11 +116,25 @@ def test_pp2_answers_equal_the_single_process_reference(live: TestClient) -> Non
     assert PAIRS[3][1] and responses[3].json()["windows"] > 1
 
 
-@pytest.mark.parametrize("name", ["tiny-xlm-roberta", "tiny-electra", "tiny-albert"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny-xlm-roberta",
+        "tiny-electra",
+        "tiny-albert",
+        "tiny-deberta-v2",
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-mistral",
+    ],
+)
 def test_each_family_answers_as_its_single_process_model_with_exact_offsets(name: str) -> None:
-    """A pp=2 gang of each family the encoder serves beside BERT: XLM-RoBERTa (SentencePiece-style
-    tokenizer, no token types, padding-offset positions), ELECTRA (projected embeddings) and ALBERT
-    (one layer shared by all; a lower-cased SentencePiece-style tokenizer with token types)."""
+    """A pp=2 gang of each family beside BERT: XLM-RoBERTa (SentencePiece-style tokenizer, no token
+    types, padding-offset positions), ELECTRA (projected embeddings), ALBERT (one layer shared by
+    all; a lower-cased SentencePiece-style tokenizer with token types), and on transformers' modules
+    DeBERTa-v3 (disentangled relative attention; a cased SentencePiece-style tokenizer) and the decoders: Llama and Mistral (SentencePiece-style BPE, no pad token; Mistral's
+    sliding window is shorter than the windows) and Qwen2 (byte-level BPE whose spans hold their
+    leading space, no separator between question and context)."""
     settings = ServeSettings(
         model=name,
         pp=2,

@@ -46,6 +46,25 @@ def test_train_with_a_missing_or_non_squad_file_is_one_line(
     )
 
 
+def test_train_refuses_a_layout_over_max_memory_per_rank_before_any_weight_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from models import hf_weights
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights were opened before the layout was refused")
+
+    monkeypatch.setattr(hf_weights.CheckpointReader, "__init__", refuse)
+    squad = tmp_path / "squad.json"
+    squad.write_text('{"data": []}')
+    argv = ["train", "--model", "tiny-bert", "--train-file", str(squad), "--output", str(tmp_path / "run")]
+    argv += ["--no-progress", "--max-memory-per-rank", "1MiB"]
+    err = _one_line_error(capsys, argv, "pp=1 x tp=1 needs ", "weights, gradients and AdamW state")
+    assert "micro-batch 8 x seq 256" in err and "--max-memory-per-rank is 1.0 MiB" in err, err
+    _one_line_error(capsys, [*argv, "--tp", "auto"], "no layout of pp=1 x tp=1,2,4 ", "the leanest")
+    assert not (tmp_path / "run").exists()
+
+
 def test_eval_with_a_missing_or_non_squad_file_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,8 +1,9 @@
 """Gang runtime over real gloo worker processes: parity, per-rank shards, failures, shutdown.
 
 Parity: the partitioned gang's start/end logits match ``transformers`` within 1e-4 (fp32, CPU)
-on padded batches of mixed lengths, for tiny BERT / RoBERTa / DistilBERT at every (pp, tp) of the
-acceptance matrix and for the real MiniLM weights at (2, 2).
+on padded batches of mixed lengths, for every family's tiny checkpoint (encoders and the Llama /
+Qwen2 / Mistral decoders) at every (pp, tp) of the acceptance matrix, for grouped-query attention
+with more ranks than key/value heads, and for the real MiniLM weights at (2, 2).
 """
 
 from __future__ import annotations
@@ -37,13 +38,30 @@ DIMS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny-bert", "tiny-roberta", "tiny-xlm-roberta", "tiny-electra", "tiny-albert", "tiny-distilbert"],
+    [
+        "tiny-bert",
+        "tiny-roberta",
+        "tiny-xlm-roberta",
+        "tiny-electra",
+        "tiny-albert",
+        "tiny-distilbert",
+        "tiny-deberta-v2",
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-mistral",
+    ],
 )
 @pytest.mark.parametrize(("pp", "tp"), DIMS)
 def test_parity_with_transformers(name, pp, tp):
     result = verify_partitioned(resolve_model(name), ParallelDims(pp=pp, tp=tp), tolerance=TOLERANCE)
     assert result.passed, f"max |diff| {result.max_abs:.3g} > {TOLERANCE}"
     assert {s[1] for s in result.batch_shapes} != 1  # mixed padded lengths
+
+
+def test_parity_with_more_ranks_than_key_value_heads():
+    """tp=4 over 2 key/value heads: each rank holds the one (with its bias) its query head reads."""
+    result = verify_partitioned(resolve_model("tiny-qwen2"), ParallelDims(pp=1, tp=4))
+    assert result.passed, f"max |diff| {result.max_abs:.3g} > {TOLERANCE}"
 
 
 def test_parity_real_minilm_pp2_tp2():

@@ -107,6 +107,23 @@ def test_serve_float16_on_a_cpu_without_fp16_units_is_one_line(
     assert err.startswith("error: float16 is not supported on cpu (Test CPU"), err
 
 
+def test_serve_refuses_a_layout_over_max_memory_per_rank_before_any_weight_loads(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from models import hf_weights
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights were opened before the layout was refused")
+
+    monkeypatch.setattr(hf_weights.CheckpointReader, "__init__", refuse)
+    argv = ["serve", "--model", "tiny-bert", "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--max-memory-per-rank", "1MiB"]
+    err = _one_line_error(capsys, argv, "on rank 0 (", " weights ", "--max-memory-per-rank is 1.0 MiB")
+    assert err.startswith("error: pp=1 x tp=1 needs ") and "at batch 21 x seq 384" in err, err
+    err = _one_line_error(capsys, [*argv, "--pp", "auto"], "no layout of pp=1..6 x tp=1 ", "the leanest")
+    assert err.endswith("lower --max-batch-size / --max-batch-tokens / --max-seq-len"), err
+
+
 def test_log_level_is_accepted_after_the_subcommand() -> None:
     parser = build_parser()
     assert parser.parse_args(["serve", "--log-level", "info"]).log_level == "INFO"

@@ -129,3 +129,23 @@ def test_a_gang_larger_than_the_gpus_names_ranks_per_gpu(gpus):
         device_pool(ServeSettings(device="cuda", pp=2).fleet_config())
     with pytest.raises(ValidationError, match="ranks_per_gpu=2 applies to device=cuda only"):
         ServeSettings(ranks_per_gpu=2)
+
+
+def test_pp_auto_is_chosen_at_start_and_the_chosen_layout_is_checked_then(cores):
+    """``--pp auto``: the settings validate without a layout; ``fit_serve_layout`` picks the fewest
+    ranks that fit ``--max-memory-per-rank`` and checks them as a given layout (partitioner/fit.py)."""
+    from partitioner.fit import parse_size
+    from serving.frontend.layout import fit_serve_layout
+
+    cores(8)
+    s = ServeSettings(model=["tiny-bert"], pp="auto", tp="auto", max_memory_per_rank="1GiB")
+    assert s.auto_layout and s.max_memory_per_rank == parse_size("1GiB")
+    fitted, chosen = fit_serve_layout(s)
+    assert (fitted.pp, fitted.tp) == (1, 1) and not fitted.auto_layout  # tiny-bert fits one rank
+    assert chosen is not None and chosen.startswith("layout chosen by auto")
+    assert fitted.replica_bounds == (8, 8) and fitted.fleet_config().world_size == 1
+    assert fit_serve_layout(ServeSettings(model=["tiny-bert"]))[1] is None  # a given layout: checked only
+    with pytest.raises(ValueError, match="must be an integer greater than"):
+        ServeSettings(tp="0")
+    with pytest.raises(ValueError, match="max_memory_per_rank does not apply with placement"):
+        ServeSettings(model=["a=tiny-bert"], placement="dedicated", max_memory_per_rank="1G")

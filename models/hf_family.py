@@ -1,0 +1,177 @@
+"""Families that run on transformers' own modules, described as data: where each keeps its parts.
+
+A ``Family`` names, inside a family's ``transformers`` ``*ForQuestionAnswering`` class, the base
+model's attribute, its embeddings, its list of layers, the Linear layers of a layer that tensor
+parallelism makes column- and row-parallel (and which carry key/value heads), and the attribute an
+attention keeps its head count in. ``HFFamilyForQA`` builds the family's own QA model (on the meta
+device when the caller asks) and keeps its parts under the names the rest of shardserve speaks:
+``embeddings`` (with ``word_embeddings``), ``layers`` (a ``ModuleDict`` keyed by global layer
+index) and ``qa_outputs``; each family's subclass threads the hidden states through whichever parts
+a pipeline stage still holds (``models/decoder.py``: Llama, Qwen2, Mistral; ``models/deberta.py``:
+DeBERTa-v2/v3). Checkpoint names follow from the same data (``Family.checkpoint_name``).
+
+    model = new_model(resolve_model("tiny-llama").config)    # models.build
+    model.layers["3"]                                          # transformers' LlamaDecoderLayer
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.config import EncoderConfig
+
+_DECODER_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family keeps its parts, as names inside ``transformers``' modules."""
+
+    qa_class: str
+    prefix: str  # the base model's attribute in the QA class (and its checkpoint names' prefix)
+    layers: str  # the base model's list of layers
+    column: tuple[str, ...]  # inside a layer: column-parallel linears (their output split by heads/units)
+    row: tuple[str, ...]  # inside a layer: row-parallel linears (an all-reduce after each)
+    attention: str  # inside a layer: the attention module
+    key_value: tuple[str, ...] = ()  # column linears carrying key/value heads (grouped-query attention)
+    heads_attr: str = ""  # the attention's head-count attribute ("": transformers reads it off widths)
+    names: tuple[tuple[str, str], ...] = ()  # shardserve's name prefix -> the checkpoint's (besides layers)
+    kernel: str = "sdpa"  # transformers' attention implementation ("eager": the family's own code)
+
+    def checkpoint_name(self, canonical: str) -> str:
+        """shardserve's parameter name -> the checkpoint's, without the base model's prefix."""
+        for ours, theirs in (("layers.", f"{self.layers}."), ("qa_outputs.", "qa_outputs."), *self.names):
+            if canonical.startswith(ours):
+                return theirs + canonical.removeprefix(ours)
+        raise KeyError(f"no Hugging Face name for parameter {canonical!r}")
+
+
+def _decoder(qa_class: str, prefix: str) -> Family:
+    return Family(
+        qa_class, prefix, layers="layers", column=_DECODER_COLUMN, row=("self_attn.o_proj", "mlp.down_proj"),
+        attention="self_attn", key_value=("self_attn.k_proj", "self_attn.v_proj"),
+        names=(("embeddings.word_embeddings.", "embed_tokens."), ("final_norm.", "norm.")),
+    )  # fmt: skip
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": _decoder("LlamaForQuestionAnswering", "transformer"),
+    "qwen2": _decoder("Qwen2ForQuestionAnswering", "transformer"),
+    "mistral": _decoder("MistralForQuestionAnswering", "model"),
+    "deberta-v2": Family(
+        "DebertaV2ForQuestionAnswering", "deberta", layers="encoder.layer",
+        column=("attention.self.query_proj", "attention.self.key_proj", "attention.self.value_proj",
+                "intermediate.dense"),
+        row=("attention.output.dense", "output.dense"), attention="attention.self",
+        heads_attr="num_attention_heads",
+        names=(("embeddings.", "embeddings."), ("relative.", "encoder.")), kernel="eager",
+    ),
+}  # fmt: skip
+
+
+def hf_config(config: EncoderConfig):
+    """The ``transformers`` config object of ``config`` (its stored ``config.json``), with the
+    family's attention kernel, this run's dropout and layer count."""
+    import transformers
+
+    fields = json.loads(config.hf_config_json)
+    model_type = fields.pop("model_type")
+    fields.pop("architectures", None)
+    fields.update(
+        attention_dropout=config.attention_dropout,
+        attention_probs_dropout_prob=config.attention_dropout,
+        hidden_dropout_prob=config.hidden_dropout,
+        num_hidden_layers=config.num_layers,
+    )
+    if isinstance(fields.get("layer_types"), list):
+        fields["layer_types"] = fields["layer_types"][: config.num_layers]
+    cfg = transformers.AutoConfig.for_model(model_type, **fields)
+    cfg._attn_implementation = FAMILIES[config.arch].kernel
+    return cfg
+
+
+class HFFamilyForQA(nn.Module):
+    """A family's own QA model, its parts renamed; subclasses run them (``forward``)."""
+
+    head_modules: tuple[str, ...] = ("qa_outputs",)  # the parts only the last stage holds
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        import transformers
+
+        self.config = config
+        self.family = FAMILIES[config.arch]
+        self.hf_config = hf_config(config)
+        qa = getattr(transformers, self.family.qa_class)(self.hf_config)
+        base = getattr(qa, self.family.prefix)
+        self.layers = nn.ModuleDict(
+            {str(i): block for i, block in enumerate(base.get_submodule(self.family.layers))}
+        )
+        self.qa_outputs: nn.Linear | None = qa.qa_outputs
+        self.take_parts(base)
+
+    def take_parts(self, base: nn.Module) -> None:
+        """Keep the base model's parts besides its layers (embeddings, norms, position tables)."""
+        raise NotImplementedError
+
+    def fresh_buffers(self) -> None:
+        """Recompute the non-checkpoint buffers (position tables) after ``to_empty`` or a cast."""
+
+    def stage_copies(self) -> nn.Module | None:
+        """The part every pipeline stage holds a copy of (DeBERTa's relative-position table), or None."""
+        return None
+
+    @property
+    def column_linears(self) -> tuple[str, ...]:
+        return self.family.column
+
+    @property
+    def row_linears(self) -> tuple[str, ...]:
+        return self.family.row
+
+    @property
+    def key_value_linears(self) -> tuple[str, ...]:
+        return self.family.key_value
+
+    def shard_heads(self, layer: nn.Module, tp: int) -> None:
+        """Tell a tensor-parallel layer's attention how many heads this rank holds."""
+        attention, c = layer.get_submodule(self.family.attention), self.config
+        if self.family.key_value:  # transformers repeats each key/value head this often
+            attention.num_key_value_groups = (c.num_heads // tp) // max(1, c.num_kv_heads // tp)
+        if self.family.heads_attr:
+            setattr(attention, self.family.heads_attr, c.num_heads // tp)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H) -> (B, S, 2) span logits in fp32 whatever the compute dtype (the head is fp32)."""
+        assert self.qa_outputs is not None
+        with torch.autocast(x.device.type, enabled=False):
+            return self.qa_outputs(x.float())
+
+    def to_compute_dtype(self, dtype: torch.dtype) -> HFFamilyForQA:
+        """Cast the weights to ``dtype``, keeping the QA head in fp32."""
+        self.to(dtype)
+        if self.qa_outputs is not None:
+            self.qa_outputs.float()
+        if not next(self.parameters()).is_meta:
+            self.fresh_buffers()
+        return self
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> HFFamilyForQA:
+        """``nn.Module.to_empty``, then the buffers no checkpoint holds computed afresh."""
+        super().to_empty(device=device, recurse=recurse)
+        self.fresh_buffers()
+        return self
+
+    def qa_logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-model convenience: (B, S) ids -> start, end logits, each (B, S)."""
+        logits = self(input_ids, attention_mask, token_type_ids)
+        return logits[..., 0], logits[..., 1]

@@ -17,6 +17,7 @@ Shapes (random weights; the vocabulary sizes are the real ones):
   albert       ALBERT-base (one 768-wide layer applied 12 times, embeddings 128)
   distilbert   DistilBERT-base (6 x 768)
   deberta-v2   DeBERTa-v3-base (12 x 768, 256 relative-position buckets, 128 100 pieces)
+  modernbert   ModernBERT-base (22 x 768, GeGLU 1152, global attention every 3rd layer, 128-token local)
   llama        SmolLM2-135M (30 x 576, 9 query / 3 key-value heads, SwiGLU)
   qwen2        Qwen2 blocks at BERT-base width (12 x 768, 12 / 2 heads, q/k/v biases, 151 936 tokens)
   mistral      Mistral blocks at BERT-base width (12 x 768, 12 / 4 heads, a 4096-token sliding window)
@@ -62,6 +63,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                    "position_buckets": 256, "max_relative_positions": -1, "pos_att_type": ["p2c", "c2p"],
                    "share_att_key": True, "position_biased_input": False, "norm_rel_ebd": "layer_norm",
                    "layer_norm_eps": 1e-7},
+    "modernbert": {"hidden_size": 768, "num_hidden_layers": 22, "num_attention_heads": 12,
+                   "intermediate_size": 1152, "vocab_size": 50368, "max_position_embeddings": 8192,
+                   "global_attn_every_n_layers": 3, "local_attention": 128, "pad_token_id": 50283},
     "llama": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
               "rope_theta": 100000.0},

@@ -1,6 +1,6 @@
 """Build a whole single-device QA model from a ``ModelSource`` (the ``tp == pp == 1`` path), and
 ``new_model``: the one place that picks a family's module (shardserve's encoder, or a decoder or
-DeBERTa over transformers' modules).
+DeBERTa or ModernBERT over transformers' modules).
 
 from models.build import build_model
 from models.registry import resolve_model
@@ -16,16 +16,18 @@ from models.deberta import DebertaForQA
 from models.decoder import DecoderForQA
 from models.encoder import EncoderForQA
 from models.hf_weights import load_weights
+from models.modernbert import ModernBertForQA
 from models.registry import ModelSource
 
-QAModel = EncoderForQA | DecoderForQA | DebertaForQA
+QAModel = EncoderForQA | DecoderForQA | DebertaForQA | ModernBertForQA
+_ON_TRANSFORMERS = {"deberta-v2": DebertaForQA, "modernbert": ModernBertForQA}
 
 
 def new_model(config: EncoderConfig) -> QAModel:
     """The family's module with fresh (or, under ``torch.device("meta")``, no) weights."""
     if config.is_decoder:
         return DecoderForQA(config)
-    return DebertaForQA(config) if config.arch == "deberta-v2" else EncoderForQA(config)
+    return _ON_TRANSFORMERS.get(config.arch, EncoderForQA)(config)
 
 
 def build_model(

@@ -6,9 +6,9 @@ plain encoder in ``models/encoder.py`` needs: XLM-RoBERTa is RoBERTa's architect
 vocabulary: SentencePiece); ELECTRA is BERT's with embeddings of their own width
 (``embedding_size``) projected to the hidden size; ALBERT is ELECTRA's shape with ONE layer's
 weights applied ``num_hidden_layers`` times (``shares_layers``; one hidden group of one layer).
-Llama, Qwen2 and Mistral (``DECODER_ARCHS``) keep their whole config (``hf_config_json``:
-transformers builds their modules, ``models/decoder.py``) beside the shape fields the planner reads
-(grouped-query ``num_kv_heads``, gated MLP). Unsupported architectures or inconsistent numbers raise
+DeBERTa-v2/v3, ModernBERT and the decoders Llama, Qwen2 and Mistral (``DECODER_ARCHS``) keep their
+whole config (``hf_config_json``: transformers builds their modules, ``models/hf_family.py``) beside
+the shape fields the planner reads (grouped-query ``num_kv_heads``, gated MLP). Unsupported architectures or inconsistent numbers raise
 ``ModelConfigError`` naming the offending values.
 """
 
@@ -27,12 +27,13 @@ Arch = Literal[
     "albert",
     "distilbert",
     "deberta-v2",
+    "modernbert",
     "llama",
     "qwen2",
     "mistral",
 ]
 ENCODER_ARCHS: tuple[str, ...] = (
-    "bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "deberta-v2"
+    "bert", "roberta", "xlm-roberta", "electra", "albert", "distilbert", "deberta-v2", "modernbert"
 )  # fmt: skip
 # decoders with a span head, run on transformers' own modules (``models/decoder.py``)
 DECODER_ARCHS: tuple[str, ...] = ("llama", "qwen2", "mistral")
@@ -47,6 +48,7 @@ HF_CLASSES: dict[str, tuple[str, str]] = {
     "albert": ("AlbertConfig", "AlbertForQuestionAnswering"),
     "distilbert": ("DistilBertConfig", "DistilBertForQuestionAnswering"),
     "deberta-v2": ("DebertaV2Config", "DebertaV2ForQuestionAnswering"),
+    "modernbert": ("ModernBertConfig", "ModernBertForQuestionAnswering"),
     "llama": ("LlamaConfig", "LlamaForQuestionAnswering"),
     "qwen2": ("Qwen2Config", "Qwen2ForQuestionAnswering"),
     "mistral": ("MistralConfig", "MistralForQuestionAnswering"),
@@ -227,6 +229,8 @@ class EncoderConfig:
                 return cls._from_decoder_dict(cfg)
             if model_type == "deberta-v2":
                 return cls._from_deberta_dict(cfg)
+            if model_type == "modernbert":
+                return cls._from_modernbert_dict(cfg)
         except KeyError as exc:
             raise ModelConfigError(
                 f"{source}: missing field {exc.args[0]!r} for model_type={model_type!r}"
@@ -239,57 +243,69 @@ class EncoderConfig:
         )
 
     @classmethod
-    def _from_decoder_dict(cls, cfg: dict[str, Any]) -> EncoderConfig:
-        """Llama / Qwen2 / Mistral: the shape fields the planner needs, and the whole config for
-        transformers to build the modules from."""
-        heads = int(cfg["num_attention_heads"])
+    def _on_transformers(cls, cfg: dict[str, Any], **fields: Any) -> EncoderConfig:
+        """A family on transformers' modules: the shape fields they all name alike, the whole config
+        for transformers to build the modules from, and the family's own ``fields``."""
         return cls(
             arch=cfg["model_type"],
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_size=int(cfg.get("head_dim") or 0),
-            intermediate_size=int(cfg["intermediate_size"]),
-            max_position_embeddings=int(cfg["max_position_embeddings"]),
-            type_vocab_size=0,
-            layer_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
-            pad_token_id=int(cfg.get("pad_token_id") or 0),
-            initializer_range=float(cfg.get("initializer_range", 0.02)),
-            hidden_dropout=0.0,
-            attention_dropout=float(cfg.get("attention_dropout", 0.0)),
-            qkv_bias=cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False)),
-            gated_mlp=True,
-            hf_config_json=json.dumps(cfg, sort_keys=True),
-        )
-
-    @classmethod
-    def _from_deberta_dict(cls, cfg: dict[str, Any]) -> EncoderConfig:
-        """DeBERTa-v2/v3: BERT's shape fields, and the whole config for transformers to build from."""
-        if int(cfg.get("conv_kernel_size", 0) or 0) > 0:
-            raise ModelConfigError(
-                f"DeBERTa with conv_kernel_size={cfg['conv_kernel_size']} is unsupported (its convolution "
-                "after the first layer reads the embeddings: DeBERTa-v3 has none)"
-            )
-        return cls(
-            arch="deberta-v2",
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=int(cfg["num_attention_heads"]),
             intermediate_size=int(cfg["intermediate_size"]),
             max_position_embeddings=int(cfg["max_position_embeddings"]),
+            pad_token_id=int(cfg.get("pad_token_id") or 0),
+            initializer_range=float(cfg.get("initializer_range", 0.02)),
+            hf_config_json=json.dumps(cfg, sort_keys=True),
+            **fields,
+        )
+
+    @classmethod
+    def _from_decoder_dict(cls, cfg: dict[str, Any]) -> EncoderConfig:
+        """Llama / Qwen2 / Mistral: grouped-query attention, a gated MLP, RMSNorm, no token types."""
+        return cls._on_transformers(
+            cfg,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+            head_size=int(cfg.get("head_dim") or 0),
+            type_vocab_size=0,
+            layer_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            hidden_dropout=0.0,
+            attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+            qkv_bias=cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False)),
+            gated_mlp=True,
+        )
+
+    @classmethod
+    def _from_deberta_dict(cls, cfg: dict[str, Any]) -> EncoderConfig:
+        """DeBERTa-v2/v3: BERT's shape (token types only where the config has them)."""
+        if int(cfg.get("conv_kernel_size", 0) or 0) > 0:
+            raise ModelConfigError(
+                f"DeBERTa with conv_kernel_size={cfg['conv_kernel_size']} is unsupported (its convolution "
+                "after the first layer reads the embeddings: DeBERTa-v3 has none)"
+            )
+        return cls._on_transformers(
+            cfg,
             type_vocab_size=int(cfg.get("type_vocab_size", 0)),
             layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-7)),
             hidden_act=str(cfg.get("hidden_act", "gelu")),
-            pad_token_id=int(cfg.get("pad_token_id") or 0),
-            initializer_range=float(cfg.get("initializer_range", 0.02)),
             hidden_dropout=float(cfg.get("hidden_dropout_prob", 0.1)),
             attention_dropout=float(cfg.get("attention_probs_dropout_prob", 0.1)),
             embedding_size=int(cfg.get("embedding_size") or cfg["hidden_size"]),
-            hf_config_json=json.dumps(cfg, sort_keys=True),
+        )
+
+    @classmethod
+    def _from_modernbert_dict(cls, cfg: dict[str, Any]) -> EncoderConfig:
+        """ModernBERT: a gated MLP, no biases, no token types."""
+        return cls._on_transformers(
+            cfg,
+            type_vocab_size=0,
+            layer_norm_eps=float(cfg.get("norm_eps", 1e-5)),
+            hidden_act=str(cfg.get("hidden_activation", "gelu")),
+            hidden_dropout=float(cfg.get("mlp_dropout", 0.0)),
+            attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+            qkv_bias=bool(cfg.get("attention_bias", False)),
+            gated_mlp=True,
         )
 
     @classmethod

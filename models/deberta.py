@@ -24,7 +24,7 @@ from models.hf_family import HFFamilyForQA
 class DebertaForQA(HFFamilyForQA):
     """Embeddings -> DeBERTa layers (each reading the relative-position table) -> span head."""
 
-    def take_parts(self, base: nn.Module) -> None:
+    def take_parts(self, qa: nn.Module, base: nn.Module) -> None:
         self.embeddings: nn.Module | None = base.embeddings
         base.encoder.layer = nn.ModuleList()  # held in ``layers``
         self.relative = base.encoder  # rel_embeddings (+ LayerNorm), and the functions that read them

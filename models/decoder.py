@@ -36,7 +36,7 @@ class DecoderForQA(HFFamilyForQA):
 
     head_modules = ("final_norm", "qa_outputs")
 
-    def take_parts(self, base: nn.Module) -> None:
+    def take_parts(self, qa: nn.Module, base: nn.Module) -> None:
         self.embeddings: TokenEmbeddings | None = TokenEmbeddings(base.embed_tokens)
         self.final_norm: nn.Module | None = base.norm
         self.rotary = base.rotary_emb

@@ -8,7 +8,7 @@ device when the caller asks) and keeps its parts under the names the rest of sha
 ``embeddings`` (with ``word_embeddings``), ``layers`` (a ``ModuleDict`` keyed by global layer
 index) and ``qa_outputs``; each family's subclass threads the hidden states through whichever parts
 a pipeline stage still holds (``models/decoder.py``: Llama, Qwen2, Mistral; ``models/deberta.py``:
-DeBERTa-v2/v3). Checkpoint names follow from the same data (``Family.checkpoint_name``).
+DeBERTa-v2/v3; ``models/modernbert.py``: ModernBERT). Checkpoint names follow from the same data (``Family.checkpoint_name``).
 
     model = new_model(resolve_model("tiny-llama").config)    # models.build
     model.layers["3"]                                          # transformers' LlamaDecoderLayer
@@ -40,11 +40,17 @@ class Family:
     key_value: tuple[str, ...] = ()  # column linears carrying key/value heads (grouped-query attention)
     heads_attr: str = ""  # the attention's head-count attribute ("": transformers reads it off widths)
     names: tuple[tuple[str, str], ...] = ()  # shardserve's name prefix -> the checkpoint's (besides layers)
+    qa_head: str = "qa_outputs"  # the span classifier's attribute in the QA class
+    outside: tuple[str, ...] = ("qa_outputs.",)  # shardserve's prefixes of parts outside the base model
     kernel: str = "sdpa"  # transformers' attention implementation ("eager": the family's own code)
 
     def checkpoint_name(self, canonical: str) -> str:
         """shardserve's parameter name -> the checkpoint's, without the base model's prefix."""
-        for ours, theirs in (("layers.", f"{self.layers}."), ("qa_outputs.", "qa_outputs."), *self.names):
+        for ours, theirs in (
+            ("layers.", f"{self.layers}."),
+            *self.names,
+            ("qa_outputs.", f"{self.qa_head}."),
+        ):
             if canonical.startswith(ours):
                 return theirs + canonical.removeprefix(ours)
         raise KeyError(f"no Hugging Face name for parameter {canonical!r}")
@@ -69,6 +75,12 @@ FAMILIES: dict[str, Family] = {
         row=("attention.output.dense", "output.dense"), attention="attention.self",
         heads_attr="num_attention_heads",
         names=(("embeddings.", "embeddings."), ("relative.", "encoder.")), kernel="eager",
+    ),
+    # its fused Wqkv / Wi projections are not split by tensor parallelism (ParallelDims refuses tp > 1)
+    "modernbert": Family(
+        "ModernBertForQuestionAnswering", "model", layers="layers", column=(), row=(), attention="attn",
+        names=(("embeddings.", "embeddings."), ("final_norm.", "final_norm."), ("head_transform.", "head.")),
+        qa_head="classifier", outside=("qa_outputs.", "head_transform."),
     ),
 }  # fmt: skip
 
@@ -108,14 +120,16 @@ class HFFamilyForQA(nn.Module):
         self.hf_config = hf_config(config)
         qa = getattr(transformers, self.family.qa_class)(self.hf_config)
         base = getattr(qa, self.family.prefix)
-        self.layers = nn.ModuleDict(
-            {str(i): block for i, block in enumerate(base.get_submodule(self.family.layers))}
-        )
-        self.qa_outputs: nn.Linear | None = qa.qa_outputs
-        self.take_parts(base)
+        blocks = list(base.get_submodule(self.family.layers))
+        # registered in the model's order (embeddings first), which is the order weights load in: a
+        # rank's peak memory is its weights plus the tensor being read, the token table read early
+        self.take_parts(qa, base)
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        self.qa_outputs: nn.Linear | None = getattr(qa, self.family.qa_head)
 
-    def take_parts(self, base: nn.Module) -> None:
-        """Keep the base model's parts besides its layers (embeddings, norms, position tables)."""
+    def take_parts(self, qa: nn.Module, base: nn.Module) -> None:
+        """Keep the parts besides the layers and the span classifier (embeddings, norms, position
+        tables) of the QA model ``qa`` and its base model ``base``."""
         raise NotImplementedError
 
     def fresh_buffers(self) -> None:

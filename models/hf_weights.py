@@ -114,12 +114,18 @@ def hf_prefix(arch: str) -> str:
     return "roberta." if arch == "xlm-roberta" else f"{arch}."
 
 
+def outside_base(arch: str, canonical: str) -> bool:
+    """Whether parameter ``canonical`` lives outside the base model (the span head): its checkpoint
+    name has no base-model prefix."""
+    return canonical.startswith(FAMILIES[arch].outside if arch in FAMILIES else "qa_outputs.")
+
+
 def to_hf_state_dict(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Canonical state dict -> ``*ForQuestionAnswering`` naming that ``transformers`` loads."""
     out = {}
     for name, tensor in state.items():
         mapped = hf_name(arch, name)
-        out[mapped if mapped.startswith("qa_outputs.") else hf_prefix(arch) + mapped] = tensor
+        out[mapped if outside_base(arch, name) else hf_prefix(arch) + mapped] = tensor
     return out
 
 
@@ -264,8 +270,8 @@ class WeightSource:
         if self._reader is None:
             self._reader = CheckpointReader(self.checkpoint)
             self._overlay_readers = [CheckpointReader(p) for p in self.overlays]
-            prefixed = hf_prefix(self.arch) + hf_name(self.arch, "embeddings.word_embeddings.weight")
-            self._prefix = hf_prefix(self.arch) if prefixed in self._reader else ""
+            prefix = hf_prefix(self.arch)  # a QA checkpoint names its base model's tensors with it
+            self._prefix = prefix if any(n.startswith(prefix) for n in self._reader.names()) else ""
 
     def overlay_tensor(self, canonical: str) -> tuple[CheckpointReader, str] | None:
         """(reader, name) of the last overlay holding ``canonical`` (e.g. a LoRA factor), or None."""
@@ -295,7 +301,7 @@ class WeightSource:
         if (found := self.overlay_tensor(canonical)) is not None:
             return found
         name = hf_name(self.arch, canonical)
-        candidates = [name] if name.startswith("qa_outputs.") else [self._prefix + name, name]
+        candidates = [name] if outside_base(self.arch, canonical) else [self._prefix + name, name]
         for cand in list(candidates):  # TF-era checkpoints name LayerNorm parameters gamma/beta
             if ".LayerNorm." in cand or "layer_norm." in cand:
                 candidates.append(cand.replace(".weight", ".gamma").replace(".bias", ".beta"))

@@ -8,13 +8,14 @@ overlays, config, tokenizer directory) that every rank of a gang can open on its
   when present (until it is, the QA head is initialised and a warning says so).
 - ``minilm``: the bundled MiniLM encoder alone (no QA head).
 - ``tiny-bert``, ``tiny-roberta``, ``tiny-xlm-roberta``, ``tiny-electra``, ``tiny-albert``,
-  ``tiny-distilbert``, ``tiny-deberta-v2``, ``tiny-llama``, ``tiny-qwen2``, ``tiny-mistral``: small
-  random-weight ``*ForQuestionAnswering`` checkpoints for tests, written once by ``transformers``
-  itself (seeded) into the cache directory ``$SHARDSERVE_CACHE`` (default ``~/.cache/shardserve``).
-  They tokenize with the bundled WordPiece vocabulary, but ``tiny-xlm-roberta``, ``tiny-albert`` and
-  ``tiny-deberta-v2``: SentencePiece-style (Unigram, ``▁`` word marks) tokenizers with their models' pair templates
-  (``tiny_unigram_tokenizer``), and the decoders: BPE tokenizers framed as their families frame a
-  pair (``tiny_bpe_tokenizer``), all trained here.
+  ``tiny-distilbert``, ``tiny-deberta-v2``, ``tiny-modernbert``, ``tiny-llama``, ``tiny-qwen2``,
+  ``tiny-mistral``: small random-weight ``*ForQuestionAnswering`` checkpoints for tests, written once
+  by ``transformers`` itself (seeded) into the cache directory ``$SHARDSERVE_CACHE`` (default
+  ``~/.cache/shardserve``). They tokenize with the bundled WordPiece vocabulary, but
+  ``tiny-xlm-roberta``, ``tiny-albert`` and ``tiny-deberta-v2``: SentencePiece-style (Unigram, ``▁``
+  word marks) tokenizers with their models' pair templates (``tiny_unigram_tokenizer``), and
+  ModernBERT and the decoders: BPE tokenizers framed as their families frame a pair
+  (``tiny_bpe_tokenizer``), all trained here.
 - any local Hugging Face model directory, with its tokenizer files; a folder without them gets the
   bundled BERT-uncased tokenizer only when its config is BERT / DistilBERT with the same vocab_size
   (a warning says so), else ``ModelConfigError`` names the folder (``fallback_tokenizer_dir``).
@@ -141,6 +142,25 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         "layer_norm_eps": 1e-7,
         "pad_token_id": 0,
         "initializer_range": 0.1,
+    },
+    # ModernBERT: global attention every 3rd layer, a 32-token local window between (16 each side:
+    # the verify samples are longer), rotary positions, GeGLU; windows up to 1024 tokens
+    "tiny-modernbert": {
+        "model_type": "modernbert",
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 2000,  # the byte-level BPE tokenizer's (UNIGRAM_VOCAB)
+        "max_position_embeddings": 1024,
+        "global_attn_every_n_layers": 3,
+        "local_attention": 32,
+        "pad_token_id": 0,
+        "cls_token_id": 1,
+        "sep_token_id": 2,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.2,  # at 0.1 its random start logits tie to 0.01 in most windows
     },
     # decoders: grouped-query attention (4 query heads read 2 key/value heads), SwiGLU MLPs
     "tiny-llama": {"model_type": "llama", **_TINY_DECODER, "bos_token_id": 1, "eos_token_id": 2},
@@ -302,7 +322,7 @@ def materialise_preset(name: str, *, root: Path | None = None) -> Path:
         _write_hf_checkpoint(spec, tmp)
         if spec["model_type"] in ("xlm-roberta", "albert", "deberta-v2"):
             tiny_unigram_tokenizer(spec["model_type"]).save_pretrained(tmp)
-        elif spec["model_type"] in DECODER_ARCHS:
+        elif spec["model_type"] in (*DECODER_ARCHS, "modernbert"):
             tiny_bpe_tokenizer(spec["model_type"]).save_pretrained(tmp)
         else:
             copy_tokenizer_files(minilm_dir(), tmp)
@@ -339,20 +359,32 @@ def _tiny_corpus() -> list[str]:
 
 
 def tiny_bpe_tokenizer(kind: str) -> Any:
-    """A decoder's tokenizer of ``UNIGRAM_VOCAB`` BPE pieces, framed as the family's own frames a
-    pair: ``qwen2`` byte-level (GPT-2 style, spans keep their leading space, ``<|endoftext|>`` 0,
-    the pair is ``A B`` with nothing between); ``llama`` / ``mistral`` SentencePiece-style (``▁`` word
+    """A BPE tokenizer of ``UNIGRAM_VOCAB`` pieces, framed as the family's own frames a pair:
+    ``qwen2`` byte-level (GPT-2 style, spans keep their leading space, ``<|endoftext|>`` 0, the pair
+    is ``A B`` with nothing between); ``modernbert`` byte-level too (``[PAD]`` 0, ``[CLS]`` 1,
+    ``[SEP]`` 2; ``[CLS] A [SEP] B [SEP]``); ``llama`` / ``mistral`` SentencePiece-style (``▁`` word
     marks; ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2; the pair is ``<s> A <s> B``). No token types."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    if kind == "qwen2":
-        specials, names = ["<|endoftext|>"], dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    if kind in ("qwen2", "modernbert"):
+        if kind == "qwen2":
+            specials, names = ["<|endoftext|>"], dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+            post = processors.ByteLevel(trim_offsets=False)
+        else:
+            specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+            names = dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]",
+                         mask_token="[MASK]")  # fmt: skip
+            template = processors.TemplateProcessing(
+                single="[CLS] $A [SEP]",
+                pair="[CLS] $A [SEP] $B [SEP]",
+                special_tokens=[("[CLS]", 1), ("[SEP]", 2)],
+            )
+            post = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
-        post = processors.ByteLevel(trim_offsets=False)
     else:
         specials = ["<unk>", "<s>", "</s>"]
         names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import torch
 from tqdm import tqdm
 
-from models.encoder import EncoderForQA
+from models.build import QAModel
 from partitioner.precision import PrecisionError
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def compile_stage(stage: torch.nn.Module, *, dynamic: bool = True) -> torch.nn.M
 
 
 def warm_up(
-    stage: EncoderForQA,
+    stage: QAModel,
     *,
     lengths: Iterable[int],
     dtype: torch.dtype,

@@ -58,7 +58,7 @@ def _layer_matrices(c: EncoderConfig) -> int:
 def _layer_params(c: EncoderConfig) -> tuple[int, int]:
     h, i = c.hidden_size, c.intermediate_size
     qkv_bias = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim if c.qkv_bias else 0
-    if c.is_decoder:  # column-parallel q/k/v biases (Qwen2); two RMSNorm weights
+    if c.gated_mlp:  # column-parallel q/k/v biases (Qwen2); two norms' weights (no MLP biases)
         sharded_bias, replicated = qkv_bias, 2 * h
     else:  # q, k, v, up biases are column-parallel; out/down biases and two LayerNorms replicated
         sharded_bias, replicated = qkv_bias + i, 2 * h + 4 * h
@@ -69,7 +69,7 @@ def _layer_params(c: EncoderConfig) -> tuple[int, int]:
 def _embedding_params(c: EncoderConfig) -> tuple[int, int]:
     e = c.embedding_size
     word = c.vocab_size * e  # vocab-parallel
-    if c.is_decoder:  # the token table alone (rotary positions have no weights)
+    if c.gated_mlp:  # the token table alone (rotary positions have no weights)
         return word, word
     other = (c.max_position_embeddings + c.type_vocab_size) * e + 2 * e
     if c.projects_embeddings:  # ELECTRA: E -> H, replicated
@@ -88,7 +88,8 @@ def analytic_costs(config: EncoderConfig, *, seq_len: int) -> list[UnitCost]:
         UnitCost(f"layer.{k}", float(layer_flops + layer_elementwise), lp, ls, shared=config.shares_layers)
         for k in range(config.num_layers)
     ]
-    final_norm = h if config.is_decoder else 0  # a decoder's last norm sits before the head
+    # what sits before the span classifier: a decoder's final norm; ModernBERT's, and its dense + norm
+    final_norm = {"modernbert": 2 * h + h * h}.get(config.arch, h if config.is_decoder else 0)
     units.append(UnitCost("qa_head", float(4 * h + 2 + final_norm), 2 * h + 2 + final_norm, 0))
     return units
 

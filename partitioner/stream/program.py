@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.encoder import EncoderForQA
+from models.build import QAModel
 from models.registry import ModelSource
 from partitioner.compiled import compile_stage, warm_up
 from partitioner.p2p import P2PCommunicator
@@ -139,7 +139,7 @@ def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) ->
         run_stream(MultiplexedExecutor.over(ex, stages), around_step=ctx.micro_batch)
 
 
-def _holding(stage: EncoderForQA) -> dict[str, Any]:
+def _holding(stage: QAModel) -> dict[str, Any]:
     """What a rank's stage of one model holds, for its ready info."""
     return {
         "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),

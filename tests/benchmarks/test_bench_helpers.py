@@ -129,3 +129,27 @@ def test_machine_info_says_when_onnxruntime_is_absent(monkeypatch):
     info = bench_serving.machine_info("float32")
     assert info["onnxruntime"] is None and info["dtype"] == "float32"
     assert info["cpu"] and isinstance(info["bf16_units"], bool) and isinstance(info["int8_units"], bool)
+
+
+def test_big_model_checkpoint_is_sharded_and_loads_as_transformers_wrote_it(tmp_path, monkeypatch):
+    """bench_big_model's writer (tensor by tensor, 1 GB shards + index), at a tiny shape and shard
+    size: shardserve loads it, and its forward equals transformers' on the same files."""
+    import bench_big_model
+    from transformers import AutoModelForQuestionAnswering
+
+    from models.build import build_model
+    from models.registry import resolve_model
+
+    tiny = {**bench_big_model.SHAPE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 3000}  # fmt: skip
+    monkeypatch.setattr(bench_big_model, "SHAPE", tiny)
+    monkeypatch.setattr(bench_big_model, "SHARD_BYTES", 200_000)
+    out = bench_big_model.write_checkpoint(tmp_path / "big")
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    source = resolve_model(out)
+    ids = torch.randint(5, 2000, (2, 16))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        got = build_model(source, dtype=torch.bfloat16).float()(ids, mask)
+        ref = AutoModelForQuestionAnswering.from_pretrained(out).float()(input_ids=ids, attention_mask=mask)
+    assert torch.allclose(got[..., 0], ref.start_logits, atol=1e-5)

@@ -27,10 +27,13 @@ def test_tiny_presets_map(name):
     cfg = EncoderConfig.from_hf_dict(TINY_PRESETS[name])
     assert cfg.hidden_size == 64 and cfg.num_layers == 6 and cfg.num_heads == 4
     types = {"tiny-roberta": 1, "tiny-xlm-roberta": 1, "tiny-distilbert": 0}
-    types |= dict.fromkeys(("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-deberta-v2"), 0)
+    types |= dict.fromkeys(
+        ("tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-deberta-v2", "tiny-modernbert"), 0
+    )
     assert cfg.type_vocab_size == types.get(name, 2)
     assert cfg.is_decoder == (name in ("tiny-llama", "tiny-qwen2", "tiny-mistral"))
-    assert (cfg.num_kv_heads, cfg.gated_mlp) == ((2, True) if cfg.is_decoder else (4, False))
+    assert cfg.num_kv_heads == (2 if cfg.is_decoder else 4)
+    assert cfg.gated_mlp == (cfg.is_decoder or name == "tiny-modernbert")
     assert cfg.projects_embeddings == (name in ("tiny-electra", "tiny-albert"))
     assert cfg.embedding_size == (32 if cfg.projects_embeddings else 64)
     assert cfg.shares_layers == (name == "tiny-albert")

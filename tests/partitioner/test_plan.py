@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from models.build import new_model
 from models.config import EncoderConfig
-from models.encoder import EncoderForQA
 from models.registry import TINY_PRESETS, minilm_dir
 from partitioner.cost import (
     InfeasiblePlanError,
@@ -25,6 +25,13 @@ from partitioner.tensor_parallel import apply_tensor_parallel
 
 MINILM = EncoderConfig.from_pretrained_dir(minilm_dir())
 TINY = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-bert"])
+
+
+def test_modernbert_refuses_tp_with_the_reason():
+    config = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-modernbert"])
+    assert make_plan(config, ParallelDims(pp=3)).dims.pp == 3
+    with pytest.raises(InfeasiblePlanError, match="tp=2: ModernBERT's fused query/key/value"):
+        make_plan(config, ParallelDims(tp=2))
 
 
 def test_tp_must_divide_heads():
@@ -94,22 +101,26 @@ def test_balanced_split_is_optimal(seed):
 
 
 ALBERT = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-albert"])
+LLAMA = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-llama"])
+QWEN2 = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-qwen2"])
 
 
 @pytest.mark.parametrize(
     ("config", "pp", "tp"),
     [(MINILM, 1, 1), (MINILM, 2, 1), (MINILM, 3, 1), (MINILM, 1, 2), (MINILM, 2, 2), (MINILM, 3, 4),
-     (ALBERT, 1, 1), (ALBERT, 2, 1), (ALBERT, 3, 2)],
-    ids=["1-1", "2-1", "3-1", "1-2", "2-2", "3-4", "albert-1-1", "albert-2-1", "albert-3-2"],
+     (ALBERT, 1, 1), (ALBERT, 2, 1), (ALBERT, 3, 2), (LLAMA, 1, 1), (LLAMA, 2, 2), (QWEN2, 3, 2)],
+    ids=["1-1", "2-1", "3-1", "1-2", "2-2", "3-4", "albert-1-1", "albert-2-1", "albert-3-2", "llama-1-1",
+         "llama-2-2", "qwen2-3-2"],
 )  # fmt: skip
 def test_params_per_rank_match_built_stages(config, pp, tp):
     """The plan's parameter count per rank equals what the largest rank actually materialises (ALBERT:
-    its one shared layer once in each stage)."""
+    its one shared layer once in each stage; the decoders' grouped-query projections, Qwen2's q/k/v
+    biases and final norm)."""
     plan = make_plan(config, ParallelDims(pp=pp, tp=tp))
     for stage in plan.stages:
         for tp_rank in range(tp):
             with torch.device("meta"):
-                model = EncoderForQA(config)
+                model = new_model(config)
             slice_stage(model, plan, stage.index)
             apply_tensor_parallel(model, tp_rank=tp_rank, tp_size=tp, group=None)
             held = sum(p.numel() for p in model.parameters())

@@ -123,6 +123,7 @@ def test_pp2_answers_equal_the_single_process_reference(live: TestClient) -> Non
         "tiny-electra",
         "tiny-albert",
         "tiny-deberta-v2",
+        "tiny-modernbert",
         "tiny-llama",
         "tiny-qwen2",
         "tiny-mistral",
@@ -132,7 +133,8 @@ def test_each_family_answers_as_its_single_process_model_with_exact_offsets(name
     """A pp=2 gang of each family beside BERT: XLM-RoBERTa (SentencePiece-style tokenizer, no token
     types, padding-offset positions), ELECTRA (projected embeddings), ALBERT (one layer shared by
     all; a lower-cased SentencePiece-style tokenizer with token types), and on transformers' modules
-    DeBERTa-v3 (disentangled relative attention; a cased SentencePiece-style tokenizer) and the decoders: Llama and Mistral (SentencePiece-style BPE, no pad token; Mistral's
+    DeBERTa-v3 (disentangled relative attention; a cased SentencePiece-style tokenizer), ModernBERT
+    (local and global attention, rotary positions; byte-level BPE) and the decoders: Llama and Mistral (SentencePiece-style BPE, no pad token; Mistral's
     sliding window is shorter than the windows) and Qwen2 (byte-level BPE whose spans hold their
     leading space, no separator between question and context)."""
     settings = ServeSettings(

@@ -1,0 +1,38 @@
+"""Families on transformers' modules (``models/hf_family.py``): the parts keep the model's order,
+and every parameter has a checkpoint name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.build import new_model
+from models.config import EncoderConfig
+from models.hf_family import FAMILIES
+from models.hf_weights import hf_name
+from models.registry import TINY_PRESETS
+
+ON_TRANSFORMERS = sorted(n for n, spec in TINY_PRESETS.items() if spec["model_type"] in FAMILIES)
+
+
+@pytest.mark.parametrize("name", ON_TRANSFORMERS)
+def test_parameters_load_in_the_models_order_token_table_first(name):
+    """Weights load in registration order; a rank's peak is its weights plus the tensor being read, so
+    the (largest) token table must come first, not after every layer is already resident."""
+    with torch.device("meta"):
+        model = new_model(EncoderConfig.from_hf_dict(TINY_PRESETS[name]))
+    names = [n for n, _ in model.named_parameters()]
+    assert names[0].startswith("embeddings.") and names[-1].startswith("qa_outputs."), names[:2] + names[-1:]
+
+
+def test_every_family_names_its_checkpoint_tensors():
+    assert hf_name("llama", "embeddings.word_embeddings.weight") == "embed_tokens.weight"
+    assert hf_name("mistral", "final_norm.weight") == "norm.weight"
+    assert hf_name("deberta-v2", "layers.3.attention.self.query_proj.weight") == (
+        "encoder.layer.3.attention.self.query_proj.weight"
+    )
+    assert hf_name("deberta-v2", "relative.rel_embeddings.weight") == "encoder.rel_embeddings.weight"
+    assert hf_name("modernbert", "head_transform.dense.weight") == "head.dense.weight"
+    assert hf_name("modernbert", "qa_outputs.weight") == "classifier.weight"
+    with pytest.raises(KeyError, match="no Hugging Face name"):
+        hf_name("llama", "rotary.inv_freq")

@@ -150,6 +150,8 @@ class EncoderForQA(nn.Module):
     column_linears = ("attention.query", "attention.key", "attention.value", "mlp.up")
     row_linears = ("attention.out", "mlp.down")
     key_value_linears: tuple[str, ...] = ()  # as many key/value heads as query heads
+    fused_linears: tuple[tuple[str, int], ...] = ()  # none: q, k and v are separate linears
+    token_table = "word_embeddings"  # the vocabulary-parallel table, inside ``embeddings``
     head_modules = ("qa_outputs",)  # the parts only the last stage holds
 
     def shard_heads(self, layer: nn.Module, tp: int) -> None:

@@ -39,6 +39,8 @@ class Family:
     attention: str  # inside a layer: the attention module
     key_value: tuple[str, ...] = ()  # column linears carrying key/value heads (grouped-query attention)
     heads_attr: str = ""  # the attention's head-count attribute ("": transformers reads it off widths)
+    fused: tuple[tuple[str, int], ...] = ()  # column linears holding several projections, and how many
+    table: str = "word_embeddings"  # the token table's attribute inside shardserve's ``embeddings``
     names: tuple[tuple[str, str], ...] = ()  # shardserve's name prefix -> the checkpoint's (besides layers)
     qa_head: str = "qa_outputs"  # the span classifier's attribute in the QA class
     outside: tuple[str, ...] = ("qa_outputs.",)  # shardserve's prefixes of parts outside the base model
@@ -76,9 +78,10 @@ FAMILIES: dict[str, Family] = {
         heads_attr="num_attention_heads",
         names=(("embeddings.", "embeddings."), ("relative.", "encoder.")), kernel="eager",
     ),
-    # its fused Wqkv / Wi projections are not split by tensor parallelism (ParallelDims refuses tp > 1)
     "modernbert": Family(
-        "ModernBertForQuestionAnswering", "model", layers="layers", column=(), row=(), attention="attn",
+        "ModernBertForQuestionAnswering", "model", layers="layers", column=("attn.Wqkv", "mlp.Wi"),
+        row=("attn.Wo", "mlp.Wo"), attention="attn", fused=(("attn.Wqkv", 3), ("mlp.Wi", 2)),
+        table="tok_embeddings",
         names=(("embeddings.", "embeddings."), ("final_norm.", "final_norm."), ("head_transform.", "head.")),
         qa_head="classifier", outside=("qa_outputs.", "head_transform."),
     ),
@@ -150,6 +153,14 @@ class HFFamilyForQA(nn.Module):
     @property
     def key_value_linears(self) -> tuple[str, ...]:
         return self.family.key_value
+
+    @property
+    def fused_linears(self) -> tuple[tuple[str, int], ...]:
+        return self.family.fused
+
+    @property
+    def token_table(self) -> str:
+        return self.family.table
 
     def shard_heads(self, layer: nn.Module, tp: int) -> None:
         """Tell a tensor-parallel layer's attention how many heads this rank holds."""

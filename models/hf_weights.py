@@ -9,12 +9,12 @@ its bytes.
 ``hf_name(arch, canonical)`` maps this project's canonical parameter names (``models/encoder.py``;
 a family on transformers' modules: ``Family.checkpoint_name`` in ``models/hf_family.py``)
 to Hugging Face names; ``load_weights(module, source, config)`` fills every parameter of a
-(possibly partial) ``EncoderForQA`` from a ``WeightSource``. Its ``region_of`` hook (canonical
-name -> ``Region`` or None) lets a caller ask for only part of each stored tensor; what such a part
-means (a tensor-parallel shard) is ``partitioner/shard_loading.py``'s business, not this module's.
+(possibly partial) model from a ``WeightSource``. Its ``regions_of`` hook (canonical name, stored
+shape -> a list of ``Region`` or None) lets a caller ask for only parts of each stored tensor; what
+such a part means (a tensor-parallel shard) is ``partitioner/shard_loading.py``'s business, not this module's.
 
     report = load_weights(model, source.weights(), config)                  # whole tensors
-    report = load_weights(part, weights, config, region_of=lambda name: (slice(0, 32),))
+    report = load_weights(part, weights, config, regions_of=lambda name, shape: [(slice(0, 32),)])
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 Region = tuple[slice, ...]
 """Which part of a stored tensor to read: one step-less slice per leading dimension (``t[region]``)."""
 
-RegionOf = Callable[[str], Region | None]
-"""Canonical parameter name -> the region of its stored tensor to load, None for all of it."""
+RegionsOf = Callable[[str, tuple[int, ...]], list[Region] | None]
+"""(Canonical parameter name, its stored tensor's shape) -> the regions of that tensor to load,
+concatenated along the last dimension they slice (one region, or one per block of a fused
+projection); None for all of it."""
 
 
 class CheckpointError(RuntimeError):
@@ -326,13 +328,13 @@ def load_weights(
     config: EncoderConfig,
     *,
     head_seed: int = 0,
-    region_of: RegionOf | None = None,
+    regions_of: RegionsOf | None = None,
 ) -> LoadReport:
     """Fill every parameter of ``module`` (already materialised, e.g. by ``to_empty``) from ``source``.
 
-    ``region_of(name)`` (default: None for every name) picks the part of the stored tensor a
-    parameter receives; only that part is read. A missing QA head (base encoder checkpoints such
-    as the bundled MiniLM) is initialised with a fixed seed, identically for every caller, and
+    ``regions_of(name, stored_shape)`` (default: None for every name) picks the parts of the stored
+    tensor a parameter receives, concatenated; only those parts are read. A missing QA head (base
+    encoder checkpoints such as the bundled MiniLM) is initialised with a fixed seed, identically for every caller, and
     reported; any other missing tensor or shape mismatch is a CheckpointError.
 
     LoRA overlays: when an overlay holds ``X.lora_A`` (r, in) and ``X.lora_B`` (out, r) for a linear
@@ -342,12 +344,12 @@ def load_weights(
     """
     report = LoadReport()
     for name, param in module.named_parameters():
-        region = region_of(name) if region_of is not None else None
         found = source.locate(name)
         if found is None:
             if name.startswith("qa_outputs."):
                 full = _init_head_tensor(name, config, seed=head_seed)
-                param.copy_(full if region is None else full[region])
+                regions = regions_of(name, tuple(full.shape)) if regions_of is not None else None
+                param.copy_(_joined([full if r is None else full[r] for r in regions or [None]], regions))
                 report.initialised.append(name)
                 continue
             raise CheckpointError(
@@ -355,15 +357,20 @@ def load_weights(
             )
         reader, stored = found
         full_shape = reader.shape(stored)
-        if region_shape(full_shape, region) != tuple(param.shape):
-            where = "" if region is None else f" (reading region {region})"
+        regions = regions_of(name, full_shape) if regions_of is not None else None
+        if _joined_shape(full_shape, regions) != tuple(param.shape):
+            where = "" if regions is None else f" (reading {regions})"
             raise CheckpointError(
                 f"{reader.file_of(stored)}: tensor {stored!r} has shape {list(full_shape)}, but the config "
                 f"expects {list(param.shape)}{where}"
             )
-        tensor = reader.read(stored, region)
-        if name.endswith(".weight"):
-            tensor = _add_lora_delta(tensor, source, name[: -len(".weight")], region)
+        parts = []
+        for region in regions or [None]:
+            part = reader.read(stored, region)
+            if name.endswith(".weight"):
+                part = _add_lora_delta(part, source, name[: -len(".weight")], region)
+            parts.append(part)
+        tensor = _joined(parts, regions)
         param.copy_(tensor.to(param.dtype))
         report.bytes_read += tensor.numel() * tensor.element_size()
     if report.initialised:
@@ -374,6 +381,30 @@ def load_weights(
             head_seed,
         )
     return report
+
+
+def _joined_shape(shape: tuple[int, ...], regions: list[Region] | None) -> tuple[int, ...] | None:
+    """Shape of the parts of a ``shape`` tensor that ``regions`` read, joined; None if they cannot be."""
+    shapes = [region_shape(shape, r) for r in regions or [None]]
+    if None in shapes or len({len(s) for s in shapes}) != 1:
+        return None
+    if len(shapes) == 1:
+        return shapes[0]
+    assert regions is not None
+    dim = len(regions[0]) - 1
+    if len({s[:dim] + s[dim + 1 :] for s in shapes}) != 1:
+        return None
+    joined = list(shapes[0])
+    joined[dim] = sum(s[dim] for s in shapes)
+    return tuple(joined)
+
+
+def _joined(parts: list[torch.Tensor], regions: list[Region] | None) -> torch.Tensor:
+    """The parts read for ``regions``, concatenated along the last dimension the regions slice."""
+    if len(parts) == 1:
+        return parts[0]
+    assert regions is not None
+    return torch.cat(parts, dim=len(regions[0]) - 1)
 
 
 def _add_lora_delta(

@@ -11,9 +11,9 @@ for the released checkpoints):
     model = ModernBertForQA(resolve_model("tiny-modernbert").config)
     logits = model(input_ids, attention_mask)         # (B, S, 2) fp32
 
-Its query/key/value and gate/up projections are fused into one Linear each (``Wqkv``, ``Wi``), so
-tensor parallelism, which splits a Linear into one contiguous slice per rank, does not apply yet:
-the planner refuses tp > 1 for it (pipeline stages work).
+Its query/key/value and gate/up projections are fused into one Linear each (``Wqkv``, ``Wi``): under
+tensor parallelism each rank holds its slice of every block of them (its heads' queries, keys and
+values; its units' inputs and gates), and transformers' own views split them as before.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def apply_lora(
                 local = w.shape[0]
                 a = a_full  # (r, in), replicated
                 b = torch.zeros(local, rank)  # (out/t, r)
-                specs["lora_B"] = ShardSlice(0, module.shard_specs["weight"].start, local)
+                specs["lora_B"] = module.shard_specs["weight"]  # the weight's rows (of every block, if fused)
             else:
                 a, b = a_full, torch.zeros(full_out, rank)
             module.lora_A = nn.Parameter(a.to(device=w.device, dtype=w.dtype).contiguous())

@@ -65,11 +65,6 @@ class ParallelDims:
         """Reject degrees the model cannot be split into, printing the numbers."""
         if config.num_heads % self.tp:
             raise InfeasiblePlanError(f"tp={self.tp} does not divide num_attention_heads={config.num_heads}")
-        if self.tp > 1 and config.arch == "modernbert":
-            raise InfeasiblePlanError(
-                f"tp={self.tp}: ModernBERT's fused query/key/value and gate/up projections are not split by "
-                "tensor parallelism yet; use pp (tp=1)"
-            )
         kv = config.num_kv_heads
         if (kv % self.tp if self.tp <= kv else self.tp % kv) and kv != config.num_heads:
             raise InfeasiblePlanError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from models.config import EncoderConfig
@@ -29,15 +30,32 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardSlice:
-    """The part of a full tensor a rank holds: ``length`` entries from ``start`` along ``dim``."""
+    """The part of a full tensor a rank holds: ``length`` entries from ``start`` along ``dim``; with
+    ``blocks`` > 1 (a fused projection: query/key/value in one matrix), the full tensor is that many
+    equal blocks along ``dim`` and the rank holds ``[start, start + length)`` of each, in block order."""
 
     dim: int
     start: int
     length: int
+    blocks: int = 1
 
-    def region(self) -> Region:
-        """The same slice as a plain index region: ``full[region]`` is this rank's tensor."""
-        return (*([slice(None)] * self.dim), slice(self.start, self.start + self.length))
+    def regions(self, full_size: int) -> list[Region]:
+        """Index regions of a full tensor of ``full_size`` along ``dim``; this rank's tensor is their
+        concatenation along ``dim`` (one region unless fused)."""
+        block = full_size // self.blocks
+        lead = [slice(None)] * self.dim
+        return [
+            (*lead, slice(b * block + self.start, b * block + self.start + self.length))
+            for b in range(self.blocks)
+        ]
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``."""
+        return torch.cat([full[r] for r in self.regions(full.shape[self.dim])], dim=self.dim)
+
+    def to_list(self) -> list[int]:
+        """As shard files store it (``training/checkpoint_shards.py``)."""
+        return [self.dim, self.start, self.length, self.blocks]
 
 
 def shard_spec(module: nn.Module, name: str) -> ShardSlice | None:
@@ -65,8 +83,8 @@ def load_shard(
     factors are merged slice by slice (``models.hf_weights.load_weights`` documents the rules).
     """
 
-    def region_of(name: str) -> Region | None:
+    def regions_of(name: str, full_shape: tuple[int, ...]) -> list[Region] | None:
         spec = shard_spec(module, name)
-        return None if spec is None else spec.region()
+        return None if spec is None else spec.regions(full_shape[spec.dim])
 
-    return load_weights(module, source, config, head_seed=head_seed, region_of=region_of)
+    return load_weights(module, source, config, head_seed=head_seed, regions_of=regions_of)

@@ -6,6 +6,8 @@ column-parallel (each rank keeps num_heads/tp heads and intermediate/tp units), 
 ``row_linears`` (attention output, MLP down-projection) row-parallel (one all-reduce after each
 block), and the word embeddings vocab-parallel. Grouped-query attention splits its key/value heads
 ``tp`` ways too, or, with fewer of them than ranks, gives each rank the one its query heads read.
+A fused projection (``fused_linears``: ModernBERT's query/key/value in one matrix, its gate and up
+in another) is split block by block: each rank holds its slice of every block, in block order.
 Norms, position/type embeddings and the QA head stay replicated. With ``tp_size == 1`` the model
 is returned untouched.
 
@@ -29,6 +31,7 @@ def _swap_linear(
     tp_size: int,
     group: dist.ProcessGroup | None,
     parts: int | None = None,
+    blocks: int = 1,
 ) -> nn.Module:
     """A sharded ``cls`` with ``old``'s shape, bias, device and dtype (parameters uninitialised)."""
     return cls(
@@ -41,6 +44,7 @@ def _swap_linear(
         device=old.weight.device,
         dtype=old.weight.dtype,
         parts=parts,
+        blocks=blocks,
     )
 
 
@@ -61,13 +65,18 @@ def apply_tensor_parallel(
     for layer in {id(m): m for m in model.layers.values()}.values():  # a shared layer (ALBERT) once
         for name in model.column_linears:
             parts = kv_parts if name in model.key_value_linears else None
-            _swap(layer, name, ColumnParallelLinear, parts=parts, **kw)
+            blocks = dict(model.fused_linears).get(name, 1)
+            _swap(layer, name, ColumnParallelLinear, parts=parts, blocks=blocks, **kw)
         for name in model.row_linears:
             _swap(layer, name, RowParallelLinear, **kw)
         model.shard_heads(layer, tp_size)
     if model.embeddings is not None:
-        old = model.embeddings.word_embeddings
-        model.embeddings.word_embeddings = VocabParallelEmbedding(
-            old.num_embeddings, old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype, **kw
+        old = getattr(model.embeddings, model.token_table)
+        setattr(
+            model.embeddings,
+            model.token_table,
+            VocabParallelEmbedding(
+                old.num_embeddings, old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype, **kw
+            ),
         )
     return model

@@ -55,24 +55,28 @@ class _ParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         parts: int | None = None,
+        blocks: int = 1,
     ) -> None:
         super().__init__()
         # ``parts`` < tp (key/value heads fewer than the ranks): the weight is cut into ``parts``
-        # pieces and rank r holds piece r * parts // tp (a piece is replicated on tp / parts ranks)
+        # pieces and rank r holds piece r * parts // tp (a piece is replicated on tp / parts ranks).
+        # ``blocks`` > 1 (a fused projection, e.g. query/key/value in one matrix): each of that many
+        # blocks is cut so, and the rank holds its piece of every block, in block order.
         parts = parts or tp_size
         full = [out_features, in_features]
-        if full[self.split_dim] % parts or (parts < tp_size and tp_size % parts):
+        size = full[self.split_dim] // blocks
+        if full[self.split_dim] % blocks or size % parts or (parts < tp_size and tp_size % parts):
             name = ("out_features", "in_features")[self.split_dim]
             raise ValueError(
-                f"{name}={full[self.split_dim]} not divisible by tp={tp_size} (in {parts} parts)"
+                f"{name}={full[self.split_dim]} not divisible by tp={tp_size} ({blocks} block(s) of {parts} parts)"
             )
         self.group = group
-        local = full[self.split_dim] // parts
+        local = size // parts
         shape = list(full)
-        shape[self.split_dim] = local  # (out / tp, in) or (out, in / tp)
+        shape[self.split_dim] = local * blocks  # (out / tp, in) or (out, in / tp)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
-        spec = ShardSlice(self.split_dim, tp_rank * parts // tp_size * local, local)
+        spec = ShardSlice(self.split_dim, tp_rank * parts // tp_size * local, local, blocks)
         self.shard_specs = {"weight": spec, **({"bias": spec} if self.split_dim == 0 else {})}
 
 

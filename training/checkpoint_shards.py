@@ -41,7 +41,7 @@ def write_shard(
     """One rank's tensors plus the slices they hold (in the safetensors metadata)."""
     meta = {
         "tp_rank": str(tp_rank),
-        "shard_specs": json.dumps({k: [s.dim, s.start, s.length] for k, s in specs.items() if k in tensors}),
+        "shard_specs": json.dumps({k: s.to_list() for k, s in specs.items() if k in tensors}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
@@ -69,7 +69,7 @@ def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
     """Full tensors from per-rank shard files: sharded names (and their AdamW moments)
     concatenated in slice order, replicated names taken from the lowest tensor-parallel rank that
     holds them."""
-    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    pieces: dict[str, list[tuple[int, ShardSlice, torch.Tensor]]] = {}
     replicated: dict[str, tuple[int, torch.Tensor]] = {}
     for path in paths:
         with open_shard(path) as f:
@@ -79,14 +79,17 @@ def merge_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
             for name in f.keys():
                 t = f.get_tensor(name)
                 if name in specs:
-                    dim, start, _length = specs[name]
-                    pieces.setdefault(name, []).append((start, dim, t))
+                    spec = ShardSlice(*specs[name])
+                    pieces.setdefault(name, []).append((spec.start, spec, t))
                 elif name not in replicated or tp_rank < replicated[name][0]:
                     replicated[name] = (tp_rank, t)
     out = {k: t for k, (_, t) in replicated.items()}
     for name, parts in pieces.items():
         parts.sort(key=lambda p: p[0])
-        out[name] = torch.cat([t for _, _, t in parts], dim=parts[0][1])
+        dim, blocks = parts[0][1].dim, parts[0][1].blocks
+        # each piece holds its slice of every block (a fused projection): join block by block
+        per_block = [t.chunk(blocks, dim=dim) for _, _, t in parts]
+        out[name] = torch.cat([torch.cat([p[b] for p in per_block], dim=dim) for b in range(blocks)], dim=dim)
     return out
 
 
@@ -116,7 +119,7 @@ def _restore(
     def fetch(key: str, name: str) -> torch.Tensor:
         t = get(key)
         spec = specs.get(name) if specs is not None else None
-        return t[spec.region()] if spec is not None and t.dim() > 0 else t
+        return spec.take(t) if spec is not None and t.dim() > 0 else t
 
     params = dict(module.named_parameters())
     with torch.no_grad():

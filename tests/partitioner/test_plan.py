@@ -27,13 +27,6 @@ MINILM = EncoderConfig.from_pretrained_dir(minilm_dir())
 TINY = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-bert"])
 
 
-def test_modernbert_refuses_tp_with_the_reason():
-    config = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-modernbert"])
-    assert make_plan(config, ParallelDims(pp=3)).dims.pp == 3
-    with pytest.raises(InfeasiblePlanError, match="tp=2: ModernBERT's fused query/key/value"):
-        make_plan(config, ParallelDims(tp=2))
-
-
 def test_tp_must_divide_heads():
     with pytest.raises(InfeasiblePlanError, match="tp=5 does not divide num_attention_heads=12"):
         make_plan(MINILM, ParallelDims(pp=1, tp=5))
@@ -103,14 +96,16 @@ def test_balanced_split_is_optimal(seed):
 ALBERT = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-albert"])
 LLAMA = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-llama"])
 QWEN2 = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-qwen2"])
+MODERNBERT = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-modernbert"])
 
 
 @pytest.mark.parametrize(
     ("config", "pp", "tp"),
     [(MINILM, 1, 1), (MINILM, 2, 1), (MINILM, 3, 1), (MINILM, 1, 2), (MINILM, 2, 2), (MINILM, 3, 4),
-     (ALBERT, 1, 1), (ALBERT, 2, 1), (ALBERT, 3, 2), (LLAMA, 1, 1), (LLAMA, 2, 2), (QWEN2, 3, 2)],
+     (ALBERT, 1, 1), (ALBERT, 2, 1), (ALBERT, 3, 2), (LLAMA, 1, 1), (LLAMA, 2, 2), (QWEN2, 3, 2),
+     (MODERNBERT, 2, 2)],
     ids=["1-1", "2-1", "3-1", "1-2", "2-2", "3-4", "albert-1-1", "albert-2-1", "albert-3-2", "llama-1-1",
-         "llama-2-2", "qwen2-3-2"],
+         "llama-2-2", "qwen2-3-2", "modernbert-2-2"],
 )  # fmt: skip
 def test_params_per_rank_match_built_stages(config, pp, tp):
     """The plan's parameter count per rank equals what the largest rank actually materialises (ALBERT:

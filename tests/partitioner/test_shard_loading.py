@@ -62,3 +62,17 @@ def test_shard_outside_the_stored_tensor_is_refused():
     model.layers["0"].mlp.up.shard_specs["weight"] = ShardSlice(0, 100, 64)  # rows 100..163 of 128
     with pytest.raises(CheckpointError, match=r"intermediate.dense.weight.*has shape \[128, 64\]"):
         load_shard(model, source.weights(), source.config)
+
+
+def test_a_fused_projection_is_split_block_by_block_and_joins_back(tmp_path):
+    """ModernBERT's Wqkv: three blocks (q, k, v) of 8 rows, two ranks: each holds rows 0-3 or 4-7 of
+    every block; the training checkpoint's merge puts them back in place."""
+    from training.checkpoint_shards import merge_shards, write_shard
+
+    full = torch.arange(24 * 2, dtype=torch.float32).reshape(24, 2)  # (3 blocks x 8 rows, 2)
+    specs = [ShardSlice(0, 4 * r, 4, blocks=3) for r in range(2)]
+    parts = [s.take(full) for s in specs]
+    assert parts[1][:, 0].tolist() == [8, 10, 12, 14, 24, 26, 28, 30, 40, 42, 44, 46]  # rows 4-7 of each
+    for r, (spec, part) in enumerate(zip(specs, parts, strict=True)):
+        write_shard(tmp_path / f"rank{r}.safetensors", {"w": part}, {"w": spec}, tp_rank=r)
+    assert torch.equal(merge_shards(sorted(tmp_path.glob("rank*.safetensors")))["w"], full)

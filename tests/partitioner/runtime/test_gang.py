@@ -54,8 +54,6 @@ DIMS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]
 )
 @pytest.mark.parametrize(("pp", "tp"), DIMS)
 def test_parity_with_transformers(name, pp, tp):
-    if name == "tiny-modernbert" and tp > 1:
-        pytest.skip("ModernBERT's fused projections are not split by tensor parallelism (refused: test_plan)")
     result = verify_partitioned(resolve_model(name), ParallelDims(pp=pp, tp=tp), tolerance=TOLERANCE)
     assert result.passed, f"max |diff| {result.max_abs:.3g} > {TOLERANCE}"
     assert {s[1] for s in result.batch_shapes} != 1  # mixed padded lengths

@@ -36,3 +36,26 @@ def test_every_family_names_its_checkpoint_tensors():
     assert hf_name("modernbert", "qa_outputs.weight") == "classifier.weight"
     with pytest.raises(KeyError, match="no Hugging Face name"):
         hf_name("llama", "rotary.inv_freq")
+
+
+def test_modernbert_reads_a_long_window_in_one_piece():
+    """A window as long as ModernBERT's positions allow (1,000 of the tiny preset's 1,024 tokens,
+    past its 32-token local windows), equal to transformers' forward."""
+    from transformers import AutoModelForQuestionAnswering
+
+    from models.build import build_model
+    from models.registry import resolve_model
+
+    source = resolve_model("tiny-modernbert")
+    assert source.config.max_seq_len == 1024
+    ids = torch.randint(5, 2000, (1, 1000), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 900:] = 0  # padded tail
+    with torch.inference_mode():
+        got = build_model(source)(ids, mask)
+        ref = AutoModelForQuestionAnswering.from_pretrained(source.checkpoint)(
+            input_ids=ids, attention_mask=mask
+        )
+    real = mask.bool()[0]
+    assert (got[0, real, 0] - ref.start_logits[0, real]).abs().max() < 1e-4
+    assert (got[0, real, 1] - ref.end_logits[0, real]).abs().max() < 1e-4

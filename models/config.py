@@ -58,6 +58,19 @@ PADDING_OFFSET_ARCHS = ("roberta", "xlm-roberta")
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")  # the encoder's (decoders: transformers')
 
 
+def _shape_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields every family but DistilBERT names as BERT's ``config.json`` does."""
+    return dict(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=int(cfg["num_attention_heads"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+    )
+
+
 class ModelConfigError(ValueError):
     """A model config is unsupported or inconsistent; the message names the file and numbers."""
 
@@ -190,19 +203,13 @@ class EncoderConfig:
                     )
                 return cls(
                     arch=model_type,
-                    vocab_size=int(cfg["vocab_size"]),
-                    hidden_size=int(cfg["hidden_size"]),
-                    num_layers=int(cfg["num_hidden_layers"]),
-                    num_heads=int(cfg["num_attention_heads"]),
-                    intermediate_size=int(cfg["intermediate_size"]),
-                    max_position_embeddings=int(cfg["max_position_embeddings"]),
+                    **_shape_fields(cfg),
                     type_vocab_size=int(cfg.get("type_vocab_size", 2)),
                     layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
                     hidden_act=str(cfg.get("hidden_act", "gelu")),
                     pad_token_id=int(
                         cfg.get("pad_token_id", 1 if model_type in PADDING_OFFSET_ARCHS else 0) or 0
                     ),
-                    initializer_range=float(cfg.get("initializer_range", 0.02)),
                     hidden_dropout=float(cfg.get("hidden_dropout_prob", 0.1)),
                     attention_dropout=float(cfg.get("attention_probs_dropout_prob", 0.1)),
                     embedding_size=int(cfg.get("embedding_size") or cfg["hidden_size"]),
@@ -248,14 +255,8 @@ class EncoderConfig:
         for transformers to build the modules from, and the family's own ``fields``."""
         return cls(
             arch=cfg["model_type"],
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=int(cfg["num_attention_heads"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            **_shape_fields(cfg),
             pad_token_id=int(cfg.get("pad_token_id") or 0),
-            initializer_range=float(cfg.get("initializer_range", 0.02)),
             hf_config_json=json.dumps(cfg, sort_keys=True),
             **fields,
         )

@@ -48,10 +48,7 @@ class DecoderForQA(HFFamilyForQA):
         }
 
     def fresh_buffers(self) -> None:
-        """The rotary table, computed afresh in fp32 (it is no checkpoint tensor)."""
-        device = self.rotary.inv_freq.device
-        with torch.device("cpu"):
-            self.rotary = type(self.rotary)(config=self.hf_config).to(device)
+        self.fresh_rotary()
 
     def _masks(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """Each attention kind's mask (None where SDPA's own causal flag does), as transformers makes it."""

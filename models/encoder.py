@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import EncoderConfig
+from models.span_model import SpanModel
 
 
 def activation_fn(name: str):
@@ -143,19 +144,12 @@ def expand_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.bool()[:, None, None, :]
 
 
-class EncoderForQA(nn.Module):
+class EncoderForQA(SpanModel):
     """Embeddings -> encoder layers -> span head producing start/end logits."""
 
-    # what tensor parallelism shards inside a layer (names relative to the layer), and the head
+    # what tensor parallelism shards inside a layer (names relative to the layer)
     column_linears = ("attention.query", "attention.key", "attention.value", "mlp.up")
     row_linears = ("attention.out", "mlp.down")
-    key_value_linears: tuple[str, ...] = ()  # as many key/value heads as query heads
-    fused_linears: tuple[tuple[str, int], ...] = ()  # none: q, k and v are separate linears
-    token_table = "word_embeddings"  # the vocabulary-parallel table, inside ``embeddings``
-    head_modules = ("qa_outputs",)  # the parts only the last stage holds
-
-    def shard_heads(self, layer: nn.Module, tp: int) -> None:
-        """Nothing to tell a tensor-parallel layer: its attention reads its heads off the widths."""
 
     def stage_copies(self) -> nn.Module | None:
         """The part every pipeline stage holds a copy of: ALBERT's one layer (else none)."""
@@ -190,25 +184,5 @@ class EncoderForQA(nn.Module):
         for layer in self.layers.values():
             x = layer(x, mask)
         if self.qa_outputs is not None:
-            # Span logits in fp32 whatever the compute dtype: the head is kept fp32 (see
-            # ``to_compute_dtype``) and autocast is off for it.
-            with torch.autocast(x.device.type, enabled=False):
-                x = self.qa_outputs(self.qa_dropout(x).float())  # (B, S, 2) fp32
+            x = self.head(self.qa_dropout(x))  # (B, S, 2) fp32
         return x
-
-    def to_compute_dtype(self, dtype: torch.dtype) -> EncoderForQA:
-        """Cast the weights to ``dtype`` (activations follow), keeping the QA head in fp32."""
-        self.to(dtype)
-        if self.qa_outputs is not None:
-            self.qa_outputs.float()
-        return self
-
-    def qa_logits(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole-model convenience: (B, S) ids -> start, end logits, each (B, S)."""
-        logits = self(input_ids, attention_mask, token_type_ids)
-        return logits[..., 0], logits[..., 1]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from models.config import EncoderConfig
+from models.span_model import SpanModel
 
 _DECODER_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 
@@ -109,10 +110,8 @@ def hf_config(config: EncoderConfig):
     return cfg
 
 
-class HFFamilyForQA(nn.Module):
+class HFFamilyForQA(SpanModel):
     """A family's own QA model, its parts renamed; subclasses run them (``forward``)."""
-
-    head_modules: tuple[str, ...] = ("qa_outputs",)  # the parts only the last stage holds
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -138,9 +137,11 @@ class HFFamilyForQA(nn.Module):
     def fresh_buffers(self) -> None:
         """Recompute the non-checkpoint buffers (position tables) after ``to_empty`` or a cast."""
 
-    def stage_copies(self) -> nn.Module | None:
-        """The part every pipeline stage holds a copy of (DeBERTa's relative-position table), or None."""
-        return None
+    def fresh_rotary(self) -> None:
+        """The rotary tables (a family's ``rotary`` module), computed afresh in fp32 on their device."""
+        device = next(self.rotary.buffers()).device
+        with torch.device("cpu"):
+            self.rotary = type(self.rotary)(config=self.hf_config).to(device)
 
     @property
     def column_linears(self) -> tuple[str, ...]:
@@ -170,17 +171,9 @@ class HFFamilyForQA(nn.Module):
         if self.family.heads_attr:
             setattr(attention, self.family.heads_attr, c.num_heads // tp)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, H) -> (B, S, 2) span logits in fp32 whatever the compute dtype (the head is fp32)."""
-        assert self.qa_outputs is not None
-        with torch.autocast(x.device.type, enabled=False):
-            return self.qa_outputs(x.float())
-
     def to_compute_dtype(self, dtype: torch.dtype) -> HFFamilyForQA:
-        """Cast the weights to ``dtype``, keeping the QA head in fp32."""
-        self.to(dtype)
-        if self.qa_outputs is not None:
-            self.qa_outputs.float()
+        """Cast the weights to ``dtype``, keeping the QA head in fp32 (and the position tables)."""
+        super().to_compute_dtype(dtype)
         if not next(self.parameters()).is_meta:
             self.fresh_buffers()
         return self
@@ -190,13 +183,3 @@ class HFFamilyForQA(nn.Module):
         super().to_empty(device=device, recurse=recurse)
         self.fresh_buffers()
         return self
-
-    def qa_logits(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole-model convenience: (B, S) ids -> start, end logits, each (B, S)."""
-        logits = self(input_ids, attention_mask, token_type_ids)
-        return logits[..., 0], logits[..., 1]

@@ -36,10 +36,7 @@ class ModernBertForQA(HFFamilyForQA):
         self.rotary = base.rotary_emb
 
     def fresh_buffers(self) -> None:
-        """The rotary tables (one per attention kind), computed afresh in fp32."""
-        device = next(b.device for b in self.rotary.buffers())
-        with torch.device("cpu"):
-            self.rotary = type(self.rotary)(config=self.hf_config).to(device)
+        self.fresh_rotary()  # one table per attention kind
 
     def forward(
         self, x: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None

@@ -358,6 +358,19 @@ def _tiny_corpus() -> list[str]:
     return [" ".join(words[i : i + 64]) for i in range(0, len(words), 64)]
 
 
+def _cls_sep_pair(specials: list[str], *, types: bool = True) -> Any:
+    """The ``[CLS] A [SEP] B [SEP]`` frame (token types 0 / 1 with ``types``), with the ids the
+    ``specials`` list gives ``[CLS]`` and ``[SEP]``."""
+    from tokenizers import processors
+
+    a, b = (":0", ":1") if types else ("", "")
+    return processors.TemplateProcessing(
+        single=f"[CLS]{a} $A{a} [SEP]{a}",
+        pair=f"[CLS]{a} $A{a} [SEP]{a} $B{b} [SEP]{b}",
+        special_tokens=[("[CLS]", specials.index("[CLS]")), ("[SEP]", specials.index("[SEP]"))],
+    )
+
+
 def tiny_bpe_tokenizer(kind: str) -> Any:
     """A BPE tokenizer of ``UNIGRAM_VOCAB`` pieces, framed as the family's own frames a pair:
     ``qwen2`` byte-level (GPT-2 style, spans keep their leading space, ``<|endoftext|>`` 0, the pair
@@ -375,11 +388,7 @@ def tiny_bpe_tokenizer(kind: str) -> Any:
             specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
             names = dict(pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]",
                          mask_token="[MASK]")  # fmt: skip
-            template = processors.TemplateProcessing(
-                single="[CLS] $A [SEP]",
-                pair="[CLS] $A [SEP] $B [SEP]",
-                special_tokens=[("[CLS]", 1), ("[SEP]", 2)],
-            )
+            template = _cls_sep_pair(specials, types=False)
             post = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -428,21 +437,13 @@ def tiny_unigram_tokenizer(kind: str) -> Any:
         specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
         names = dict(bos_token="[CLS]", eos_token="[SEP]", sep_token="[SEP]", cls_token="[CLS]", unk_token="[UNK]",
                      pad_token="[PAD]", mask_token="[MASK]")  # fmt: skip
-        post = processors.TemplateProcessing(
-            single="[CLS]:0 $A:0 [SEP]:0",
-            pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-            special_tokens=[("[CLS]", 1), ("[SEP]", 2)],
-        )
+        post = _cls_sep_pair(specials)
         normalizer, cls = normalizers.NFKC(), transformers.PreTrainedTokenizerFast
     else:
         specials = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
         names = dict(bos_token="[CLS]", eos_token="[SEP]", sep_token="[SEP]", cls_token="[CLS]", unk_token="<unk>",
                      pad_token="<pad>", mask_token="[MASK]")  # fmt: skip
-        post = processors.TemplateProcessing(
-            single="[CLS]:0 $A:0 [SEP]:0",
-            pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-            special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
-        )
+        post = _cls_sep_pair(specials)
         normalizer, cls = (
             normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]),
             transformers.AlbertTokenizerFast,

@@ -34,11 +34,10 @@ from pydantic import BeforeValidator
 
 from models.config import EncoderConfig
 from partitioner.cost import (
+    RANK_RUNTIME_BYTES,
     InfeasiblePlanError,
     UnitCost,
     analytic_costs,
-    serving_memory_bytes,
-    training_memory_bytes,
 )
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.precision import DtypeChoice
@@ -177,7 +176,7 @@ class RankNeed:
     weight_bytes: int  # weights (training: + gradients + AdamW state, 16 B/param)
     activation_bytes: int
     model: str | None = None
-    runtime_bytes: int = 0  # what the estimate adds for the rank process itself (torch, gloo), if any
+    runtime_bytes: int = RANK_RUNTIME_BYTES  # the rank process itself (torch, transformers, gloo)
 
     @property
     def total_bytes(self) -> int:
@@ -189,7 +188,7 @@ class RankNeed:
         weights = "weights, gradients and AdamW state" if budget.training else "weights"
         of = f"model {self.model}: " if self.model else ""
         batch = "micro-batch" if budget.training else "batch"
-        runtime = f"process {format_size(self.runtime_bytes, digits)} + " if self.runtime_bytes else ""
+        runtime = f"process {format_size(self.runtime_bytes, digits)} + "
         return (
             f"{of}pp={self.dims.pp} x tp={self.dims.tp} needs {format_size(self.total_bytes, digits)} "
             f"on rank {self.rank} ({runtime}{weights} {format_size(self.weight_bytes, digits)} + activations "
@@ -252,21 +251,10 @@ def rank_need(
     )
     key = "training_bytes" if budget.training else "serving_bytes"
     stage, est = max(zip(plan.stages, mem, strict=True), key=lambda pair: pair[1][key])
-    # the estimate's parts: weights (+ optimizer state), activations, and the rest (the rank process)
-    kw = dict(n_layers=len(stage.layers), batch_size=budget.batch_size, seq_len=budget.seq_len, tp=dims.tp)
-    if budget.training:
-        own = training_memory_bytes(
-            stage.params_per_rank,
-            config,
-            stage_index=stage.index,
-            pp=dims.pp,
-            dtype_bytes=budget.dtype_bytes,
-            **kw,
-        )
-    else:
-        own = serving_memory_bytes(stage.params_per_rank, config, dtype_bytes=budget.dtype_bytes, **kw)
+    # the estimate's parts: the rank process, weights (+ optimizer state), and activations
     weights = stage.params_per_rank * (16 if budget.training else budget.dtype_bytes)
-    return RankNeed(dims, stage.ranks[0], weights, own - weights, model, runtime_bytes=est[key] - own)
+    activations = est[key] - RANK_RUNTIME_BYTES - weights
+    return RankNeed(dims, stage.ranks[0], weights, activations, model)
 
 
 def _tp_choices(configs: Sequence[EncoderConfig]) -> list[int]:

@@ -59,8 +59,10 @@ class DecoderForQA(HFFamilyForQA):
             "sliding_attention": create_sliding_window_causal_mask,
         }
         kinds = {self.attention_kinds[int(k)] for k in self.layers}
-        kw = dict(config=self.hf_config, inputs_embeds=x, attention_mask=attention_mask, cache=None)
-        return {kind: makers[kind](**kw, position_ids=position_ids) for kind in kinds}
+        # (config, inputs_embeds, attention_mask, cache) by position: the cache argument was named
+        # past_key_values until transformers 5.2x, cache after
+        args = (self.hf_config, x, attention_mask, None)
+        return {kind: makers[kind](*args, position_ids=position_ids) for kind in kinds}
 
     def forward(
         self, x: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None

@@ -7,13 +7,17 @@ then for each pipeline degree starts ``shardserve serve`` on it (bf16, one repli
 
 - time to ready (process start to ``/readyz`` 200);
 - each rank's peak RSS (``VmHWM`` of the pids ``/status`` lists) beside the plan's estimate for
-  that stage (``shardserve plan``'s serving bytes at the server's largest micro-batch);
+  that stage (``shardserve plan``'s serving bytes at the server's largest micro-batch); with
+  ``--device cuda`` (the pp ranks of a gang share one GPU: ``--ranks-per-gpu pp``) also each rank's
+  GPU memory after the questions (``nvidia-smi``'s per-process used memory: CUDA context plus what
+  torch's caching allocator holds) beside the same estimate;
 - answers per second over ``--questions`` SQuAD-like questions (``--concurrency`` at a time);
 - and that a layout over ``--max-memory-per-rank`` is refused before any weight loads, with the
   numbers (``shardserve serve --pp 1 --max-memory-per-rank`` a little under its estimate).
 
     python benchmarks/bench_big_model.py                      # pp 1, 2, 4; ~10 min on 2 cores
     python benchmarks/bench_big_model.py --pp 2 --json big.json
+    python benchmarks/bench_big_model.py --device cuda --questions 8   # a pp=4 gang on one GPU
 """
 
 from __future__ import annotations
@@ -117,6 +121,28 @@ def peak_rss(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
+def gpu_memory(pids: list[int], smi_csv: str | None = None) -> list[int | None]:
+    """Each pid's GPU memory in bytes from ``nvidia-smi --query-compute-apps`` (``smi_csv``: its output,
+    read here when None), summed over GPUs; None for a pid it does not list (e.g. another pid namespace)."""
+    if smi_csv is None:
+        try:
+            smi_csv = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, check=True, timeout=60,
+            ).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as err:  # no nvidia-smi: the other figures stand
+            logger.warning("nvidia-smi failed: %s", err)
+            smi_csv = ""
+    used: dict[int, int] = {}
+    for line in smi_csv.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():  # "[N/A]" memory: skipped
+            used[int(fields[0])] = used.get(int(fields[0]), 0) + int(fields[1]) * 2**20  # MiB
+    if not any(pid in used for pid in pids):
+        logger.warning("nvidia-smi lists none of the rank pids %s: %r", pids, smi_csv.strip())
+    return [used.get(pid) for pid in pids]
+
+
 def ask(client: httpx.Client, body: dict[str, Any]) -> httpx.Response:
     """POST a question, waiting out 429s as their Retry-After says (a polite client)."""
     while (r := client.post("/v1/qa", json=body)).status_code == 429:
@@ -128,7 +154,8 @@ def serve_flags(model: Path, pp: int, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "shardserve", "serve", "--model", str(model), "--pp", str(pp),
             "--replicas", "1", "--dtype", "bfloat16", "--max-seq-len", str(args.seq_len),
             "--doc-stride", str(args.seq_len // 4), "--max-question-len", str(args.seq_len // 4),
-            "--max-batch-size", str(args.batch), "--gang-start-timeout-s", "1200"]  # fmt: skip
+            "--max-batch-size", str(args.batch), "--gang-start-timeout-s", "1200",
+            *(["--device", "cuda", "--ranks-per-gpu", str(pp)] if args.device == "cuda" else [])]  # fmt: skip
 
 
 def estimates(model: Path, pp: int, args: argparse.Namespace) -> list[int]:
@@ -171,6 +198,7 @@ def run_pp(model: Path, pp: int, args: argparse.Namespace) -> dict[str, Any]:
                     r.raise_for_status()
             qps = args.questions / (time.perf_counter() - t1)
             peaks = [peak_rss(p) for p in pids]
+            gpu = gpu_memory(pids) if args.device == "cuda" else None
     finally:
         proc.terminate()
         proc.wait(120)
@@ -178,8 +206,13 @@ def run_pp(model: Path, pp: int, args: argparse.Namespace) -> dict[str, Any]:
     row = {"pp": pp, "ready_s": round(ready_s, 1), "answers_per_s": round(qps, 3),
            "peak_rss_bytes": peaks, "estimate_bytes": est,
            "rss_over_estimate": [round(p / e, 3) for p, e in zip(peaks, est, strict=True)]}  # fmt: skip
-    logger.info("pp=%d: ready in %.0f s, %.2f answers/s, peak RSS / estimate %s", pp, ready_s, qps,
-                row["rss_over_estimate"])  # fmt: skip
+    if gpu is not None:
+        row["gpu_bytes"] = gpu
+        row["gpu_over_estimate"] = [
+            None if g is None else round(g / e, 3) for g, e in zip(gpu, est, strict=True)
+        ]
+    logger.info("pp=%d: ready in %.0f s, %.2f answers/s, peak RSS / estimate %s%s", pp, ready_s, qps,
+                row["rss_over_estimate"], f", GPU / estimate {row['gpu_over_estimate']}" if gpu else "")  # fmt: skip
     return row
 
 
@@ -195,6 +228,12 @@ def refusal(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"returncode": done.returncode, "seconds": round(time.perf_counter() - t0, 1), "line": line}
 
 
+def per_rank(measured: list[int | None], estimates: list[int]) -> str:
+    """``measured/estimate (ratio)`` in GiB for each rank; ``-`` where nothing was measured."""
+    return "  ".join("-" if m is None else f"{m / 2**30:.2f}/{e / 2**30:.2f} ({m / e:.2f})"
+                     for m, e in zip(measured, estimates, strict=True))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, default=Path("/tmp/shardserve-big"), help="where the checkpoint goes")
@@ -204,19 +243,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per window")
     p.add_argument("--batch", type=int, default=4, help="windows per micro-batch (the estimate's batch)")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="where the ranks compute; cuda: each gang's pp ranks share one GPU (--ranks-per-gpu pp)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     model = write_checkpoint(args.dir)
-    info = machine_info("bfloat16")
+    info = machine_info("bfloat16", args.device)
     rows = [run_pp(model, int(pp), args) for pp in args.pp.split(",")]
     refused = refusal(model, args)
     print(f"\n{info['cpu']}; {SHAPE['num_hidden_layers']} x {SHAPE['hidden_size']} Llama, bf16, "
-          f"batch {args.batch} x {args.seq_len}")  # fmt: skip
-    print(f"{'pp':>3} {'ready s':>8} {'answers/s':>10}  peak RSS / plan estimate per rank (GiB)")
-    for r in rows:
-        ranks = "  ".join(f"{p / 2**30:.2f}/{e / 2**30:.2f} ({p / e:.2f})"
-                          for p, e in zip(r["peak_rss_bytes"], r["estimate_bytes"], strict=True))  # fmt: skip
-        print(f"{r['pp']:>3} {r['ready_s']:>8.1f} {r['answers_per_s']:>10.3f}  {ranks}")
+          f"batch {args.batch} x {args.seq_len}" + (f"; {info['gpu']}, --ranks-per-gpu pp" if info["gpu"] else ""))  # fmt: skip
+    columns = [("peak RSS", "peak_rss_bytes")] + (
+        [("GPU memory", "gpu_bytes")] if args.device == "cuda" else []
+    )
+    for label, key in columns:
+        print(f"{'pp':>3} {'ready s':>8} {'answers/s':>10}  {label} / plan estimate per rank (GiB)")
+        for r in rows:
+            print(f"{r['pp']:>3} {r['ready_s']:>8.1f} {r['answers_per_s']:>10.3f}  "
+                  f"{per_rank(r[key], r['estimate_bytes'])}")  # fmt: skip
     print(f"refused (exit {refused['returncode']} in {refused['seconds']} s): {refused['line']}")
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": info, "rows": rows, "refusal": refused}, indent=2))

@@ -20,6 +20,9 @@ bf16 / AMX / int8 units printed above the figures:
     --replicas, --threads-per-rank, batching flags, --dtype; plus every --extra-config); the best
     explicit row is "best flags".
 
+On --device cuda, (a) and the naive servers first run every batch / request shape of the questions once,
+untimed (a shape new to the GPU's kernels would measure their warm-up); the CPU path warms with one batch.
+
 (b), (b2) and (c) are driven by --clients concurrent keep-alive HTTP clients (a minimal asyncio
 client, so the load generator costs little CPU) posting /v1/qa for --duration-s after --warmup-s;
 it prints throughput (questions/s), p50/p99 latency, the CPU each server's process (HTTP, tokenizing,
@@ -191,7 +194,13 @@ def bench_raw(
     lat: list[float] = []
     done = 0
     with torch.inference_mode():
-        model(*batches[0])
+        if device == "cuda":  # every shape once, untimed: a first-seen shape measures the GPU's warm-up
+            firsts = first_of_each_shape([b[0] for b in batches])
+            for i in firsts:
+                model(*batches[i])
+            label += f" (warmed over its {len(firsts)} batch shapes first)"
+        else:
+            model(*batches[0])
         start = time.perf_counter()
         stop_at = start + duration_s
         for b in itertools.cycle(batches):
@@ -216,6 +225,14 @@ def bench_raw(
         f"{done / elapsed:.1f} windows/s, batches of {batch_size} windows, "
         f"{threads} threads, {label}; latency = per batch",
     )
+
+
+def first_of_each_shape(tensors: list[Any]) -> list[int]:
+    """Indices of the first tensor of each distinct shape, in order (the warm-up set on a GPU)."""
+    firsts: dict[tuple[int, ...], int] = {}
+    for i, t in enumerate(tensors):
+        firsts.setdefault(tuple(t.shape), i)
+    return list(firsts.values())
 
 
 def raw_in_subprocess(
@@ -289,8 +306,25 @@ def run_naive_server(args: argparse.Namespace) -> None:
     tok = source.tokenizer()
     model = build_model(source, dtype=DTYPES[args.naive_dtype], device=args.device)
     types = source.config.uses_token_types
+    window = WindowConfig(max_seq_len=args.max_seq_len, doc_stride=128, max_question_len=64)
     lock = threading.Lock()
     app = FastAPI()
+
+    def encode(question: str, context: str) -> tuple[Any, Any]:
+        enc = encode_qa(tok, [question], [context], window=window)
+        return enc, pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
+
+    def forward(b: Any) -> Any:
+        tt = b.token_type_ids.to(args.device) if types else None
+        return model(b.input_ids.to(args.device), b.attention_mask.to(args.device), tt).cpu()  # (W, S, 2)
+
+    if args.device == "cuda":  # before serving: every request shape the clients will send, once
+        batches = [encode(q, c)[1] for q, c in load_pairs(args.squad, args.questions)]
+        firsts = first_of_each_shape([b.input_ids for b in batches])
+        with torch.inference_mode():
+            for i in firsts:
+                forward(batches[i])
+        logger.info("naive server warmed over %d request shapes", len(firsts))
 
     @app.get("/readyz")
     def readyz() -> dict[str, str]:
@@ -299,15 +333,8 @@ def run_naive_server(args: argparse.Namespace) -> None:
     @app.post("/v1/qa")
     def qa(body: dict[str, Any]) -> dict[str, Any]:
         with lock, torch.inference_mode():  # one request at a time, end to end
-            enc = encode_qa(
-                tok,
-                [body["question"]],
-                [body["context"]],
-                window=WindowConfig(max_seq_len=args.max_seq_len, doc_stride=128, max_question_len=64),
-            )
-            b = pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
-            tt = b.token_type_ids.to(args.device) if types else None
-            out = model(b.input_ids.to(args.device), b.attention_mask.to(args.device), tt).cpu()  # (W, S, 2)
+            enc, b = encode(body["question"], body["context"])
+            out = forward(b)
             pred = decode_spans(enc.windows, out[..., 0], out[..., 1], body["context"], top_k=1)
         return {
             "answers": [
@@ -725,10 +752,12 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--naive-server", str(port), "--model", args.model,
                "--cores", str(cores), "--max-seq-len", str(args.max_seq_len), "--naive-dtype", naive_dtype,
                "--device", args.device]  # fmt: skip
+        note = f"{cores} threads, {naive_dtype} on {args.device}"
+        if on_gpu:  # the server warms itself over the questions' request shapes before it turns ready
+            cmd += ["--squad", str(args.squad), "--questions", str(args.questions)]
+            note += ", warmed over every request shape"
         logger.info("%s, 1 request at a time, %d clients", name, args.clients)
-        results.append(
-            bench_server(cmd, port, pairs, args, name, f"{cores} threads, {naive_dtype} on {args.device}")
-        )
+        results.append(bench_server(cmd, port, pairs, args, name, note))
     base = [sys.executable, "-m", "shardserve.cli", "--log-level", "WARNING", "serve", "--model", args.model,
             "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
             "--max-queue-size", str(max(256, 4 * args.clients)), "--device", args.device]  # fmt: skip

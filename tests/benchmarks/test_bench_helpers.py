@@ -153,3 +153,76 @@ def test_big_model_checkpoint_is_sharded_and_loads_as_transformers_wrote_it(tmp_
         got = build_model(source, dtype=torch.bfloat16).float()(ids, mask)
         ref = AutoModelForQuestionAnswering.from_pretrained(out).float()(input_ids=ids, attention_mask=mask)
     assert torch.allclose(got[..., 0], ref.start_logits, atol=1e-5)
+
+
+def test_first_of_each_shape_picks_one_batch_per_shape_in_order():
+    """On cuda the raw rows and the naive server warm every distinct shape once before timing."""
+    shapes = [(1, 40), (1, 52), (1, 40), (2, 384), (1, 52), (2, 384), (1, 7)]
+    assert bench_serving.first_of_each_shape([torch.zeros(s) for s in shapes]) == [0, 1, 3, 6]
+    assert bench_serving.first_of_each_shape([]) == []
+
+
+def test_big_model_gpu_memory_matches_nvidia_smi_rows_to_rank_pids():
+    import bench_big_model
+
+    smi = "4242, 1536\n4243, 2048\n999, 100\n4243, 512\n4244, [N/A]\n"  # pid, MiB (a pid on two GPUs sums)
+    assert bench_big_model.gpu_memory([4242, 4243, 4244, 5], smi) == [1536 << 20, 2560 << 20, None, None]
+    assert bench_big_model.per_rank([1 << 30, None], [2 << 30, 1 << 30]) == "1.00/2.00 (0.50)  -"
+
+
+SUMMARY = """================================================
+MLPerf Results Summary
+================================================
+Scenario : Server
+Mode     : PerformanceOnly
+Completed samples per second    : 46.69
+Result is : INVALID
+  Performance constraints satisfied : Yes
+  Min duration satisfied : Yes
+  Min queries satisfied : Yes
+  Early stopping satisfied: NO
+================================================
+Additional Stats
+================================================
+50.00 percentile latency (ns)   : 10573253
+99.00 percentile latency (ns)   : 10929930
+"""
+
+
+def test_mlperf_summary_is_read_as_loadgen_wrote_it():
+    import bench_mlperf
+
+    got = bench_mlperf.parse_summary(SUMMARY)
+    assert got["samples_per_s"] == 46.69 and got["result"] == "INVALID"
+    assert got["latency_ok"] is True and got["early_stopping_ok"] is False
+    assert abs(got["p50_ms"] - 10.573253) < 1e-9 and abs(got["p99_ms"] - 10.92993) < 1e-9
+    missed = bench_mlperf.parse_summary(
+        SUMMARY.replace("constraints satisfied : Yes", "constraints satisfied : NO")
+    )
+    assert missed["latency_ok"] is False
+    offline = bench_mlperf.parse_summary("Scenario : Offline\nSamples per second: 12.5\nResult is : VALID\n")
+    assert (
+        offline["samples_per_s"] == 12.5
+        and offline["early_stopping_ok"] is None
+        and offline["p99_ms"] is None
+    )
+
+
+def test_mlperf_qps_search_finds_the_highest_passing_target():
+    import bench_mlperf
+
+    def probe(capacity: float, errors_above: float = float("inf")):
+        def run(qps: float) -> bench_mlperf.LoadgenRun:
+            return bench_mlperf.LoadgenRun(
+                "Server", "PerformanceOnly", qps, "VALID", qps <= capacity, True, 1.0, 2.0, target_qps=qps,
+                errors={503: 1} if qps > errors_above else {},
+            )  # fmt: skip
+
+        return run
+
+    best, runs = bench_mlperf.find_server_qps(probe(30.0), low=0.0, high=100.0, steps=6)
+    assert [r.target_qps for r in runs][:3] == [50.0, 25.0, 37.5]
+    assert best is not None and 30.0 - 100 / 2**6 <= best <= 30.0
+    best, _ = bench_mlperf.find_server_qps(probe(30.0, errors_above=20.0), low=0.0, high=100.0, steps=6)
+    assert best is not None and best <= 20.0  # a probe with failed queries never passes
+    assert bench_mlperf.find_server_qps(probe(0.5), low=0.0, high=100.0, steps=4)[0] is None

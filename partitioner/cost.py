@@ -19,6 +19,7 @@ all-reduce volume of a rank per optimizer step is ``ring_allreduce_bytes`` of it
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ class UnitCost:
     sharded_params: int  # the part of ``params`` split across tensor-parallel ranks
     shard_row: int = 1  # parameters per indivisible row of the sharded part (a vocabulary row)
     shared: bool = False  # its parameters are those of every other shared unit (ALBERT's layers)
+    stage_params: int = 0  # held once by each stage that holds the unit (DeBERTa's relative table)
+    kv_params: int = 0  # the part of ``sharded_params`` in key/value projections, split by whole heads
+    kv_heads: int = 1  # ... over this many heads: tp > kv_heads leaves each rank one whole head
 
 
 def _layer_matrices(c: EncoderConfig) -> int:
@@ -53,6 +57,27 @@ def _layer_matrices(c: EncoderConfig) -> int:
     two MLP matrices (three when gated: gate, up, down); all tp-sharded."""
     h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     return 2 * h * q + 2 * h * kv + (3 if c.gated_mlp else 2) * h * c.intermediate_size
+
+
+def _kv_params(c: EncoderConfig) -> int:
+    """Weights and biases of a layer's key and value projections."""
+    kv = c.num_kv_heads * c.head_dim
+    return 2 * c.hidden_size * kv + (2 * kv if c.qkv_bias else 0)
+
+
+def _relative_table_params(c: EncoderConfig) -> int:
+    """DeBERTa's relative-position table and its LayerNorm, as transformers' encoder builds them
+    (every pipeline stage holds them: ``models/deberta.py``); 0 for other families."""
+    if c.arch != "deberta-v2":
+        return 0
+    hf = json.loads(c.hf_config_json or "{}")
+    if not hf.get("relative_attention", False):
+        return 0
+    max_relative = int(hf.get("max_relative_positions", -1))
+    buckets = int(hf.get("position_buckets", -1))
+    rows = 2 * (buckets if buckets > 0 else max_relative if max_relative >= 1 else c.max_position_embeddings)
+    norm = "layer_norm" in [x.strip() for x in str(hf.get("norm_rel_ebd", "none")).lower().split("|")]
+    return rows * c.hidden_size + (2 * c.hidden_size if norm else 0)
 
 
 def _layer_params(c: EncoderConfig) -> tuple[int, int]:
@@ -71,7 +96,10 @@ def _embedding_params(c: EncoderConfig) -> tuple[int, int]:
     word = c.vocab_size * e  # vocab-parallel
     if c.gated_mlp:  # the token table alone (rotary positions have no weights)
         return word, word
-    other = (c.max_position_embeddings + c.type_vocab_size) * e + 2 * e
+    positions = c.max_position_embeddings
+    if c.arch == "deberta-v2" and not json.loads(c.hf_config_json or "{}").get("position_biased_input", True):
+        positions = 0  # DeBERTa-v3: relative positions only, no absolute table
+    other = (positions + c.type_vocab_size) * e + 2 * e
     if c.projects_embeddings:  # ELECTRA: E -> H, replicated
         other += e * c.hidden_size + c.hidden_size
     return word + other, word
@@ -82,10 +110,16 @@ def analytic_costs(config: EncoderConfig, *, seq_len: int) -> list[UnitCost]:
     h, i, s = config.hidden_size, config.intermediate_size, seq_len
     layer_flops = 2 * _layer_matrices(config) + 4 * s * config.num_heads * config.head_dim  # + QK^T, AV
     layer_elementwise = 12 * h + i + 5 * config.num_heads * s  # norms, residuals, act, softmax
-    units = [UnitCost("embeddings", 10.0 * h, *_embedding_params(config), shard_row=h)]
+    units = [UnitCost("embeddings", 10.0 * h, *_embedding_params(config), shard_row=config.embedding_size)]
     lp, ls = _layer_params(config)
+    each = dict(
+        shared=config.shares_layers,
+        stage_params=_relative_table_params(config),
+        kv_params=_kv_params(config),
+        kv_heads=config.num_kv_heads,
+    )
     units += [
-        UnitCost(f"layer.{k}", float(layer_flops + layer_elementwise), lp, ls, shared=config.shares_layers)
+        UnitCost(f"layer.{k}", float(layer_flops + layer_elementwise), lp, ls, **each)
         for k in range(config.num_layers)
     ]
     # what sits before the span classifier: a decoder's final norm; ModernBERT's, and its dense + norm
@@ -134,10 +168,7 @@ def profile_costs(
         setattr(model, name, None)
     t_layer = timed(lambda: model(hidden, mask))  # the one layer (and its mask)
     measured = [t_emb] + [t_layer] * config.num_layers + [t_head]
-    return [
-        UnitCost(u.name, t, u.params, u.sharded_params, u.shard_row, u.shared)
-        for u, t in zip(analytic, measured, strict=True)
-    ]
+    return [dataclasses.replace(u, cost=t) for u, t in zip(analytic, measured, strict=True)]
 
 
 def balanced_split(costs: list[UnitCost], pp: int) -> list[tuple[int, int]]:
@@ -193,7 +224,8 @@ def stage_costs(costs: list[UnitCost], bounds: list[tuple[int, int]]) -> list[fl
 
 def stage_param_counts(costs: list[UnitCost], bounds: list[tuple[int, int]], tp: int) -> list[int]:
     """Parameters held by the largest rank of each stage (sharded part / tp rounded up + replicated part);
-    shared units (ALBERT's layers) once per stage."""
+    shared units (ALBERT's layers) and each unit's ``stage_params`` (DeBERTa's relative table) once per
+    stage; key/value projections by whole heads (tp > key/value heads: one head on each rank)."""
     out = []
     for k, (a, b) in enumerate(bounds):
         layers = list(costs[1 + a : 1 + b])
@@ -202,13 +234,12 @@ def stage_param_counts(costs: list[UnitCost], bounds: list[tuple[int, int]], tp:
             units.append(costs[0])
         if k == len(bounds) - 1:
             units.append(costs[-1])
-        rows = [-(-u.sharded_params // u.shard_row) for u in units]
-        out.append(
-            sum(
-                -(-r // tp) * u.shard_row + u.params - u.sharded_params
-                for r, u in zip(rows, units, strict=True)
-            )
-        )
+        held = max((u.stage_params for u in layers), default=0)
+        for u in units:
+            kv_per_rank = u.kv_params // u.kv_heads * -(-u.kv_heads // tp) if u.kv_params else 0
+            rows = -(-(u.sharded_params - u.kv_params) // u.shard_row)
+            held += -(-rows // tp) * u.shard_row + kv_per_rank + u.params - u.sharded_params
+        out.append(held)
     return out
 
 

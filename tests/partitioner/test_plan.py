@@ -97,20 +97,24 @@ ALBERT = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-albert"])
 LLAMA = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-llama"])
 QWEN2 = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-qwen2"])
 MODERNBERT = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-modernbert"])
+DEBERTA = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-deberta-v2"])
+ELECTRA = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-electra"])
 
 
 @pytest.mark.parametrize(
     ("config", "pp", "tp"),
     [(MINILM, 1, 1), (MINILM, 2, 1), (MINILM, 3, 1), (MINILM, 1, 2), (MINILM, 2, 2), (MINILM, 3, 4),
      (ALBERT, 1, 1), (ALBERT, 2, 1), (ALBERT, 3, 2), (LLAMA, 1, 1), (LLAMA, 2, 2), (QWEN2, 3, 2),
-     (MODERNBERT, 2, 2)],
+     (MODERNBERT, 2, 2), (QWEN2, 1, 4), (LLAMA, 2, 4), (DEBERTA, 1, 1), (DEBERTA, 3, 2), (ELECTRA, 2, 2)],
     ids=["1-1", "2-1", "3-1", "1-2", "2-2", "3-4", "albert-1-1", "albert-2-1", "albert-3-2", "llama-1-1",
-         "llama-2-2", "qwen2-3-2", "modernbert-2-2"],
+         "llama-2-2", "qwen2-3-2", "modernbert-2-2", "qwen2-1-4", "llama-2-4", "deberta-1-1", "deberta-3-2",
+         "electra-2-2"],
 )  # fmt: skip
 def test_params_per_rank_match_built_stages(config, pp, tp):
     """The plan's parameter count per rank equals what the largest rank actually materialises (ALBERT:
-    its one shared layer once in each stage; the decoders' grouped-query projections, Qwen2's q/k/v
-    biases and final norm)."""
+    its one shared layer once in each stage; the decoders' grouped-query projections, whole key/value
+    heads when tp exceeds them, Qwen2's q/k/v biases and final norm; DeBERTa-v3's relative-position
+    table on every stage and no absolute one; ELECTRA's narrower vocabulary rows)."""
     plan = make_plan(config, ParallelDims(pp=pp, tp=tp))
     for stage in plan.stages:
         for tp_rank in range(tp):

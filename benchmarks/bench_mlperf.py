@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import array
-import asyncio
 import json
 import logging
 import os
@@ -42,8 +41,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import machine_info, raw_in_subprocess
+from http_load import OpenLoopClient
 
 from loadtest.local_server import free_port, stop, wait_ready
 from training.squad_data import SquadExample, load_squad
@@ -61,93 +59,7 @@ logger = logging.getLogger("bench_mlperf")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-IDLE_S = 2.0  # a connection idle for longer is not reused
 POOL = REPO.parent / "shared" / "data" / "squad" / "squad-v1.1-train-pool.json"
-
-
-# ------------------------------------------------------------------------------------------ HTTP client
-
-
-class HttpClient:
-    """Keep-alive HTTP/1.1 connections to one server, driven by an asyncio loop on its own thread:
-    loadgen's threads hand it queries (``post``), the loop answers through a callback. A minimal
-    client (no httpx) so the load generator takes little of the cores the server uses."""
-
-    def __init__(self, port: int, *, max_connections: int) -> None:
-        self.port = port
-        self.loop = asyncio.new_event_loop()
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []  # + idle since
-        self.tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly: these keep them alive
-        self.thread = threading.Thread(target=self.loop.run_forever, name="http-client", daemon=True)
-        self.thread.start()
-        self.slots = asyncio.run_coroutine_threadsafe(self._semaphore(max_connections), self.loop).result()
-
-    @staticmethod
-    async def _semaphore(n: int) -> asyncio.Semaphore:
-        return asyncio.Semaphore(n)
-
-    def post(self, body: bytes, done: Callable[[int, bytes], None]) -> None:
-        """POST ``body`` to /v1/qa; ``done(status, response body)`` on the loop's thread."""
-        self.loop.call_soon_threadsafe(self._start, body, done)
-
-    def _start(self, body: bytes, done: Callable[[int, bytes], None]) -> None:
-        task = self.loop.create_task(self._post(body, done))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _post(self, body: bytes, done: Callable[[int, bytes], None]) -> None:
-        async with self.slots:
-            status, payload = 599, b""
-            for attempt in range(2):  # a kept-alive connection the server closed meanwhile: again, fresh
-                conn = self._idle_connection() if attempt == 0 else None
-                fresh = conn is None
-                if conn is None:
-                    conn = await asyncio.open_connection("127.0.0.1", self.port)
-                try:
-                    status, payload = await self._exchange(*conn, body)
-                    self.idle.append((*conn, time.monotonic()))
-                    break
-                except (OSError, asyncio.IncompleteReadError, IndexError, ValueError) as e:
-                    conn[1].close()
-                    status, payload = 599, repr(e).encode()
-                    if fresh:
-                        logger.warning("no answer on a fresh connection: %r", e)
-                        break
-        done(status, payload)
-
-    def _idle_connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """The most recently used idle connection; those idle for over ``IDLE_S`` are closed (servers
-        close kept-alive connections after a few seconds: uvicorn's default is 5)."""
-        now = time.monotonic()
-        while self.idle:
-            reader, writer, since = self.idle.pop()
-            if now - since <= IDLE_S:
-                return reader, writer
-            writer.close()
-        return None
-
-    @staticmethod
-    async def _exchange(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
-    ) -> tuple[int, bytes]:
-        writer.write(
-            b"POST /v1/qa HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await writer.drain()
-        status = int((await reader.readline()).split()[1])
-        length = 0
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return status, await reader.readexactly(length)
-
-    def close(self) -> None:
-        for _, writer, _ in self.idle:
-            self.loop.call_soon_threadsafe(writer.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
 
 
 # ------------------------------------------------------------------------------------------ loadgen runs
@@ -198,7 +110,7 @@ def parse_summary(text: str) -> dict[str, Any]:
 
 
 def run_loadgen(
-    client: HttpClient,
+    client: OpenLoopClient,
     bodies: list[bytes],
     *,
     scenario: str,
@@ -315,11 +227,11 @@ def start_server(cmd: list[str], port: int) -> subprocess.Popen:
 
 def measure_server(
     name: str, cmd: list[str], port: int, bodies: list[bytes], args: argparse.Namespace
-) -> tuple[ServerFigures, HttpClient, subprocess.Popen]:
+) -> tuple[ServerFigures, OpenLoopClient, subprocess.Popen]:
     """Start the server; SingleStream and Offline runs. Returns it still running, for the Server
     scenario (whose SLO needs every server's SingleStream first) and accuracy."""
     proc = start_server(cmd, port)
-    client = HttpClient(port, max_connections=args.max_connections)
+    client = OpenLoopClient(port, max_connections=args.max_connections)
     figures = ServerFigures(name)
     logger.info("%s: SingleStream", name)
     single = run_loadgen(client, bodies, scenario="SingleStream", duration_s=args.single_s, min_queries=64)
@@ -341,7 +253,7 @@ def measure_server(
 
 def server_and_accuracy(
     figures: ServerFigures,
-    client: HttpClient,
+    client: OpenLoopClient,
     bodies: list[bytes],
     examples: list[SquadExample],
     *,
@@ -486,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         full = [*cmd, str(port)] if "--naive-server" in cmd else [*cmd, "--port", str(port)]
         proc = start_server(full, port)
-        client = HttpClient(port, max_connections=args.max_connections)
+        client = OpenLoopClient(port, max_connections=args.max_connections)
         try:
             server_and_accuracy(results[name], client, bodies, examples, slo_ms=slo_ms, args=args)
         finally:

@@ -44,7 +44,6 @@ a small built-in set.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import itertools
 import json
@@ -60,6 +59,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from http_load import closed_loop
 
 from loadtest.local_server import free_port, stop, wait_ready
 from loadtest.overload import process_tree
@@ -348,48 +349,9 @@ def run_naive_server(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ load generator
 
 
-async def _client(
-    port: int, bodies: list[bytes], counter: Any, t_measure: float, t_stop: float, out: list
-) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while True:
-            t0 = time.perf_counter()
-            if t0 >= t_stop:
-                return
-            body = bodies[next(counter) % len(bodies)]
-            writer.write(
-                b"POST /v1/qa HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            await writer.drain()
-            status = int((await reader.readline()).split()[1])
-            length = 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            await reader.readexactly(length)
-            t1 = time.perf_counter()
-            if t0 >= t_measure and t1 <= t_stop:
-                out.append((t1 - t0, status))
-    finally:
-        writer.close()
-
-
 def drive(port: int, pairs: list[tuple[str, str]], args: argparse.Namespace, name: str, note: str) -> Result:
     bodies = [json.dumps({"question": q, "context": c}).encode() for q, c in pairs]
-    out: list[tuple[float, int]] = []
-
-    async def main() -> None:
-        now = time.perf_counter()
-        t_measure, t_stop = now + args.warmup_s, now + args.warmup_s + args.duration_s
-        counter = itertools.count()
-        await asyncio.gather(
-            *(_client(port, bodies, counter, t_measure, t_stop, out) for _ in range(args.clients))
-        )
-
-    asyncio.run(main())
+    out = closed_loop(port, bodies, clients=args.clients, warmup_s=args.warmup_s, duration_s=args.duration_s)
     ok = sorted(lat for lat, status in out if status == 200)
     errors = sum(1 for _, status in out if status != 200)
     if len(ok) < 2:

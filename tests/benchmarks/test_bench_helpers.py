@@ -226,3 +226,47 @@ def test_mlperf_qps_search_finds_the_highest_passing_target():
     best, _ = bench_mlperf.find_server_qps(probe(30.0, errors_above=20.0), low=0.0, high=100.0, steps=6)
     assert best is not None and best <= 20.0  # a probe with failed queries never passes
     assert bench_mlperf.find_server_qps(probe(0.5), low=0.0, high=100.0, steps=4)[0] is None
+
+
+def test_open_loop_client_answers_every_query_when_the_server_drops_kept_alive_connections():
+    """The MLPerf client reuses connections; one the server has closed meanwhile is retried on a fresh one."""
+    import asyncio
+    import threading
+
+    import http_load
+
+    served = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (head := await reader.readuntil(b"\r\n\r\n")) is not None:
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            body = await reader.readexactly(length)
+            served.append(body)
+            reply = b'{"answers": []}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(reply), reply))
+            await writer.drain()
+            if len(served) % 3 == 0:  # as a server whose keep-alive timeout passed
+                writer.close()
+                return
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    client = http_load.OpenLoopClient(server.sockets[0].getsockname()[1], max_connections=2)
+    answers, finished = [], threading.Event()
+
+    def done(status: int, payload: bytes) -> None:
+        answers.append((status, payload))
+        if len(answers) == 12:
+            finished.set()
+
+    try:
+        for i in range(12):
+            client.post(b'{"q": %d}' % i, done)
+        assert finished.wait(10)
+    finally:
+        client.close()
+        loop.call_soon_threadsafe(loop.stop)
+    assert [s for s, _ in answers] == [200] * 12 and sorted(served) == sorted(
+        b'{"q": %d}' % i for i in range(12)
+    )

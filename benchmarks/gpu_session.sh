@@ -12,6 +12,7 @@
 #
 #   benchmarks/gpu_session.sh prepare          # on the CPU machine, from the repo root (downloads ~6 MB)
 #   benchmarks/gpu_session.sh run [STEP...]    # on the GPU machine; no STEP: every step, in this order:
+#       unit           the unit tests that need a GPU (skipped on the CPU): tests/partitioner/test_host_copy.py
 #       verify         shardserve verify, default model: pp1 bf16, pp2 x tp2 bf16, pp2 x tp2 fp32
 #       families       verify tiny-llama, tiny-modernbert, tiny-deberta-v2 at pp2 x tp2 bf16
 #       serve          serve bf16 pp2 (--ranks-per-gpu 2 on cuda), one question over HTTP, SIGINT: exit 0
@@ -36,7 +37,7 @@ typing-inspection fastapi_offline pyzmq tritonclient python-rapidjson openteleme
 # what they provide, imported once after installing them there: a missing requirement is named up front
 IMPORTS="fastapi starlette uvicorn pydantic pydantic_core pydantic_settings dotenv annotated_types
 typing_inspection fastapi_offline zmq tritonclient rapidjson opentelemetry annotated_doc"
-STEPS="verify families serve train bench_serving big"
+STEPS="unit verify families serve train bench_serving big"
 DEVICE_LIMIT=$((64 * 1024 * 1024))
 
 die() { echo "gpu_session.sh: $*" >&2; exit 2; }
@@ -234,6 +235,7 @@ run() {
   self=$(realpath "$0")
   for s in "${want[@]}"; do
     case $s in
+      unit) step unit 90 python3 -m pytest -q -p no:cacheprovider tests/partitioner/test_host_copy.py ;;
       verify)
         for spec in "1 1 bfloat16" "2 2 bfloat16" "2 2 float32"; do
           # shellcheck disable=SC2086

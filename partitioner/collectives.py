@@ -18,13 +18,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from partitioner.host_copy import to_host
+
 
 def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum ``tensor`` over ``group`` in place (through the CPU when gloo meets a CUDA tensor)."""
     if group is None:
         return tensor
     if tensor.is_cuda and dist.get_backend(group) == "gloo":
-        staged = tensor.detach().cpu()
+        staged = to_host(tensor.detach())
         dist.all_reduce(staged, group=group)
         tensor.copy_(staged)
     else:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from partitioner.host_copy import to_host
+
 KIND_DATA = 1
 KIND_STOP = 2
 KIND_GRAD = 3
@@ -85,7 +87,9 @@ class P2PCommunicator:
 
     def send(self, dst: int, msg: Message) -> None:
         header = encode_header(msg).to(self.wire)
-        payload = [header] + [t.detach().to(self.wire).contiguous() for t in msg.tensors]
+        # gloo's wire is the CPU: a CUDA activation is copied there once the GPU has made it (asleep)
+        move = to_host if self.wire.type == "cpu" else (lambda t: t.to(self.wire))
+        payload = [header] + [move(t.detach()).contiguous() for t in msg.tensors]
         for t in payload:
             self._pending.append((dist.isend(t, dst), payload))
         while len(self._pending) > self.max_pending * len(payload):

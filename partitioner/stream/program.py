@@ -32,6 +32,7 @@ import torch
 from models.build import QAModel
 from models.registry import ModelSource
 from partitioner.compiled import compile_stage, warm_up
+from partitioner.host_copy import to_host
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
 from partitioner.precision import DTYPES
@@ -131,7 +132,7 @@ def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) ->
     def to_driver(mb: int, logits: torch.Tensor) -> None:
         if ctx.tp_rank == 0:
             mb_id, index = untag(mb)
-            ctx.link.send(Result(mb_id, logits.cpu().numpy(), table[index].name))  # (B, S, 2) float32
+            ctx.link.send(Result(mb_id, to_host(logits).numpy(), table[index].name))  # (B, S, 2) float32
 
     comm = P2PCommunicator(device=ctx.device, backend=ctx.backend)
     ex = ctx.stage_executor(stages[0], comm, get_inputs=from_driver, on_logits=to_driver, forward_only=True)

@@ -16,6 +16,8 @@
 #       verify         shardserve verify, default model: pp1 bf16, pp2 x tp2 bf16, pp2 x tp2 fp32
 #       families       verify tiny-llama, tiny-modernbert, tiny-deberta-v2 at pp2 x tp2 bf16
 #       serve          serve bf16 pp2 (--ranks-per-gpu 2 on cuda), one question over HTTP, SIGINT: exit 0
+#       profile        serve with no flags under 64 clients; py-spy records the server (--gil) and each rank
+#                      (where a GPU rank's CPU goes: ~1 core per rank on the first H200)
 #       train          train bf16 pp2 on .gpu/pool10.json (2 articles held out), then its eval
 #       bench_serving  benchmarks/bench_serving.py --device $DEV, 64 clients (-> $OUT/bench_serving.json)
 #       big            benchmarks/bench_big_model.py --device $DEV, 1.7 B Llama at pp 1,2,4, a few questions
@@ -33,11 +35,11 @@
 
 # annotated-doc: a fastapi requirement the first GPU image had only through huggingface_hub's typer
 WHEELS="fastapi starlette uvicorn pydantic pydantic_core pydantic-settings python-dotenv annotated-types
-typing-inspection fastapi_offline pyzmq tritonclient python-rapidjson opentelemetry-api annotated-doc"
+typing-inspection fastapi_offline pyzmq tritonclient python-rapidjson opentelemetry-api annotated-doc py-spy"
 # what they provide, imported once after installing them there: a missing requirement is named up front
 IMPORTS="fastapi starlette uvicorn pydantic pydantic_core pydantic_settings dotenv annotated_types
 typing_inspection fastapi_offline zmq tritonclient rapidjson opentelemetry annotated_doc"
-STEPS="unit verify families serve train bench_serving big"
+STEPS="unit verify families serve profile train bench_serving big"
 DEVICE_LIMIT=$((64 * 1024 * 1024))
 
 die() { echo "gpu_session.sh: $*" >&2; exit 2; }
@@ -131,7 +133,7 @@ device tool 'run' arguments (one call, every step; name fewer steps to spend les
   command:   benchmarks/gpu_session.sh run
   carry:     [".whl", ".gpu"]
   timeout_s: 600
-  e.g. only:  benchmarks/gpu_session.sh run families bench_serving big
+  e.g. only:  benchmarks/gpu_session.sh run unit profile bench_serving big
   (BUDGET_S, default 560, keeps the run inside the call: lower it when the call's limit_s is lower)
 The files come back under files_at: logs.tgz (every step's log), summary.txt, bench_serving.json,
 bench_big_model.json. Rehearse here first: DEV=cpu OUT=/tmp/gs benchmarks/gpu_session.sh run verify serve
@@ -163,6 +165,49 @@ step() {
 }
 
 # The serve step (run as `gpu_session.sh _serve` under step's timeout): bf16 pp2, one question, SIGINT.
+profile_check() {
+  local spy port sp i
+  spy=$(command -v py-spy || echo "$W/pysite/bin/py-spy")
+  [ -x "$spy" ] || { echo "py-spy not found (benchmarks/gpu_session.sh prepare carries it in .whl/)"; return 1; }
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  python3 -m shardserve serve --model default --device "$DEV" --host 127.0.0.1 --port "$port" \
+    > "$L/profile-server.log" 2>&1 &
+  sp=$!
+  for i in $(seq 120); do
+    curl -sf "localhost:$port/readyz" > /dev/null && break
+    kill -0 $sp 2>/dev/null || { tail -20 "$L/profile-server.log"; return 1; }
+    sleep 1
+  done
+  head -3 "$L/profile-server.log"
+  PYTHONPATH=benchmarks:$PYTHONPATH python3 -c '
+import json, sys
+from http_load import closed_loop
+data = json.load(open(sys.argv[2]))
+bodies = [json.dumps({"question": q["question"], "context": p["context"]}).encode()
+          for a in data["data"] for p in a["paragraphs"] for q in p["qas"]][:512]
+out = closed_loop(int(sys.argv[1]), bodies, clients=64, warmup_s=3, duration_s=20)
+print(f"{sum(s == 200 for _, s in out) / 20:.1f} answers/s over 20 s")' "$port" .gpu/pool10.json \
+    > "$L/profile-load.log" 2>&1 &
+  local load=$! kids pid spies=()
+  sleep 6
+  kids=$(pgrep -P $sp | tr '\n' ' ')
+  echo "server $sp, children: $kids"
+  "$spy" record -p $sp --gil -d 10 -r 200 -f raw -o "$L/profile-server-gil.txt" --nonblocking > /dev/null 2>&1 &
+  spies+=($!)
+  for pid in $kids; do
+    "$spy" record -p "$pid" -d 10 -r 200 -f raw -o "$L/profile-rank-$pid.txt" --nonblocking > /dev/null 2>&1 &
+    spies+=($!)
+    top -b -H -n 1 -p "$pid" | head -20 > "$L/profile-threads-$pid.txt"
+  done
+  wait "${spies[@]}" $load
+  cat "$L/profile-load.log"
+  kill -INT $sp; wait $sp
+  for f in "$L"/profile-rank-*.txt; do  # the heaviest stacks of each rank: "count  innermost frames"
+    echo "== $f"
+    awk '{n = $NF; $NF = ""; k = split($0, fr, ";"); print n "  " fr[k-1] " ; " fr[k]}' "$f" | sort -rn | head -5 | cut -c1-300
+  done
+}
+
 serve_check() {
   local port
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -229,7 +274,7 @@ run() {
   if [ "$DEV" = cuda ]; then BUDGET_S=${BUDGET_S:-560}; LIM_SCALE=${LIM_SCALE:-1}; CORES=${CORES:-8}
   else BUDGET_S=${BUDGET_S:-36000}; LIM_SCALE=${LIM_SCALE:-3}; CORES=${CORES:-$(nproc)}; fi
   W=$(mktemp -d /tmp/gpu_session.XXXXXX); L=$W/logs; mkdir -p "$L"
-  export DEV OUT L
+  export DEV OUT L W
   setup
   local self
   self=$(realpath "$0")
@@ -249,6 +294,7 @@ run() {
             --dtype bfloat16
         done ;;
       serve) TAILN=12 step serve 150 "$self" _serve ;;
+      profile) TAILN=30 step profile 120 "$self" _profile ;;
       train)
         step train-pp2 "${TRAIN_LIM:-100}" python3 -m shardserve train --model default \
           --train-file .gpu/pool10.json --holdout-articles 2 --max-train-examples "${TRAIN_N:-2000}" \
@@ -281,5 +327,6 @@ case ${1:-} in
   prepare) prepare ;;
   run) shift; run "$@" ;;
   _serve) serve_check ;;
+  _profile) profile_check ;;
   *) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

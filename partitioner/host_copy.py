@@ -1,14 +1,14 @@
 """Device -> host copies that wait for the GPU without spinning a CPU core.
 
 A blocking copy from CUDA (``tensor.cpu()``) waits the CUDA runtime's default way: with one context
-per process on a host with more cores than contexts, the waiting thread spins. A rank whose stage
-runs on the GPU then burns a whole core for as long as its kernels run (measured on the first H200:
-each GPU rank's process took 4.8-12.9 ms of CPU per answer, about one core per rank, while an idle
-rank takes ~0.4 % of one), cores the HTTP front end needs. ``to_host`` first waits on an event made
-with ``blocking=True`` (``cudaEventBlockingSync``: the thread sleeps until the GPU reaches it), then
-copies; on the CPU it is ``tensor.cpu()`` (the tensor itself: no copy).
+per process on a host with more cores than contexts, the waiting thread spins for as long as the
+kernels before the copy run, on cores the HTTP front end needs. ``to_host`` first waits on an event
+made with ``blocking=True`` (``cudaEventBlockingSync``: the thread sleeps until the GPU reaches it),
+then copies; on the CPU it is ``tensor.cpu()`` (the tensor itself: no copy). (On the first H200 a
+loaded GPU rank's process took about one core; how much of it was such spinning is to be measured:
+``benchmarks/gpu_session.sh run profile``.)
 
-    pytest tests/partitioner/test_p2p.py
+    pytest tests/partitioner/test_host_copy.py
 """
 
 from __future__ import annotations

@@ -147,6 +147,14 @@ class ModelRepository:
             raise EngineError(503, "model_unavailable", f"model {entry.name!r} is not served now: {why}")
         return entry.engine
 
+    def model_ready(self, name: str) -> bool:
+        """Triton's model readiness: whether ``name`` answers now (its state READY); EngineError 404
+        ``model_not_found`` for a name the server does not know."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise EngineError(404, "model_not_found", f"model {name!r} not found")
+        return entry.state is ModelState.READY
+
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: each model's name, version (its generation), state and reason."""
         out = []

@@ -37,7 +37,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from serving.config import MODEL_NAME
 from serving.engine.core import Engine
 from serving.engine.qa_types import EngineError
-from serving.engine.repository import ModelRepository, ModelState, model_version
+from serving.engine.repository import ModelRepository, model_version
 from serving.frontend import kserve_v2, v2_binary
 from serving.frontend.grpc_call import Access, Call, GrpcError, run_rpc
 from serving.frontend.qa_call import answer_for
@@ -188,12 +188,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         async def ready(request: Any, call: Call, context: Any) -> Any:
-            models = self._models()
-            if request.name not in models.entries:
-                raise GrpcError(404, f"model_not_found: model {request.name!r} not found")
+            try:
+                ok = self._models().model_ready(request.name) and not self.app.state.shutting_down
+            except EngineError as err:
+                raise GrpcError.of(err) from None
             call.model = request.name
-            state = models.entries[request.name].state
-            ok = state is ModelState.READY and not self.app.state.shutting_down
             return service_pb2.ModelReadyResponse(ready=ok)
 
         return await self._run(context, "ModelReady", ready, request, access=Access.OPEN)

@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.engine.core import Engine
 from serving.engine.qa_types import EngineError
-from serving.engine.repository import ModelRepository, ModelState
+from serving.engine.repository import ModelRepository
 from serving.frontend import v2_binary
 from serving.frontend.access import ApiKeyRoute, request_id_of
 from serving.frontend.openapi import RETRY_AFTER_503_S
@@ -291,10 +291,10 @@ async def model_ready(model_name: str, request: Request) -> Any:
     models: ModelRepository | None = getattr(request.app.state, "models", None)
     if models is None:
         return v2_error(503, "the server is starting")
-    if model_name not in models.entries:
-        return v2_error(404, f"model_not_found: model {model_name!r} not found")
-    state = models.entries[model_name].state
-    ready = state is ModelState.READY and not request.app.state.shutting_down
+    try:
+        ready = models.model_ready(model_name) and not request.app.state.shutting_down
+    except EngineError as err:
+        return _engine_error(err)
     return JSONResponse({"name": model_name, "ready": ready}, status_code=200 if ready else 400)
 
 

@@ -91,6 +91,11 @@ def status_of(err: InferenceServerException) -> str:
 def test_health_metadata_and_config(shared: tuple[TestClient, FakeFactory, Any]) -> None:
     client, _, triton = shared
     assert triton.is_server_live() and triton.is_server_ready() and triton.is_model_ready(NAME)
+    with pytest.raises(InferenceServerException) as unknown:  # REST answers 404 with the same words
+        triton.is_model_ready("nope")
+    rest = client.get("/v2/models/nope/ready")
+    assert status_of(unknown.value) == "StatusCode.NOT_FOUND" and rest.status_code == 404
+    assert unknown.value.message() == rest.json()["error"] == "model_not_found: model 'nope' not found"
     meta = triton.get_server_metadata(as_json=True)
     assert meta["name"] == "shardserve" and meta["extensions"] == client.get("/v2").json()["extensions"]
     model = triton.get_model_metadata(NAME, as_json=True)

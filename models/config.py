@@ -168,6 +168,12 @@ class EncoderConfig:
         return self.head_size or self.hidden_size // self.num_heads
 
     @property
+    def hf_fields(self) -> dict[str, Any]:
+        """A family on transformers' modules: its stored ``config.json`` as read (a fresh dict each
+        time); empty for the encoders on shardserve's own code."""
+        return json.loads(self.hf_config_json) if self.hf_config_json else {}
+
+    @property
     def uses_token_types(self) -> bool:
         """Whether segment ids mean anything to the model (BERT: two types; RoBERTa's one row: no)."""
         return self.type_vocab_size >= 2

@@ -16,7 +16,6 @@ DeBERTa-v2/v3; ``models/modernbert.py``: ModernBERT). Checkpoint names follow fr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +93,7 @@ def hf_config(config: EncoderConfig):
     family's attention kernel, this run's dropout and layer count."""
     import transformers
 
-    fields = json.loads(config.hf_config_json)
+    fields = config.hf_fields
     model_type = fields.pop("model_type")
     fields.pop("architectures", None)
     fields.update(

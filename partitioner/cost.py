@@ -19,7 +19,6 @@ all-reduce volume of a rank per optimizer step is ``ring_allreduce_bytes`` of it
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 
@@ -70,7 +69,7 @@ def _relative_table_params(c: EncoderConfig) -> int:
     (every pipeline stage holds them: ``models/deberta.py``); 0 for other families."""
     if c.arch != "deberta-v2":
         return 0
-    hf = json.loads(c.hf_config_json or "{}")
+    hf = c.hf_fields
     if not hf.get("relative_attention", False):
         return 0
     max_relative = int(hf.get("max_relative_positions", -1))
@@ -97,7 +96,7 @@ def _embedding_params(c: EncoderConfig) -> tuple[int, int]:
     if c.gated_mlp:  # the token table alone (rotary positions have no weights)
         return word, word
     positions = c.max_position_embeddings
-    if c.arch == "deberta-v2" and not json.loads(c.hf_config_json or "{}").get("position_biased_input", True):
+    if c.arch == "deberta-v2" and not c.hf_fields.get("position_biased_input", True):
         positions = 0  # DeBERTa-v3: relative positions only, no absolute table
     other = (positions + c.type_vocab_size) * e + 2 * e
     if c.projects_embeddings:  # ELECTRA: E -> H, replicated

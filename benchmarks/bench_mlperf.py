@@ -365,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
+def at_port(cmd: list[str], port: int) -> list[str]:
+    """A server's command listening on ``port`` (the naive server takes it as its flag's value)."""
+    return [*cmd, str(port)] if cmd[-1] == "--naive-server" else [*cmd, "--port", str(port)]
+
+
 def load_examples(path: Path, n: int) -> list[SquadExample]:
     examples = load_squad(path)
     step = max(1, len(examples) // n)  # spread over articles
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, ServerFigures] = {}
     for name, cmd in servers.items():
         port = free_port()
-        full = [*cmd, str(port)] if "--naive-server" in cmd else [*cmd, "--port", str(port)]
+        full = at_port(cmd, port)
         figures, client, proc = measure_server(name, full, port, bodies, args)
         client.close()
         stop(proc)
@@ -409,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     slo_ms = args.slo_ms or (args.slo_scale * min(singles) if singles else 1000.0)
     for name, cmd in servers.items():
         port = free_port()
-        full = [*cmd, str(port)] if "--naive-server" in cmd else [*cmd, "--port", str(port)]
+        full = at_port(cmd, port)
         proc = start_server(full, port)
         client = OpenLoopClient(port, max_connections=args.max_connections)
         try:

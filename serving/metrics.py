@@ -26,6 +26,8 @@ the label bound), and ``forget_model`` drops a model's series when it is unloade
   - execution_seconds{model,batch_size} (summary: count and sum): each micro-batch that came back with
     logits, dispatch to result, by its windows (``batch_size``).
 - batch_size_windows, batch_tokens_padded (histograms), batches_total{reason}, padding_ratio
+- api_workers, api_worker_restarts_total: the API processes of ``--api-workers N`` alive, and replaced
+  (``serving/frontend/api_workers.py``); their requests count in the series above like this process's
 - replicas{state}, replica_failures_total, replica_restarts_total, retried_windows_total
 - autoscale_decisions_total{direction}, autoscale_target_replicas
 - stage_busy_seconds_total{replica,stage} and pipeline_bubble_fraction{replica}: the seconds each
@@ -38,7 +40,7 @@ the label bound), and ``forget_model`` drops a model's series when it is unloade
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
@@ -74,6 +76,13 @@ MODEL_METRICS = (
     "request_phase",
     "executions",
 )
+
+
+class RequestCounter(Protocol):
+    """Where an answered HTTP request is counted: ``ServingMetrics``, or in an API process the relay to
+    the core's (``serving/engine/core_client.py``)."""
+
+    def count_request(self, *, model: str, endpoint: str, status: int, seconds: float) -> None: ...
 
 
 class ServingMetrics:
@@ -156,6 +165,14 @@ class ServingMetrics:
         self.autoscale_target = Gauge(
             "shardserve_autoscale_target_replicas", "replica count the autoscaler asks for", m, registry=r
         )
+        self.api_workers = Gauge(
+            "shardserve_api_workers",
+            "API processes alive (--api-workers; 0 when HTTP runs in this one)",
+            registry=r,
+        )
+        self.api_worker_restarts = Counter(
+            "shardserve_api_worker_restarts_total", "API processes replaced after they died", registry=r
+        )
         self.model_info = Gauge(
             "shardserve_model_info",
             "each served model (1): its public name, compute dtype and partition (pp x tp ranks per gang)",
@@ -205,6 +222,11 @@ class ServingMetrics:
             [*m, "batch_size"],
             registry=r,
         )
+
+    def count_request(self, *, model: str, endpoint: str, status: int, seconds: float) -> None:
+        """One answered HTTP request of a question-answering endpoint: ``requests_total`` and latency."""
+        self.requests.labels(model=model, endpoint=endpoint, status=str(status)).inc()
+        self.latency.labels(model=model, endpoint=endpoint).observe(seconds)
 
     def for_model(self, model: str) -> ModelMetrics:
         """The metrics one model's engine and fleet write, with its ``model`` label bound."""

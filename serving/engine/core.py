@@ -52,12 +52,13 @@ from partitioner.placement.latency import PlacementError
 from serving.config import AutoscalingConfig, FleetConfig
 from serving.engine.batcher import ReplicaView
 from serving.engine.dispatcher import Dispatcher
-from serving.engine.input_processor import InputProcessor
+from serving.engine.input_processor import AdmissionAsk, InputProcessor
 from serving.engine.output_processor import Job, OutputProcessor
 from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
+from serving.engine.replica_detail import ReplicaDetail
 from serving.engine.scheduler import Scheduler
 from serving.fleet import model_loader
-from serving.fleet.gangs import ModelGeneration, busy_seconds, rank_processes
+from serving.fleet.gangs import ModelGeneration
 from serving.fleet.replicas import ReloadError, ReloadInProgress, Replica, ReplicaManager, ReplicaState
 from serving.fleet.supervisor import Supervisor
 from serving.metrics import ModelMetrics
@@ -68,6 +69,16 @@ logger = logging.getLogger(__name__)
 SAFETY_MARGIN_S = 5.0  # wait() gives up this long after deadline + stall timeout (a last resort)
 MAX_IDLE_S = 0.25  # the loop re-checks the scheduler at least this often
 ARRIVALS_KEPT = 100_000  # arrival times kept for the observed workload
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A queue place reserved before tokenizing (``Engine.reserve``), redeemed by ``admit_encoded``."""
+
+    hint: int  # windows reserved
+    arrived_at: float  # the engine's clock at admission: the deadline runs from here
+    started: float  # time.perf_counter() at arrival: the request's duration in the metrics
+    timeout_s: float | None
 
 
 class Engine:
@@ -203,7 +214,7 @@ class Engine:
         self.arrivals.append(self.clock())
         self._check_admissible(timeout_s)
         encoded, input_s = self.inputs.encode_timed(pairs)
-        return self._admit(pairs, encoded, timeout_s=timeout_s, started=started, input_s=input_s)
+        return self._admit(pairs, encoded, timeout_s=timeout_s, ticket=None, started=started, input_s=input_s)
 
     async def submit_async(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
         """``submit`` with the tokenization on the input processor's thread, so that long contexts
@@ -214,33 +225,59 @@ class Engine:
         (and memory) waiting for the tokenizer is bounded by the queue size.
         """
         started = time.perf_counter()
+        ask = self.inputs.admission(pairs, above=self.scheduler.config.max_windows_per_request)
+        ticket = self.reserve(ask, timeout_s=timeout_s, started=started)
+        try:
+            encoded, input_s = await self.inputs.encode_async(pairs)
+        except BaseException:  # the tokenizer refused the text, or the client went away
+            self.unreserve(ticket)
+            raise
+        return self.admit_encoded(ticket, pairs, encoded, input_s=input_s)
+
+    def reserve(self, ask: AdmissionAsk, *, timeout_s: float | None, started: float) -> Ticket:
+        """A queue place for a request not yet tokenized (``ask``: its window numbers, from
+        ``InputProcessor.admission`` wherever it runs); EngineError 503 / 422 / 413 (it cannot fit
+        max_windows_per_request however it tokenizes) / 429, before any tokenizing."""
         self.arrivals.append(self.clock())
         self._check_admissible(timeout_s)
         arrived_at = self.clock()
-        # a request that cannot fit max_windows_per_request however it tokenizes: 413 before the work
-        floor = self.inputs.min_windows(pairs, above=self.scheduler.config.max_windows_per_request)
-        if too_many := self.scheduler.too_many_windows(floor, at_least=True):
+        if too_many := self.scheduler.too_many_windows(ask.floor, at_least=True):
             raise EngineError(413, too_many.reason, too_many.detail)
-        hint = max(floor, self.inputs.estimate_windows(pairs))
+        hint = max(ask.floor, ask.hint)
         # the time it will wait for the tokenizer is spent from its deadline before it can be queued
-        budget_end = arrived_at + self._timeout(timeout_s) - self.inputs.expected_wait_s(pairs)
+        budget_end = arrived_at + self._timeout(timeout_s) - ask.tokenize_wait_s
         adm = self.scheduler.reserve(now=arrived_at, deadline=budget_end, windows_hint=hint)
         if not adm.accepted:
             raise EngineError(429, adm.reason, adm.detail, retry_after_s=adm.retry_after_s)
         self._update_gauges()
-        try:
-            encoded, input_s = await self.inputs.encode_async(pairs)
-        except BaseException:  # the tokenizer refused the text, or the client went away
-            self.scheduler.unreserve(hint)
-            raise
+        return Ticket(hint=hint, arrived_at=arrived_at, started=started, timeout_s=timeout_s)
+
+    def unreserve(self, ticket: Ticket) -> None:
+        """Give a reserved place back (the request was never admitted: its text was refused, or it left)."""
+        self.scheduler.unreserve(ticket.hint)
+        self._update_gauges()
+
+    def admit_encoded(
+        self,
+        ticket: Ticket,
+        pairs: list[QAPair],
+        encoded: EncodedBatch,
+        *,
+        input_s: float,
+        request_id: str | None = None,
+        remote: bool = False,
+    ) -> Job:
+        """Queue a reserved request's windows (event-loop thread only); ``remote``: its answer is its
+        windows' logits, decoded by the API process that asked (``Job.remote``), ``pairs`` then empty."""
         return self._admit(
             pairs,
             encoded,
-            timeout_s=timeout_s,
-            reserved_hint=hint,
-            arrived_at=arrived_at,
-            started=started,
+            timeout_s=ticket.timeout_s,
+            ticket=ticket,
+            started=ticket.started,
             input_s=input_s,
+            request_id=request_id,
+            remote=remote,
         )
 
     def _check_admissible(self, timeout_s: float | None) -> None:
@@ -264,38 +301,37 @@ class Engine:
         encoded: EncodedBatch,
         *,
         timeout_s: float | None,
-        reserved_hint: int | None = None,
-        arrived_at: float | None = None,
-        started: float | None = None,
-        input_s: float = 0.0,
+        ticket: Ticket | None,
+        started: float,
+        input_s: float,
+        request_id: str | None = None,
+        remote: bool = False,
     ) -> Job:
-        """Queue tokenized pairs with the scheduler (event-loop thread only); ``reserved_hint``: a
-        queue place was taken by ``Scheduler.reserve(windows_hint=...)`` before tokenizing (used or
-        given back here);
-        the deadline runs from ``arrived_at`` (before tokenizing), else from now; ``started``: the
-        arrival on ``time.perf_counter`` (the request's duration in the metrics); ``input_s``: the
-        seconds its tokenizing took (its ``compute_input`` phase)."""
+        """Queue tokenized pairs with the scheduler (event-loop thread only); ``ticket``: a queue place
+        was reserved before tokenizing (used or given back here), and the deadline runs from its
+        arrival, else from now; ``started``: the arrival on ``time.perf_counter`` (the request's
+        duration in the metrics); ``input_s``: the seconds its tokenizing took (``compute_input``)."""
         try:
-            if reserved_hint is None:
+            if ticket is None:
                 self._check_admissible(timeout_s)
             elif self._stopped():  # admitted before tokenizing: only stopping refuses it
                 raise EngineError(503, "shutting_down", "the server shut down before this request was queued")
         except EngineError:
-            if reserved_hint is not None:
-                self.scheduler.unreserve(reserved_hint)
+            if ticket is not None:
+                self.unreserve(ticket)
             raise
         model = self.manager.model
         now = self.clock()
-        rid = f"req-{next(self._ids)}"
-        start = now if arrived_at is None else arrived_at
+        rid = request_id or f"req-{next(self._ids)}"
+        start = now if ticket is None else ticket.arrived_at
         deadline = start + self._timeout(timeout_s)
         adm = self.scheduler.submit(
             rid,
             [w.num_tokens for w in encoded.windows],
             now=now,
             deadline=deadline,
-            reserved=reserved_hint is not None,
-            windows_hint=reserved_hint or 1,
+            reserved=ticket is not None,
+            windows_hint=ticket.hint if ticket is not None else 1,
         )
         if not adm.accepted:
             if adm.reason in ("queue_full", "overloaded"):
@@ -311,8 +347,9 @@ class Engine:
             deadline=adm.deadline,
             model_name=model.source.name,
             logits=[None] * len(encoded.windows),
-            started=time.perf_counter() if started is None else started,
+            started=started,
             phases={"compute_input": input_s},
+            remote=remote,
         )
         self.outputs.add(job)
         self._update_gauges()
@@ -550,44 +587,3 @@ class Engine:
         dtype and the partition of the generation being served."""
         dims = self.manager.model.dims
         self.metrics.set_model_info(precision=self.fleet.dtype, pp=dims.pp, tp=dims.tp)
-
-
-@dataclass(frozen=True)
-class ReplicaDetail:
-    """One replica gang for the status page: where its ranks run, as the ranks report it."""
-
-    replica_id: str
-    state: str
-    generation: int
-    world_size: int
-    pp: int
-    coords: list[tuple[int, int]]  # (stage, tp_rank) of each rank
-    restarts: int
-    replaces: str | None
-    inflight_batches: int
-    created_at: float  # time.monotonic() of its start
-    error: str | None  # whole (callers cut it to one line)
-    devices: tuple[str, ...]  # the pool's device of each rank
-    processes: list[tuple[str, int] | None]  # (host, pid) of each rank heard from
-    reports_busy: bool  # the gang reports its ranks' busy time
-
-    @classmethod
-    def of(cls, r: Replica, devices: tuple[str, ...]) -> ReplicaDetail:
-        dims = r.model.dims
-        live = r.backend is not None and r.state is not ReplicaState.STOPPED
-        return cls(
-            replica_id=r.replica_id,
-            state=r.state.value,
-            generation=r.model.generation,
-            world_size=dims.world_size,
-            pp=dims.pp,
-            coords=[dims.coords(rank) for rank in range(dims.world_size)],
-            restarts=r.restarts,
-            replaces=r.replaces,
-            inflight_batches=r.inflight_batches,
-            created_at=r.created_at,
-            error=r.error,
-            devices=devices,
-            processes=(rank_processes(r.backend) if live and r.backend is not None else None) or [],
-            reports_busy=r.backend is not None and busy_seconds(r.backend) is not None,
-        )

@@ -11,6 +11,7 @@ belongs to the scheduler, and the engine asks for a place before it asks for tok
     inputs.estimate_windows(pairs)   # before tokenizing: windows expected from the text length
     inputs.min_windows(pairs, above=128)  # and the fewest it can take (413 at once when over a limit)
     inputs.expected_wait_s(pairs)    # and seconds until they would be tokenized (queue + own)
+    inputs.admission(pairs, above=128)  # the three, as the engine's ``reserve`` asks for them
     inputs.shutdown()
 """
 
@@ -23,6 +24,7 @@ import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from models.qa_windows import EncodedBatch, WindowConfig, encode_qa
@@ -34,6 +36,15 @@ EWMA_ALPHA = 0.2  # weight of the newest request in the characters-per-token/-se
 # the start of each whitespace-separated chunk holding a word character: BERT-family tokenizers split
 # on whitespace first and keep every word character, so each such chunk is at least one token
 _WORDY_CHUNK = re.compile(r"(?<!\S)(?=\S*\w)")
+
+
+@dataclass(frozen=True)
+class AdmissionAsk:
+    """What admission needs to know of a request before it is tokenized (``Engine.reserve``)."""
+
+    floor: int  # the fewest windows it can take
+    hint: int  # the windows it will probably take
+    tokenize_wait_s: float  # seconds until it would be tokenized
 
 
 class InputProcessor:
@@ -109,6 +120,14 @@ class InputProcessor:
         if self._chars_per_s is None:
             return 0.0
         return (self._pending_chars + _chars(pairs)) / self._chars_per_s
+
+    def admission(self, pairs: list[QAPair], *, above: int) -> AdmissionAsk:
+        """``min_windows`` (scanning only past ``above``), ``estimate_windows`` and ``expected_wait_s``."""
+        return AdmissionAsk(
+            floor=self.min_windows(pairs, above=above),
+            hint=self.estimate_windows(pairs),
+            tokenize_wait_s=self.expected_wait_s(pairs),
+        )
 
     async def encode_async(self, pairs: list[QAPair]) -> tuple[EncodedBatch, float]:
         """``encode`` on the tokenizer thread (the event loop keeps running meanwhile), and the seconds

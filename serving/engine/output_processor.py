@@ -10,12 +10,14 @@ Decoding is vectorised but not free: ~0.1-0.2 s for a 128-window request on a lo
 On the event loop that stalled every other request (and every 429) that long, so a request of more
 than ``DECODE_INLINE_MAX_WINDOWS`` windows is decoded on the one decode thread (torch releases the
 GIL; the loop keeps answering) and answered from there; small ones stay inline (no thread hop).
-``decoding`` counts the requests on the decode thread (a drain waits for them).
+``decoding`` counts the requests on the decode thread (a drain waits for them). A ``remote`` job (an
+API process's, ``serving/engine/core_server.py``) is answered with its windows' logits instead: its
+API process decodes it (``decode_pairs``) and reports its end (``record_end``).
 
 Times three phases of a request in ``Job.phases`` (``queue``: until its last window is dispatched;
 ``compute_infer``: that dispatch until all its logits are back; ``compute_output``: its span decoding;
-the engine adds ``compute_input``), and ``observe_end`` writes a request's outcome and phases to the
-metrics when the engine is done with it (``serving/metrics.py``; Triton's statistics read them).
+the engine adds ``compute_input``), and ``observe_end`` (``record_end``) writes a request's outcome and
+phases to the metrics when the engine is done with it (``serving/metrics.py``; Triton's statistics read them).
 
     outputs = OutputProcessor(metrics=metrics, null_threshold=None)
     outputs.add(job)
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -62,6 +64,7 @@ class Job:
     started: float = field(default_factory=time.perf_counter)  # arrival, before tokenizing (perf_counter)
     dispatched_pc: float = 0.0  # perf_counter when its last window was dispatched (compute_infer)
     phases: dict[str, float] = field(default_factory=dict)  # seconds of each phase so far (module doc)
+    remote: bool = False  # an API process decodes it: the future's result is ``logits`` (module doc)
 
 
 class OutputProcessor:
@@ -116,6 +119,9 @@ class OutputProcessor:
         if job is None or job.future.done():
             return
         job.phases["compute_infer"] = time.perf_counter() - job.dispatched_pc
+        if job.remote:
+            job.future.set_result(job.logits)
+            return
         if len(job.encoded.windows) <= DECODE_INLINE_MAX_WINDOWS:
             self._resolve(job, lambda: self._decode_all(job))
             return
@@ -124,21 +130,15 @@ class OutputProcessor:
         decoded.add_done_callback(lambda f: self._decoded(job, f))
 
     def observe_end(self, job: Job, results: list[PairResult] | None) -> None:
-        """A request's end (``results`` None: it failed, however) in the metrics: its outcome and time
-        since arrival; answered, its pairs as inferences and each of its phases (Triton's statistics:
-        every phase counts the same requests)."""
-        m = self.metrics
-        outcome = "fail" if results is None else "success"
-        m.request_duration.labels(outcome=outcome).observe(time.perf_counter() - job.started)
-        if results is not None:
-            m.inferences.inc(len(job.pairs))
-            for phase, seconds in job.phases.items():
-                m.request_phase.labels(phase=phase).observe(seconds)
-        m.last_inference.set_to_current_time()
+        """A request's end in the metrics (``record_end``)."""
+        answered = None if results is None else len(job.pairs)
+        record_end(
+            self.metrics, answered=answered, seconds=time.perf_counter() - job.started, phases=job.phases
+        )
 
     def _decode_all(self, job: Job) -> list[PairResult]:
         t0 = time.perf_counter()
-        results = [self._decode(job, ex, pair) for ex, pair in enumerate(job.pairs)]
+        results = decode_pairs(job.encoded, job.logits, job.pairs, null_threshold=self.null_threshold)
         job.phases["compute_output"] = time.perf_counter() - t0
         return results
 
@@ -160,21 +160,6 @@ class OutputProcessor:
         if not job.future.done():  # the client may have gone meanwhile
             job.future.set_result(results)
 
-    def _decode(self, job: Job, example: int, pair: QAPair) -> PairResult:
-        """Span decoding of one pair over the logits of its windows."""
-        idx = [i for i, w in enumerate(job.encoded.windows) if w.example_index == example]
-        rows = [job.logits[i] for i in idx]
-        prediction = decode_spans(
-            [job.encoded.windows[i] for i in idx],
-            [r[:, 0] for r in rows],  # type: ignore[index]
-            [r[:, 1] for r in rows],  # type: ignore[index]
-            pair.context,
-            top_k=pair.top_k,
-            max_answer_length=pair.max_answer_length,
-            null_threshold=self.null_threshold if pair.null_threshold is None else pair.null_threshold,
-        )
-        return PairResult(prediction, len(idx))
-
     def shutdown(self) -> None:
         """Stop the decode thread (after a drain: nothing is left on it)."""
         self._decoder.shutdown(wait=False, cancel_futures=True)
@@ -184,3 +169,47 @@ class OutputProcessor:
         job = self._jobs.pop(request_id, None)
         if job is not None and not job.future.done():
             job.future.set_exception(err)
+
+
+def decode_pairs(
+    encoded: EncodedBatch,
+    logits: Sequence[torch.Tensor | None],
+    pairs: Sequence[QAPair],
+    *,
+    null_threshold: float | None,
+) -> list[PairResult]:
+    """Span decoding of every pair over the logits of its windows (``logits[i]``: window ``i``'s
+    ``(n_tokens, 2)``); ``null_threshold``: the server's default, a pair's own wins."""
+    by_pair: list[list[int]] = [[] for _ in pairs]
+    for i, w in enumerate(encoded.windows):
+        by_pair[w.example_index].append(i)
+    results = []
+    for pair, idx in zip(pairs, by_pair, strict=True):
+        rows = [logits[i] for i in idx]
+        prediction = decode_spans(
+            [encoded.windows[i] for i in idx],
+            [r[:, 0] for r in rows],  # type: ignore[index]
+            [r[:, 1] for r in rows],  # type: ignore[index]
+            pair.context,
+            top_k=pair.top_k,
+            max_answer_length=pair.max_answer_length,
+            null_threshold=null_threshold if pair.null_threshold is None else pair.null_threshold,
+        )
+        results.append(PairResult(prediction, len(idx)))
+    return results
+
+
+def record_end(
+    metrics: ModelMetrics, *, answered: int | None, seconds: float, phases: dict[str, float]
+) -> None:
+    """A request's end in the metrics (``answered``: its pairs, None when it failed, however): its
+    outcome and time since arrival; answered, its pairs as inferences and each of its phases (Triton's
+    statistics: every phase counts the same requests). API processes' requests end here too, in the
+    core (``serving/engine/core_server.py``)."""
+    outcome = "fail" if answered is None else "success"
+    metrics.request_duration.labels(outcome=outcome).observe(seconds)
+    if answered is not None:
+        metrics.inferences.inc(answered)
+        for phase, s in phases.items():
+            metrics.request_phase.labels(phase=phase).observe(s)
+    metrics.last_inference.set_to_current_time()

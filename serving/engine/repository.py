@@ -93,6 +93,12 @@ class ModelEntry:
         return self.unavailable or ""
 
 
+def model_not_found(name: str | None, *, served: list[str] | None = None) -> EngineError:
+    """The 404 of a model the server does not know; ``served``: the names it does, to list them."""
+    listed = "" if served is None else "; models: " + (", ".join(repr(n) for n in served) or "none")
+    return EngineError(404, "model_not_found", f"model {name!r} not found{listed}")
+
+
 def model_version(engine: Engine) -> str:
     """A served model's version as Triton's APIs report it: its generation + 1 (a reload adds one)."""
     return str(engine.model.generation + 1)
@@ -140,8 +146,7 @@ class ModelRepository:
         key = self.default_name if name is None else name
         entry = self.entries.get(key) if key is not None else None
         if entry is None:
-            served = ", ".join(repr(n) for n in self.entries) or "none"
-            raise EngineError(404, "model_not_found", f"model {name!r} not found; models: {served}")
+            raise model_not_found(name, served=list(self.entries))
         if entry.engine is None or entry.unloading:
             why = entry.unavailable or ("unloading" if entry.unloading else "loading")
             raise EngineError(503, "model_unavailable", f"model {entry.name!r} is not served now: {why}")
@@ -152,7 +157,7 @@ class ModelRepository:
         ``model_not_found`` for a name the server does not know."""
         entry = self.entries.get(name)
         if entry is None:
-            raise EngineError(404, "model_not_found", f"model {name!r} not found")
+            raise model_not_found(name)
         return entry.state is ModelState.READY
 
     def index(self) -> list[dict[str, Any]]:

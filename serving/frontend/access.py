@@ -54,7 +54,7 @@ from serving.frontend.json_body import JsonBodyRoute
 from serving.frontend.openapi import unauthorized
 from serving.frontend.schemas import ErrorResponse
 from serving.frontend.settings import ServeSettings
-from serving.metrics import ServingMetrics
+from serving.metrics import RequestCounter
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("shardserve.access")
@@ -157,21 +157,22 @@ class AccessMiddleware:
             latency_s = time.perf_counter() - t0
             endpoint = metrics_endpoint(scope["method"], scope["path"])
             app = scope.get("app")
-            record_access(
-                app.state.metrics if endpoint is not None and app is not None else None,
-                method=scope["method"],
-                path=scope["path"],
-                status=status or 499,  # no response started: the client went away first
-                latency_s=latency_s,
-                endpoint=endpoint,
-                model=state.get("model", ""),  # set by the routes of a model (qa_call.engine_for)
-                windows=state.get("windows"),
-                request_id=rid,
-            )
+            if not scope.get("shardserve.forwarded"):  # an API process's: it wrote the line, counted it
+                record_access(
+                    app.state.metrics if endpoint is not None and app is not None else None,
+                    method=scope["method"],
+                    path=scope["path"],
+                    status=status or 499,  # no response started: the client went away first
+                    latency_s=latency_s,
+                    endpoint=endpoint,
+                    model=state.get("model", ""),  # set by the routes of a model (qa_call.engine_for)
+                    windows=state.get("windows"),
+                    request_id=rid,
+                )
 
 
 def record_access(
-    metrics: ServingMetrics | None,
+    metrics: RequestCounter | None,
     *,
     method: str,
     path: str,
@@ -186,8 +187,7 @@ def record_access(
     ``endpoint`` (``metrics`` given), ``requests_total`` and the latency histogram. Every answer
     counts: the 4xx of the body guard, of validation and of the key too."""
     if metrics is not None and endpoint is not None:
-        metrics.requests.labels(model=model, endpoint=endpoint, status=str(status)).inc()
-        metrics.latency.labels(model=model, endpoint=endpoint).observe(latency_s)
+        metrics.count_request(model=model, endpoint=endpoint, status=status, seconds=latency_s)
     access_logger.info(
         "method=%s path=%s status=%d latency_ms=%.1f windows=%s request_id=%s",
         method,

@@ -62,9 +62,12 @@ from serving.engine.builder import (
     load_model,
 )
 from serving.engine.core import Engine
+from serving.engine.core_client import MetricsRelay
+from serving.engine.core_server import CoreServer
 from serving.engine.repository import ModelRepository
 from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
 from serving.frontend.access import AccessMiddleware, include_protected
+from serving.frontend.api_role import CoreLink, ForwardToCore, api_lifespan
 from serving.frontend.layout import fit_serve_layout
 from serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from serving.frontend.pages import install_pages
@@ -147,8 +150,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool.capacity,
     )
     freeze_startup_heap()
-    grpc_front = None
+    grpc_front = core = None
     try:
+        if settings.api_worker_count > 1:  # this process is the core of N API processes
+            core, app.state.api_pool = await start_api_core(app)
         if settings.grpc_port is not None:  # KServe v2 / Triton gRPC beside REST, on this event loop
             from serving.frontend.grpc_server import GrpcFront
 
@@ -169,8 +174,29 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await models.shutdown(timeout_s=settings.drain_timeout_s)
         if grpc_stopped is not None:
             await grpc_stopped
+        if app.state.api_pool is not None:  # the answers of the drain are out: the API processes stop
+            await app.state.api_pool.stop()
+        if core is not None:
+            await core.stop()
         await app.state.status.stop()
         logger.info("shut down")
+
+
+async def start_api_core(app: FastAPI) -> tuple[CoreServer, Any]:
+    """The engine core's socket, and its API processes when the CLI gave ``app.state.api_pool_factory``
+    (``serving/frontend/api_workers.py``; tests run API apps in-process instead: ``build_app(settings,
+    core=CoreLink(...))``)."""
+    state = app.state
+    core = CoreServer(
+        models=state.models, metrics=state.metrics, app=app, stopping=lambda: state.shutting_down
+    )
+    await core.start()
+    state.core_server = core
+    if state.api_pool_factory is None:
+        return core, None
+    pool = state.api_pool_factory(core)
+    await pool.start()
+    return core, pool
 
 
 def freeze_startup_heap() -> None:
@@ -317,10 +343,14 @@ def build_app(
     *,
     backend_factory: BackendFactory | None = None,
     models: Mapping[str, ModelGeneration] | None = None,
+    core: CoreLink | None = None,
 ) -> FastAPI:
     """The server application; ``backend_factory`` replaces real gangs (tests); ``models``: generations
-    already loaded by ``load_model``, by public name (the CLI checks the models before uvicorn starts)."""
+    already loaded by ``load_model``, by public name (the CLI checks the models before uvicorn starts);
+    ``core``: the app of an API process of that core instead (``--api-workers``)."""
     settings = settings or ServeSettings()
+    if core is not None:
+        return _api_app(settings, core)
     if settings.auto_layout:  # pp/tp auto: the fewest ranks that fit (the CLI chose it already)
         settings, chosen = fit_serve_layout(settings)
         logger.info("%s", chosen)
@@ -340,6 +370,27 @@ def build_app(
     app.state.backend_factory = backend_factory
     app.state.preloaded_models = dict(models or {})
     app.state.shutting_down = False
+    app.state.api_pool_factory = None  # CoreServer -> ApiWorkerPool: set by the CLI (``--api-workers``)
+    app.state.api_pool = None
+    _install_routes(app, settings)
+    return app
+
+
+def _api_app(settings: ServeSettings, core: CoreLink) -> FastAPI:
+    """The app of one API process (``serving/frontend/api_role.py``): the same routes, its models in
+    the core; the routes off the hot path forwarded there."""
+    app = FastAPI(title="shardserve", version="0.1.0", lifespan=api_lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.core_link = core
+    app.state.metrics = MetricsRelay(None)
+    app.state.shutting_down = False
+    app.add_middleware(ForwardToCore)
+    _install_routes(app, settings)
+    return app
+
+
+def _install_routes(app: FastAPI, settings: ServeSettings) -> None:
+    """The middleware, error handlers and routes every app of the server has."""
     app.add_middleware(
         RequestGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.client_timeout_s
     )
@@ -358,7 +409,6 @@ def build_app(
     install_pages(app)  # status page at /, GET /ui/status, offline /docs and /redoc
     install_openapi(app, settings)  # the document with the settings' limits (question length, ...)
     no_slash_redirects(app)
-    return app
 
 
 def no_slash_redirects(app: Starlette) -> None:

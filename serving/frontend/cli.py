@@ -34,6 +34,7 @@ import uvicorn
 
 from partitioner.command import Command
 from partitioner.runtime.gang_flags import GANG_FIELDS
+from serving.frontend.http_protocol import uvicorn_config
 from serving.frontend.layout import fit_serve_layout
 from serving.frontend.placement_flags import PLACEMENT_FIELDS
 from serving.frontend.settings import ServeSettings
@@ -41,7 +42,6 @@ from serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 5.0  # after --drain-timeout-s: time to write the 503s before uvicorn cancels requests
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -157,10 +157,31 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
     for line in failed:
         print(f"warning: model {line} (serving the others)", file=sys.stderr)
     app = build_app(settings, models=models)
-    server = DrainingServer(uvicorn_config(settings, app), app)
+    config = uvicorn_config(settings, app)
+    sockets, reserved = None, None
+    if settings.api_worker_count > 1:  # API processes listen; this process (the core) holds the port
+        from serving.frontend.api_role import reuseport_socket
+        from serving.frontend.api_workers import ApiWorkerPool
+
+        reserved = reuseport_socket(settings.host, settings.port, listen=False)
+        config.port = port = reserved.getsockname()[1]
+        app.state.api_pool_factory = lambda core: ApiWorkerPool(
+            count=settings.api_worker_count,
+            settings=app.state.settings,
+            core=core,
+            host=settings.host,
+            port=port,
+            metrics=app.state.metrics,
+        )
+        sockets = []
+    server = DrainingServer(config, app)
     signals.check()
     signals.server = server
-    server.run()
+    try:
+        server.run(sockets=sockets)
+    finally:
+        if reserved is not None:
+            reserved.close()
     if server.startup_signal is not None:
         return stopped_during_startup(server.startup_signal)
     if server.fatal_error is not None:
@@ -170,24 +191,6 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
         logger.error("the server did not start (see the errors above)")
         return 1
     return 130 if server.signals > 1 else 0  # 130: stopped by a second signal without draining
-
-
-def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
-    """uvicorn's settings for the app: the address, the shutdown's time, h11 with header deadlines."""
-    from serving.frontend.http_protocol import header_deadline_protocol
-
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
-        # the engine answers what is left 503 once the drain's time is out; uvicorn cancels the
-        # requests' tasks (a bare 500) only after a grace for writing those answers
-        timeout_graceful_shutdown=settings.drain_timeout_s + SHUTDOWN_GRACE_S,
-        lifespan="on",
-        http=header_deadline_protocol(settings.client_timeout_s),  # h11, with a deadline for the headers
-        access_log=False,  # serving/frontend/access.py writes one line per request (logger shardserve.access)
-    )
 
 
 def bind_problem(host: str, port: int, *, flag: str = "--port") -> str | None:
@@ -281,7 +284,11 @@ class DrainingServer(uvicorn.Server):
                 self.fatal_error = fatal
                 self._app.state.shutting_down = True
                 self.should_exit = True
-            elif not self._announced_ready and models.ready():
+            elif (pool := self._app.state.api_pool) is not None and (fatal := pool.fatal_error):
+                self.fatal_error = fatal
+                self._app.state.shutting_down = True
+                self.should_exit = True
+            elif not self._announced_ready and models.ready() and (pool is None or pool.connected()):
                 self._announced_ready = True
                 gangs = sum(e.manager.ready for e in models.engines())
                 print(

@@ -7,6 +7,10 @@ within ``timeout_s`` of the connection opening, or of the previous answer on a k
 ``408`` and closes the connection. The body has its own deadline (``serving.frontend.app.RequestGuard``).
 
     config = uvicorn.Config(app, http=header_deadline_protocol(30.0))
+    config = uvicorn_config(settings, app)       # the server's: address, shutdown, this protocol
+
+``uvicorn_config`` is every server process's uvicorn settings (the server, each ``--api-workers``
+process).
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import json
 import logging
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # after --drain-timeout-s: time to write the 503s before uvicorn cancels requests
 
 
 class _HeaderDeadlineH11(H11Protocol):
@@ -80,3 +87,19 @@ class _HeaderDeadlineH11(H11Protocol):
 def header_deadline_protocol(timeout_s: float) -> Any:
     """uvicorn's ``http=`` protocol class whose request headers must arrive within ``timeout_s``."""
     return type("HeaderDeadlineH11Protocol", (_HeaderDeadlineH11,), {"timeout_s": timeout_s})
+
+
+def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
+    """uvicorn's settings for the app: the address, the shutdown's time, h11 with header deadlines."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        # the engine answers what is left 503 once the drain's time is out; uvicorn cancels the
+        # requests' tasks (a bare 500) only after a grace for writing those answers
+        timeout_graceful_shutdown=settings.drain_timeout_s + SHUTDOWN_GRACE_S,
+        lifespan="on",
+        http=header_deadline_protocol(settings.client_timeout_s),  # h11, with a deadline for the headers
+        access_log=False,  # serving/frontend/access.py writes one line per request (logger shardserve.access)
+    )

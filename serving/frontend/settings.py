@@ -14,6 +14,7 @@ the environment, the environment over the default. The field descriptions below 
 from __future__ import annotations
 
 import os
+import socket
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,6 +38,8 @@ from serving.config import (
     repository_models,
 )
 from serving.frontend.placement_flags import PlacementFlags
+
+MAX_AUTO_API_WORKERS = 8  # the engine core's own loop caps what more API processes could add
 
 
 def available_cores() -> int:
@@ -75,6 +78,16 @@ class ServeSettings(GangFlags, PlacementFlags):
         description="also serve KServe v2 / Triton gRPC (inference.GRPCInferenceService) on this port of "
         "--host (0: any free port; unset: no gRPC). Same API key (`authorization: Bearer <key>` metadata), "
         "admin token, admission and limits as REST",
+    )
+
+    api_workers: Degree = Field(
+        AUTO,
+        description="HTTP API processes in front of one engine core (vLLM's --api-server-count). 1: "
+        "everything in this process. N >= 2: N processes share the port (SO_REUSEPORT, Linux), each "
+        "parsing, validating, tokenizing and decoding, while this process keeps the models, the one "
+        "queue, the gangs, metrics, status and gRPC; a dead one is replaced. auto: 1 on cpu (the ranks "
+        f"use the cores); on cuda, the cores left after one per rank and one for the core, at most "
+        f"{MAX_AUTO_API_WORKERS}",
     )
 
     # ---- model and partition
@@ -310,6 +323,8 @@ class ServeSettings(GangFlags, PlacementFlags):
             problems.append(
                 f"request_timeout_s={self.request_timeout_s} > max_request_timeout_s={self.max_request_timeout_s}"
             )
+        if self.api_workers not in (AUTO, 1) and not hasattr(socket, "SO_REUSEPORT"):
+            problems.append(f"api_workers={self.api_workers} needs SO_REUSEPORT (Linux); use 1 here")
         if self.grpc_port is not None and self.grpc_port == self.port != 0:
             problems.append(f"grpc_port={self.grpc_port} is the HTTP port; give gRPC a port of its own")
         if self.device not in ("cpu", "cuda"):
@@ -397,6 +412,16 @@ class ServeSettings(GangFlags, PlacementFlags):
                 f"external_ranks need exactly one replica, got {self.replica_bounds[0]}..{self.replica_bounds[1]}"
             )
         return out
+
+    @property
+    def api_worker_count(self) -> int:
+        """API processes (``api_workers``, auto resolved); 1: no separate API process."""
+        if self.api_workers != AUTO:
+            return int(self.api_workers)
+        if self.device != "cuda" or self.auto_layout:
+            return 1
+        ranks = self.world_size * self.replica_bounds[1] * self.model_count
+        return max(1, min(MAX_AUTO_API_WORKERS, available_cores() - ranks - 1))
 
     @property
     def world_size(self) -> int:

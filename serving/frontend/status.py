@@ -35,9 +35,11 @@ from typing import Any
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from serving.engine.core import Engine, ReplicaDetail
+from serving.engine.core import Engine
+from serving.engine.replica_detail import ReplicaDetail
 from serving.engine.repository import ModelEntry, ModelRepository
 from serving.frontend.status_schemas import (
+    ApiWorkerStatus,
     AutoscalerStatus,
     Decision,
     LogLine,
@@ -450,4 +452,7 @@ def collect_status(app: FastAPI) -> StatusResponse:
         autoscaler=autoscaler,
         last_failure=engine.health().get("last_failure") if engine is not None else None,
         recent_errors=list(board.log.records)[::-1],
+        api_workers=[ApiWorkerStatus(**w) for w in state.api_pool.describe()]
+        if getattr(state, "api_pool", None)
+        else [],
     )

@@ -158,6 +158,16 @@ class PlacementStatus(BaseModel):
     )
 
 
+class ApiWorkerStatus(BaseModel):
+    """One API process of ``--api-workers`` (``serving/frontend/api_workers.py``)."""
+
+    index: int
+    pid: int | None
+    alive: bool
+    connected: bool = Field(description="connected to the core: it answers on the port")
+    restarts: int = Field(description="times this slot's process was replaced after it died")
+
+
 class StatusResponse(BaseModel):
     """What the status page shows; every rate is read from the same registry as /metrics."""
 
@@ -192,3 +202,7 @@ class StatusResponse(BaseModel):
     autoscaler: AutoscalerStatus | None
     last_failure: str | None = Field(description="the last gang failure (one line, no paths)")
     recent_errors: list[LogLine] = Field(description="last warnings and errors of the server, newest first")
+    api_workers: list[ApiWorkerStatus] = Field(
+        default_factory=list,
+        description="the API processes of --api-workers N (none when HTTP runs in the core)",
+    )

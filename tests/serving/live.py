@@ -19,7 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from serving.frontend.app import build_app
-from serving.frontend.cli import DrainingServer, uvicorn_config
+from serving.frontend.cli import DrainingServer
+from serving.frontend.http_protocol import uvicorn_config
 from serving.frontend.settings import ServeSettings
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import wait_until

@@ -1,0 +1,322 @@
+"""The engine core's end of ``--api-workers``: API processes' requests to this process's engines.
+
+One ZeroMQ ROUTER on ``ipc://`` in a private (0700) directory, read by one task on the server's
+event loop (the engines' loop: no locks). Each API process is a DEALER whose identity names it
+(``w<index>.<incarnation>``); its request ids start with that identity, so a dead process's requests
+are found and given back (``forget_worker``). What it does for each message (``core_wire.py``):
+
+- ``Reserve``: ``Engine.reserve`` (429 / 413 / 503 / 404 before tokenizing) -> ``Reserved`` / ``Failed``;
+- ``Submit``: ``Engine.admit_encoded(remote=True)``; the job's future (its logits, or an
+  ``EngineError``) becomes ``Answer`` / ``Failed``, sent from a done-callback (no task per request);
+- ``Cancel``: the place or the queued request given back;
+- ``HttpCall``: the request runs through the core's own app (``call_asgi``; auth, admin, metrics,
+  status and the repository have one home) -> ``HttpReply``;
+- ``Observed``: the API processes' metric events into the one registry (``ServingMetrics``);
+- ``State``: what the repository serves (``digest``), to every API process on change, at least every
+  ``STATE_EVERY_S`` (the API processes' sign that the core lives), and to a new one at ``Hello``. Each
+  model's tokenizer is saved once per generation in the directory, for the API processes to load.
+
+    core = CoreServer(models=repo, metrics=metrics, app=app, stopping=lambda: app.state.shutting_down)
+    await core.start(); core.endpoint, core.key     # for the API processes
+    core.forget_worker("w1.0"); await core.stop()
+
+Tests: ``pytest tests/serving/engine/test_core_server.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from partitioner.runtime.wire import WireError, decode, encode, new_key
+from serving.engine import core_wire as cw
+from serving.engine.core import Engine, Ticket
+from serving.engine.input_processor import AdmissionAsk
+from serving.engine.output_processor import record_end
+from serving.engine.qa_types import EngineError
+from serving.engine.repository import ModelRepository
+from serving.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+STATE_POLL_S = 0.05  # the digest is compared this often
+STATE_EVERY_S = 1.0  # and sent at least this often (the API processes' heartbeat of the core)
+
+
+class CoreServer:
+    """See module doc."""
+
+    def __init__(
+        self, *, models: ModelRepository, metrics: ServingMetrics, app: Any, stopping: Callable[[], bool]
+    ) -> None:
+        self.models, self.metrics, self.app, self.stopping = models, metrics, app, stopping
+        self.key = new_key()
+        self.directory = Path(tempfile.mkdtemp(prefix="shardserve-core-"))  # 0700: this user only
+        self.endpoint = f"ipc://{self.directory / 'core'}"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._workers: dict[bytes, set[str]] = {}  # identity -> its open request ids
+        self._reserved: dict[str, tuple[Engine, Ticket]] = {}
+        self._jobs: dict[str, tuple[Engine, Any]] = {}  # rid -> (engine, Job)
+        self._tokenizers: dict[tuple[str, int], str] = {}  # (model, generation) -> saved directory
+        self._digest: dict[str, Any] | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._sock.bind(self.endpoint)
+        loop = asyncio.get_running_loop()
+        for coro in (self._read(), self._publish()):
+            self._spawn(loop, coro)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close()
+        self._ctx.term()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Any) -> None:
+        task = loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ API processes
+    @property
+    def workers(self) -> list[str]:
+        return [w.decode() for w in self._workers]
+
+    def forget_worker(self, identity: str) -> int:
+        """An API process died: give back its places, drop its queued work (its requests end as
+        ``fail`` in the metrics); other processes' requests are untouched. Returns how many."""
+        rids = self._workers.pop(identity.encode(), set())
+        for rid in rids:
+            if (reserved := self._reserved.pop(rid, None)) is not None:
+                reserved[0].unreserve(reserved[1])
+            elif (job_of := self._jobs.pop(rid, None)) is not None:
+                engine, job = job_of
+                engine.cancel(rid)
+                job.future.cancel()
+                record_end(
+                    engine.metrics, answered=None, seconds=time.perf_counter() - job.started, phases={}
+                )
+        if rids:
+            logger.warning("API process %s gone: %d of its requests dropped", identity, len(rids))
+        return len(rids)
+
+    def _send(self, identity: bytes, msg: Any) -> None:
+        try:
+            self._sock.send_multipart([identity, *encode(msg, self.key)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as err:  # gone (ROUTER_MANDATORY) or stopping: its pool forgets it
+            logger.debug("to %s: %s not sent: %s", identity, type(msg).__name__, err)
+
+    def _fail(self, identity: bytes, rid: str, err: EngineError) -> None:
+        self._workers.get(identity, set()).discard(rid)
+        self._send(identity, cw.Failed(rid, err.status, err.code, err.detail, err.retry_after_s))
+
+    # ------------------------------------------------------------------ reading
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=True)
+            identity, body = frames[0], frames[1:]
+            try:
+                msg = decode(body, self.key)
+            except WireError as err:
+                logger.warning("dropped a message that is not an API process's: %s", err)
+                continue
+            try:
+                self._on(identity, msg)
+            except Exception:  # a bug must not stop the reader (and every API process with it)
+                logger.exception("core: handling %s failed", type(msg).__name__)
+
+    def _on(self, identity: bytes, msg: Any) -> None:
+        if isinstance(msg, cw.Reserve):
+            self._on_reserve(identity, msg)
+        elif isinstance(msg, cw.Submit):
+            self._on_submit(identity, msg)
+        elif isinstance(msg, cw.Cancel):
+            self._on_cancel(identity, msg.rid)
+        elif isinstance(msg, cw.Observed):
+            self._on_observed(msg.events)
+        elif isinstance(msg, cw.HttpCall):
+            self._spawn(asyncio.get_running_loop(), self._on_http(identity, msg))
+        elif isinstance(msg, cw.Hello):
+            self._workers.setdefault(identity, set())
+            logger.info("API process %s (pid %d) connected", identity.decode(), msg.pid)
+            if self._digest is not None:
+                self._send(identity, cw.State(self._digest))
+
+    def _on_reserve(self, identity: bytes, msg: cw.Reserve) -> None:
+        owned = self._workers.setdefault(identity, set())
+        owned.add(msg.rid)
+        try:
+            engine = self.models.engine(msg.model)
+            ask = AdmissionAsk(msg.floor, msg.hint, msg.tokenize_wait_s)
+            ticket = engine.reserve(ask, timeout_s=msg.timeout_s, started=time.perf_counter())
+        except EngineError as err:
+            self._fail(identity, msg.rid, err)
+            return
+        self._reserved[msg.rid] = (engine, ticket)
+        self._send(identity, cw.Reserved(msg.rid))
+
+    def _on_submit(self, identity: bytes, msg: cw.Submit) -> None:
+        reserved = self._reserved.pop(msg.rid, None)
+        if reserved is None:  # cancelled meanwhile
+            return
+        engine, ticket = reserved
+        try:
+            encoded = cw.encoded_of(msg)
+        except ValueError as err:
+            engine.unreserve(ticket)
+            self._fail(identity, msg.rid, EngineError(400, "invalid_windows", str(err)))
+            return
+        try:
+            job = engine.admit_encoded(
+                ticket, [], encoded, input_s=msg.input_s, request_id=msg.rid, remote=True
+            )
+        except EngineError as err:
+            self._fail(identity, msg.rid, err)
+            return
+        self._jobs[msg.rid] = (engine, job)
+        job.future.add_done_callback(lambda fut, rid=msg.rid: self._done(identity, rid, job, fut))
+
+    def _done(self, identity: bytes, rid: str, job: Any, fut: asyncio.Future) -> None:
+        if self._jobs.pop(rid, None) is None or fut.cancelled():
+            return  # cancelled by its API process, or the process is gone
+        err = fut.exception()
+        if err is None:
+            self._workers.get(identity, set()).discard(rid)
+            self._send(identity, cw.answer_of(rid, fut.result(), job.phases))
+        elif isinstance(err, EngineError):
+            self._fail(identity, rid, err)
+        else:
+            self._fail(identity, rid, EngineError(500, "internal", f"{type(err).__name__}: {err}"))
+
+    def _on_cancel(self, identity: bytes, rid: str) -> None:
+        self._workers.get(identity, set()).discard(rid)
+        if (reserved := self._reserved.pop(rid, None)) is not None:
+            reserved[0].unreserve(reserved[1])
+        elif (job_of := self._jobs.pop(rid, None)) is not None:
+            job_of[0].cancel(rid)
+            job_of[1].future.cancel()
+
+    def _on_observed(self, events: list[list[Any]]) -> None:
+        served = self.models.entries
+        for kind, model, *rest in events:
+            if kind == "request":
+                endpoint, status, seconds = rest
+                self.metrics.count_request(model=model, endpoint=endpoint, status=status, seconds=seconds)
+            elif kind == "end" and model in served:  # an unloaded model's series are gone
+                answered, seconds, phases = rest
+                record_end(self.metrics.for_model(model), answered=answered, seconds=seconds, phases=phases)
+
+    async def _on_http(self, identity: bytes, msg: cw.HttpCall) -> None:
+        status, headers, body = await call_asgi(self.app, msg)
+        self._send(identity, cw.HttpReply(msg.cid, status, headers, np.frombuffer(body, dtype=np.uint8)))
+
+    # ------------------------------------------------------------------ the state
+    async def _publish(self) -> None:
+        sent_at = 0.0
+        while True:
+            digest = await self.digest()
+            now = time.monotonic()
+            if digest != self._digest or now - sent_at >= STATE_EVERY_S:
+                self._digest, sent_at = digest, now
+                for identity in list(self._workers):
+                    self._send(identity, cw.State(digest))
+            await asyncio.sleep(STATE_POLL_S)
+
+    async def digest(self) -> dict[str, Any]:
+        """The repository as API processes see it: each model's ``engine()`` outcome (an error as
+        ``[status, code, detail]``), readiness and saved tokenizer; the server's readiness, health,
+        fatal error, whether it stops. A model appears once its tokenizer is saved."""
+        m = self.models
+        models: dict[str, Any] = {}
+        for name in list(m.entries):
+            try:
+                engine, error = m.engine(name), None
+            except EngineError as err:
+                engine, error = None, [err.status, err.code, err.detail]
+            tokenizer = None if engine is None else await self._tokenizer(engine)
+            models[name] = {"error": error, "ready": m.model_ready(name), "tokenizer": tokenizer}
+        return {
+            "default": m.default_name,
+            "ready": m.ready(),
+            "health": m.health(),
+            "fatal": m.fatal_error(),
+            "stopping": self.stopping(),
+            "models": models,
+        }
+
+    async def _tokenizer(self, engine: Engine) -> str:
+        key = (engine.name, engine.model.generation)
+        if (path := self._tokenizers.get(key)) is None:
+            path = str(self.directory / f"tokenizer-{len(self._tokenizers)}")
+            await asyncio.to_thread(engine.model.tokenizer.save_pretrained, path)
+            self._tokenizers[key] = path
+        return path
+
+
+async def call_asgi(app: Any, msg: cw.HttpCall) -> tuple[int, list[list[str]], bytes]:
+    """Run one forwarded HTTP request through ``app`` in this process: (status, headers, body). The
+    scope is marked ``shardserve.forwarded`` (the API process already wrote its access log line)."""
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in msg.headers]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": msg.method,
+        "scheme": "http",
+        "path": msg.path,
+        "raw_path": msg.path.encode(),
+        "query_string": msg.query.encode("latin-1"),
+        "root_path": "",
+        "headers": headers,
+        "client": tuple(msg.client) if msg.client else None,
+        "server": None,
+        "shardserve.forwarded": True,
+    }
+    sent = False
+    finished = asyncio.Event()
+    reply: dict[str, Any] = {"status": 500, "headers": [], "body": []}
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": msg.body.tobytes(), "more_body": False}
+        await finished.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            reply["status"] = message["status"]
+            reply["headers"] = [
+                [k.decode("latin-1"), v.decode("latin-1")] for k, v in message.get("headers", [])
+            ]
+        elif message["type"] == "http.response.body":
+            reply["body"].append(message.get("body", b""))
+            if not message.get("more_body", False):
+                finished.set()
+
+    try:
+        await app(scope, receive, send)
+    except Exception:
+        logger.exception("forwarded %s %s failed", msg.method, msg.path)
+        body = b'{"error":"internal","detail":"the request failed in the server core"}'
+        return 500, [["content-type", "application/json"]], body
+    finally:
+        finished.set()
+    return reply["status"], reply["headers"], b"".join(reply["body"])

@@ -1,0 +1,296 @@
+"""The engine core and an API process in one test process (``--api-workers`` without the processes):
+the core's app on fake gangs with its ``CoreServer``, and an API app (``build_app(settings, core=...)``)
+joined over the real ipc socket. The API app must answer as the core's own routes do, forward what
+is off the hot path, count in the core's one registry, refuse before tokenizing, and a gone API
+process must give its places and queued work back.
+
+Run: python -m pytest tests/serving/engine/test_core_server.py -q      (no worker processes; seconds)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from fastapi.testclient import TestClient
+
+import serving.engine.core_client as cc
+from models.qa_windows import WindowConfig, encode_qa
+from models.registry import resolve_model
+from partitioner.runtime.wire import WireError, decode, encode, new_key
+from serving.engine import core_wire as cw
+from serving.engine.core_client import CoreClient
+from serving.frontend.api_role import CoreLink
+from serving.frontend.app import build_app
+from serving.frontend.settings import ServeSettings
+from tests.serving.fakes import FakeFactory, fake_logits
+from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, wait_until
+
+VOLATILE = ("request_id", "latency_ms", "id")
+
+
+@contextlib.contextmanager
+def core_and_api(**overrides: Any) -> Iterator[tuple[TestClient, TestClient, FakeFactory]]:
+    """The core's app (fake gangs, ``api_workers=2``: its CoreServer runs, no processes are spawned)
+    and one API app joined to it; both ready."""
+    factory = FakeFactory()
+    kw: dict[str, Any] = dict(
+        model="tiny-bert",
+        replicas=1,
+        max_queue_delay_ms=1.0,
+        drain_timeout_s=5.0,
+        admin_token=TOKEN,
+        api_workers=2,
+    )
+    kw.update(overrides)
+    core_app = build_app(ServeSettings(**kw), backend_factory=factory)
+    with TestClient(core_app) as core:
+        wait_until(lambda: core.get("/readyz").status_code == 200, what="a ready core")
+        server = core_app.state.core_server
+        link = CoreLink(endpoint=server.endpoint, key=server.key, identity="w0.0", parent_pid=None)
+        settings = core_app.state.settings.model_copy(update={"admin_token": None})  # as the pool's
+        with TestClient(build_app(settings, core=link)) as api:
+            wait_until(lambda: api.get("/readyz").status_code == 200, what="a ready API app")
+            try:
+                yield core, api, factory
+            finally:
+                factory.gate.set()
+
+
+def same(a: Any, b: Any) -> None:
+    """Two answers alike but for their request ids and latencies."""
+    assert a.status_code == b.status_code, (a.text, b.text)
+    ja, jb = a.json(), b.json()
+    for j in (ja, jb):
+        for k in VOLATILE:
+            j.pop(k, None)
+    assert ja == jb
+
+
+def metric(client: TestClient, line: str) -> float | None:
+    m = re.search(rf"^{re.escape(line)} (\S+)$", client.get("/metrics").text, re.M)
+    return None if m is None else float(m.group(1))
+
+
+def test_an_api_process_answers_as_the_core_does() -> None:
+    kw = dict(max_seq_len=64, doc_stride=16, max_question_len=16, length_buckets="32,64")
+    long_context = " ".join([CONTEXT] * 6)
+    with core_and_api(**kw) as (core, api, _):
+        one = {"question": QUESTION, "context": CONTEXT, "top_k": 3}
+        same(api.post("/v1/qa", json=one), core.post("/v1/qa", json=one))
+        items = {"items": [one, {"question": "When?", "context": long_context, "top_k": 2}]}
+        r = api.post("/v1/qa/batch", json=items)
+        assert r.json()["results"][1]["windows"] > 3
+        same(r, core.post("/v1/qa/batch", json=items))
+        v2 = {
+            "inputs": [
+                {"name": "question", "datatype": "BYTES", "shape": [1], "data": [QUESTION]},
+                {"name": "context", "datatype": "BYTES", "shape": [1], "data": [CONTEXT]},
+            ]
+        }
+        same(
+            api.post("/v2/models/tiny-bert/infer", json=v2), core.post("/v2/models/tiny-bert/infer", json=v2)
+        )
+        # the errors of one process, from the other
+        same(
+            api.post("/v1/qa", json={**one, "model": "nope"}),
+            core.post("/v1/qa", json={**one, "model": "nope"}),
+        )
+        same(
+            api.post("/v1/qa", json={**one, "context": ""}), core.post("/v1/qa", json={**one, "context": ""})
+        )
+        for path in ("/v2/models/nope/ready", "/v2/models/tiny-bert/ready", "/readyz", "/v2/health/ready"):
+            assert api.get(path).status_code == core.get(path).status_code, path
+
+
+def test_routes_off_the_hot_path_are_answered_by_the_core() -> None:
+    """The API app has no admin token and no models: the core's app answers those routes, auth too."""
+    with core_and_api() as (core, api, _):
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert api.get("/v1/models").json() == core.get("/v1/models").json()
+        assert (
+            api.get("/admin/replicas", headers=auth).json()
+            == core.get("/admin/replicas", headers=auth).json()
+        )
+        assert api.get("/admin/replicas").status_code == 401
+        assert api.get("/v2/repository/index", headers=auth).status_code == 200
+        assert api.get("/ui/status").json()["models"][0]["name"] == "tiny-bert"
+        assert api.get("/v2/models/tiny-bert/config").json() == core.get("/v2/models/tiny-bert/config").json()
+        r = api.get("/v2/models/stats", headers={"X-Request-ID": "abc-123"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
+
+
+def test_api_process_requests_count_in_the_cores_one_registry() -> None:
+    with core_and_api() as (core, api, _):
+        for _ in range(3):
+            assert api.post("/v1/qa", json={"question": QUESTION, "context": CONTEXT}).status_code == 200
+        assert api.post("/v1/qa", json={"question": QUESTION, "context": ""}).status_code == 422
+        assert core.post("/v1/qa", json={"question": QUESTION, "context": ""}).status_code == 422
+        assert core.post("/v1/qa", json={"question": QUESTION, "context": CONTEXT}).status_code == 200
+        ok = 'shardserve_requests_total{endpoint="qa",model="tiny-bert",status="200"}'
+        assert metric(api, ok) == 4.0  # the API app flushes its own events before it forwards /metrics
+        assert metric(core, 'shardserve_requests_total{endpoint="qa",model="",status="422"}') == 2.0
+        assert metric(core, 'shardserve_inferences_total{model="tiny-bert"}') == 4.0
+        for phase in ("compute_input", "queue", "compute_infer", "compute_output"):
+            line = f'shardserve_request_phase_seconds_count{{model="tiny-bert",phase="{phase}"}}'
+            assert metric(core, line) == 4.0, phase
+        assert (
+            metric(
+                core,
+                'shardserve_inference_request_duration_seconds_count{model="tiny-bert",outcome="success"}',
+            )
+            == 4.0
+        )
+        stats = api.get("/v2/models/tiny-bert/stats").json()["model_stats"][0]
+        assert stats["inference_count"] == 4
+
+
+def test_a_full_queue_refuses_an_api_process_before_it_tokenizes() -> None:
+    with core_and_api(max_queue_size=2, max_inflight_per_replica=1, max_batch_size=1) as (core, api, factory):
+        engine = core.app.state.engine
+        remote = api.app.state.models.engine()
+        tokenized: list[int] = []
+        encode_timed = remote.inputs.encode_timed
+        remote.inputs.encode_timed = lambda pairs: tokenized.append(len(pairs)) or encode_timed(pairs)
+        factory.gate.clear()
+        body = {"question": QUESTION, "context": CONTEXT}
+        with ThreadPoolExecutor(4) as pool:
+            held = [pool.submit(api.post, "/v1/qa", json=body)]
+            wait_until(
+                lambda: core.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
+            )
+            held += [pool.submit(api.post, "/v1/qa", json=body) for _ in range(2)]
+            wait_until(lambda: engine.scheduler.stats().queued_requests == 2, what="a full queue")
+            tokenized.clear()
+            r = api.post("/v1/qa", json=body)
+            assert r.status_code == 429 and r.json()["error"] == "queue_full"
+            assert int(r.headers["Retry-After"]) >= 1 and tokenized == []
+            factory.gate.set()
+            assert [f.result(timeout=10).status_code for f in held] == [200] * 3
+        assert engine.ongoing == 0 and engine.scheduler.reserved == 0
+
+
+def test_a_gone_api_process_gives_back_its_places_and_queued_work() -> None:
+    """``forget_worker``: a reserved place and a queued request of the dead process are given back,
+    the request counted as failed; another process's requests are untouched."""
+    with core_and_api() as (core, api, factory):
+        state = core.app.state
+        engine, server = state.engine, state.core_server
+        factory.gate.clear()
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(api.post, "/v1/qa", json={"question": QUESTION, "context": CONTEXT})
+            wait_until(lambda: engine.ongoing == 1, what="the other process's request")
+            tok = engine.model.tokenizer
+            enc = encode_qa(tok, [QUESTION], [CONTEXT], window=WindowConfig())
+
+            async def doomed() -> None:
+                client = CoreClient(endpoint=server.endpoint, key=server.key, identity="w9.0")
+                await client.start()
+                await client.reserve(cw.Reserve("w9.0-1", "tiny-bert", 1, 1, 0.0, None))
+                client.submit(cw.submit_of("w9.0-1", enc, input_s=0.001))
+                await client.reserve(cw.Reserve("w9.0-2", "tiny-bert", 1, 1, 0.0, None))
+                for _ in range(100):
+                    if engine.ongoing == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                await client.stop()
+
+            core.portal.call(doomed)
+            assert engine.ongoing == 2 and engine.scheduler.reserved == 1
+            failed = 'shardserve_inference_request_duration_seconds_count{model="tiny-bert",outcome="fail"}'
+            assert core.portal.call(_forget, server, "w9.0") == 2
+            assert engine.ongoing == 1 and engine.scheduler.reserved == 0
+            assert metric(core, failed) == 1.0
+            factory.gate.set()
+            assert other.result(timeout=10).status_code == 200
+        assert engine.ongoing == 0
+
+
+async def _forget(server: Any, identity: str) -> int:
+    return server.forget_worker(identity)
+
+
+def test_a_draining_core_stops_its_api_processes_taking_new_work() -> None:
+    with core_and_api() as (core, api, _):
+        core.app.state.shutting_down = True
+        wait_until(lambda: api.get("/readyz").status_code == 503, timeout=2.0, what="readiness 503")
+        r = api.post("/v1/qa", json={"question": QUESTION, "context": CONTEXT})
+        assert r.status_code == 503 and r.headers["Retry-After"]
+        core.app.state.shutting_down = False
+
+
+# ------------------------------------------------------------------ the wire, pure
+
+
+def test_windows_and_logits_cross_the_wire_unchanged() -> None:
+    tok = resolve_model("tiny-bert").tokenizer()
+    window = WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
+    enc = encode_qa(tok, [QUESTION, "When?"], [CONTEXT, " ".join([CONTEXT] * 3)], window=window)
+    key = new_key()
+    back = cw.encoded_of(decode(encode(cw.submit_of("w0.0-1", enc, input_s=0.5), key), key))
+    assert len(back.windows) == len(enc.windows) > 2 and back.pad_token_id == enc.pad_token_id
+    for a, b in zip(enc.windows, back.windows, strict=True):
+        assert torch.equal(a.data.to(torch.int32), b.data)
+        assert (a.example_index, a.window_index) == (b.example_index, b.window_index)
+    rows = [fake_logits(w.input_ids[None])[0] for w in enc.windows]  # (n_tokens, 2) each
+    answer = decode(encode(cw.answer_of("w0.0-1", rows, {"queue": 0.1}), key), key)
+    assert all(torch.equal(a, b) for a, b in zip(rows, cw.logits_of(answer), strict=True))
+    assert answer.queue_s == 0.1 and answer.infer_s == 0.0
+    with pytest.raises(WireError):
+        decode(encode(cw.Cancel("x"), new_key()), key)
+    bad = cw.Submit("r", 0, 1, 0.0, np.array([[5, 0, 0]], dtype=np.int32), np.zeros((3, 4), dtype=np.int32))
+    with pytest.raises(ValueError, match="does not fit"):
+        cw.encoded_of(bad)
+    bad = cw.Submit("r", 0, 1, 0.0, np.array([[2, 1, 0]], dtype=np.int32), np.zeros((2, 4), dtype=np.int32))
+    with pytest.raises(ValueError, match="does not fit"):  # pair 1 of a 1-pair request
+        cw.encoded_of(bad)
+
+
+def test_a_client_notices_a_silent_core() -> None:
+    """No State for CORE_TIMEOUT_S: open calls fail 503, and the API process is told to stop."""
+
+    lost = threading.Event()
+
+    async def run() -> tuple[int, str]:
+        key = new_key()
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        client = CoreClient(
+            endpoint=f"tcp://127.0.0.1:{port}", key=key, identity="w0.0", on_core_lost=lost.set
+        )
+        start = asyncio.ensure_future(client.start(timeout_s=5.0))
+        ident, *frames = await router.recv_multipart()
+        assert isinstance(decode(frames, key), cw.Hello)
+        await router.send_multipart([ident, *encode(cw.State({"models": {}}), key)])
+        await start
+        call = asyncio.ensure_future(client.reserve(cw.Reserve("w0.0-1", "m", 1, 1, 0.0, None)))
+        try:
+            await asyncio.wait_for(call, 5.0)
+        except cc.EngineError as err:
+            return err.status, err.code
+        finally:
+            await client.stop()
+            router.close()
+            ctx.term()
+        return 0, ""
+
+    saved = cc.CORE_TIMEOUT_S
+    cc.CORE_TIMEOUT_S = 0.3
+    try:
+        t0 = time.monotonic()
+        assert asyncio.run(run()) == (503, "core_lost")
+        assert lost.is_set() and time.monotonic() - t0 < 3.0
+    finally:
+        cc.CORE_TIMEOUT_S = saved

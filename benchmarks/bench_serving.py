@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -368,17 +369,20 @@ def bench_server(
     try:
         # shardserve turns ready with its first gang: wait for every replica (none starting)
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
-        marks: list[tuple[float, float]] = []  # (server process, its worker processes) CPU seconds
-        timer = threading.Timer(args.warmup_s, lambda: marks.append(cpu_seconds(proc.pid)))
+        api = _api_pids(port)  # --api-workers: its API processes (HTTP, tokenizing, decoding)
+        marks: list[tuple[float, float, float]] = []  # CPU seconds: server process, API processes, workers
+        timer = threading.Timer(args.warmup_s, lambda: marks.append(cpu_seconds(proc.pid, api=api)))
         timer.start()
         result = drive(port, pairs, args, name, note)
         timer.cancel()
-        marks.append(cpu_seconds(proc.pid))
+        marks.append(cpu_seconds(proc.pid, api=api))
         if len(marks) == 2 and result.completed:
-            (own0, kids0), (own1, kids1) = marks
+            (own0, api0, kids0), (own1, api1, kids1) = marks
             per_q = 1000 / result.completed
-            result.server_cpu_ms = (own1 - own0) * per_q
-            result.note += f"; CPU per answer: server process {result.server_cpu_ms:.1f} ms"
+            result.server_cpu_ms = (own1 - own0 + api1 - api0) * per_q
+            result.note += f"; CPU per answer: server process {(own1 - own0) * per_q:.1f} ms"
+            if api:
+                result.note += f", its {len(api)} API processes {(api1 - api0) * per_q:.1f} ms"
             if kids1 > kids0:
                 result.note += f", workers {(kids1 - kids0) * per_q:.1f} ms"
         stats = _batch_stats(port)
@@ -389,9 +393,9 @@ def bench_server(
         stop(proc)
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) of process ``pid`` and of its live descendants (Linux /proc;
-    (0, 0) elsewhere): what the HTTP front end and the workers spend per answer."""
+def cpu_seconds(pid: int, *, api: Sequence[int] = ()) -> tuple[float, float, float]:
+    """CPU seconds (user + system) of process ``pid``, of its ``api`` processes and of its other live
+    descendants (Linux /proc; zeros elsewhere): what the HTTP front end and the workers spend per answer."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def used(p: int) -> float:
@@ -402,7 +406,18 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
 
     own, *descendants = process_tree(pid)
-    return used(own), sum(used(p) for p in descendants)
+    return used(own), sum(used(p) for p in api), sum(used(p) for p in descendants if p not in api)
+
+
+def _api_pids(port: int) -> list[int]:
+    """The API processes of a shardserve server (its status JSON; [] for other servers or none)."""
+    import httpx
+
+    try:
+        workers = httpx.get(f"http://127.0.0.1:{port}/ui/status", timeout=5).json().get("api_workers", [])
+    except (httpx.HTTPError, ValueError):
+        return []
+    return [w["pid"] for w in workers if w.get("pid")]
 
 
 def _batch_stats(port: int) -> str:

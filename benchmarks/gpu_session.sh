@@ -303,11 +303,13 @@ run() {
         ls "$L/run" 2>/dev/null | head; cp "$L"/run/eval*.json "$L/" 2>/dev/null
         cat "$L"/run/eval*.json 2>/dev/null | head -c 600; echo ;;
       bench_serving)
-        local extra="--replicas 4 --ranks-per-gpu 4"
-        [ "$DEV" = cuda ] || extra="--replicas 1 --threads-per-rank {cores}"
+        # the default row: --api-workers auto (8 on a 16-core host); the same with one process beside it
+        local extra="--replicas 4 --ranks-per-gpu 4" one="--api-workers 1"
+        [ "$DEV" = cuda ] || { extra="--replicas 1 --threads-per-rank {cores}"; one="--api-workers 2"; }
         TAILN=40 step bench-serving "${BENCH_LIM:-230}" python3 benchmarks/bench_serving.py --device "$DEV" \
           --dtype bfloat16 --clients 64 --duration-s "${BENCH_S:-8}" --warmup-s 3 --skip naive \
-          --extra-config "$extra" --squad .gpu/pool10.json --cores "$CORES" --json "$L/bench_serving.json"
+          --extra-config "$extra" --extra-config "$one" --squad .gpu/pool10.json --cores "$CORES" \
+          --json "$L/bench_serving.json"
         cp "$L/bench_serving.json" "$OUT/" 2>/dev/null ;;
       big)
         TAILN=12 step big "${BIG_LIM:-300}" python3 benchmarks/bench_big_model.py --device "$DEV" \

@@ -26,6 +26,8 @@ replicas and health, scaling (pin, bounds), reload, shutdown.
     await engine.start()
     job = await engine.submit_async([QAPair("Who?", "Ann met Bob.")])  # raises EngineError (429...)
     results = await engine.wait(job, disconnected=watch_disconnect)    # list[PairResult]
+    ticket = engine.reserve(ask, timeout_s=None, started=t0)           # submit_async's two halves, for
+    job = engine.admit_encoded(ticket, [], encoded, input_s=s, remote=True)  # API processes (core_server.py)
     engine.pin(2); await engine.reload("tiny-roberta")                  # EngineError: 409 / 422
     await engine.shutdown(timeout_s=30)                                 # drain, stop the gangs
 
@@ -479,6 +481,10 @@ class Engine:
     def model(self) -> ModelGeneration:
         """The model generation being served (the newest after a reload)."""
         return self.manager.model
+
+    @property
+    def generation(self) -> int:
+        return self.manager.model.generation
 
     def public_checkpoint(self) -> dict[str, Any]:
         """The model's ``ModelSource.describe()`` for unauthenticated clients: file names, never

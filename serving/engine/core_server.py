@@ -63,6 +63,7 @@ class CoreServer:
         self.key = new_key()
         self.directory = Path(tempfile.mkdtemp(prefix="shardserve-core-"))  # 0700: this user only
         self.endpoint = f"ipc://{self.directory / 'core'}"
+        self.grpc_address = f"unix:{self.directory / 'grpc'}"  # the core's gRPC, for its API processes
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -250,7 +251,13 @@ class CoreServer:
             except EngineError as err:
                 engine, error = None, [err.status, err.code, err.detail]
             tokenizer = None if engine is None else await self._tokenizer(engine)
-            models[name] = {"error": error, "ready": m.model_ready(name), "tokenizer": tokenizer}
+            generation = None if engine is None else engine.generation
+            models[name] = {
+                "error": error,
+                "ready": m.model_ready(name),
+                "tokenizer": tokenizer,
+                "generation": generation,
+            }
         return {
             "default": m.default_name,
             "ready": m.ready(),

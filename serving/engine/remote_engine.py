@@ -70,9 +70,17 @@ class RemoteEngine:
     """See module doc."""
 
     def __init__(
-        self, *, name: str, client: CoreClient, tokenizer: Any, limits: RemoteLimits, metrics: MetricsRelay
+        self,
+        *,
+        name: str,
+        generation: int,
+        client: CoreClient,
+        tokenizer: Any,
+        limits: RemoteLimits,
+        metrics: MetricsRelay,
     ) -> None:
-        self.name, self.client, self.limits, self.metrics = name, client, limits, metrics
+        self.name, self.generation, self.client = name, generation, client  # generation: the core's
+        self.limits, self.metrics = limits, metrics
         self.inputs = InputProcessor(tokenizer=lambda: tokenizer, window=limits.window)
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-decode")
 
@@ -165,6 +173,7 @@ class RemoteRepository:
                 tokenizer = await asyncio.to_thread(_load_tokenizer, path)
                 engine = RemoteEngine(
                     name=name,
+                    generation=model["generation"],
                     client=self.client,
                     tokenizer=tokenizer,
                     limits=self.limits,

@@ -99,9 +99,10 @@ def model_not_found(name: str | None, *, served: list[str] | None = None) -> Eng
     return EngineError(404, "model_not_found", f"model {name!r} not found{listed}")
 
 
-def model_version(engine: Engine) -> str:
-    """A served model's version as Triton's APIs report it: its generation + 1 (a reload adds one)."""
-    return str(engine.model.generation + 1)
+def model_version(engine: Any) -> str:
+    """A served model's version as Triton's APIs report it: its generation + 1 (a reload adds one); an
+    API process's ``RemoteEngine`` has its ``generation`` from the core."""
+    return str(engine.generation + 1)
 
 
 class ModelRepository:

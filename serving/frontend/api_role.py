@@ -53,6 +53,7 @@ class CoreLink:
     key: bytes  # the wire key (HMAC), never on a command line or in the environment
     identity: str  # w<index>.<incarnation>
     parent_pid: int | None  # None: not watched (tests run both ends in one process)
+    grpc_address: str | None = None  # the core's gRPC (``--grpc-port``): its RPCs forwarded there
 
 
 @asynccontextmanager
@@ -101,10 +102,20 @@ async def api_lifespan(app: FastAPI) -> AsyncIterator[None]:
                 await repo.apply(client.state)
 
     following = asyncio.get_running_loop().create_task(follow())
+    grpc_front = None
     try:
+        if settings.grpc_port is not None and link.grpc_address is not None:
+            from serving.frontend.grpc_server import GrpcFront
+
+            grpc_front = await GrpcFront.start(
+                app, host=settings.host, port=settings.grpc_port, core_address=link.grpc_address
+            )
+            app.state.grpc_port = grpc_front.port
         yield
     finally:
         app.state.shutting_down = True
+        if grpc_front is not None:  # the core drained the admitted calls before it stopped this process
+            await grpc_front.stop(grace_s=settings.drain_timeout_s)
         following.cancel()
         await client.stop()
         repo.shutdown()

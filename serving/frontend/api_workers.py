@@ -2,7 +2,7 @@
 
 vLLM's ``--api-server-count``: one Python process cannot answer HTTP fast enough for a fast model
 (docs/benchmarks.md: 4 ms of CPU per answer capped an H200 at 0.03x its forward). With N >= 2 the
-server process becomes the *core* (the repository, the engines, the gangs, metrics, status and gRPC;
+server process becomes the *core* (the repository, the engines, the gangs, metrics and status;
 ``serving/engine/core_server.py``) and starts N API processes (``run_api_worker``), each running the
 server's app in its API role (``serving/frontend/api_role.py``) on its own ``SO_REUSEPORT`` socket
 of the server's port.
@@ -168,7 +168,11 @@ class ApiWorkerPool:
         slot.incarnation += 1
         slot.connected = False
         link = CoreLink(
-            endpoint=self.core.endpoint, key=self.core.key, identity=slot.identity, parent_pid=os.getpid()
+            endpoint=self.core.endpoint,
+            key=self.core.key,
+            identity=slot.identity,
+            parent_pid=os.getpid(),
+            grpc_address=self.core.grpc_address if self.settings.grpc_port is not None else None,
         )
         spec = WorkerSpec(
             settings=self.settings,

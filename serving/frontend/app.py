@@ -157,8 +157,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.grpc_port is not None:  # KServe v2 / Triton gRPC beside REST, on this event loop
             from serving.frontend.grpc_server import GrpcFront
 
-            grpc_front = await GrpcFront.start(app, host=settings.host, port=settings.grpc_port)
-            app.state.grpc_port = grpc_front.port
+            # the core of API processes: they serve the port, this only their forwarded RPCs
+            internal = None if core is None else core.grpc_address
+            grpc_front = await GrpcFront.start(
+                app, host=settings.host, port=settings.grpc_port, address=internal
+            )
+            app.state.grpc_port = grpc_front.port if core is None else settings.grpc_port
         yield
     finally:
         gc.unfreeze()  # what start-up kept alive may be collected again (tests build many apps)

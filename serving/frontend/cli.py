@@ -158,13 +158,17 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
         print(f"warning: model {line} (serving the others)", file=sys.stderr)
     app = build_app(settings, models=models)
     config = uvicorn_config(settings, app)
-    sockets, reserved = None, None
+    sockets, reserved = None, []
     if settings.api_worker_count > 1:  # API processes listen; this process (the core) holds the port
         from serving.frontend.api_role import reuseport_socket
         from serving.frontend.api_workers import ApiWorkerPool
 
-        reserved = reuseport_socket(settings.host, settings.port, listen=False)
-        config.port = port = reserved.getsockname()[1]
+        reserved = [reuseport_socket(settings.host, settings.port, listen=False)]
+        config.port = port = reserved[0].getsockname()[1]
+        if settings.grpc_port is not None:  # the API processes serve it too (grpc_forward.py)
+            reserved.append(reuseport_socket(settings.host, settings.grpc_port, listen=False))
+            grpc_port = reserved[-1].getsockname()[1]
+            app.state.settings = app.state.settings.model_copy(update={"grpc_port": grpc_port})
         app.state.api_pool_factory = lambda core: ApiWorkerPool(
             count=settings.api_worker_count,
             settings=app.state.settings,
@@ -180,8 +184,8 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
     try:
         server.run(sockets=sockets)
     finally:
-        if reserved is not None:
-            reserved.close()
+        for sock in reserved:
+            sock.close()
     if server.startup_signal is not None:
         return stopped_during_startup(server.startup_signal)
     if server.fatal_error is not None:
@@ -235,13 +239,16 @@ def startup_line(state: Any, url: str) -> str:
             f"predicted SLO attainment {placed.choice.result.attainment:.1%} at {cfg.rate:g} req/s, "
             f"CV {cfg.cv:g}, SLO {cfg.slo_scale:g}x; "
         )
+    n = settings.api_worker_count
+    api = f"; {n} API processes on the port (--api-workers)" if n > 1 else ""
     if (grpc_port := getattr(state, "grpc_port", None)) is not None:
         host = url.rsplit(":", 1)[0].removeprefix("http://")
         url += f" and gRPC {host}:{grpc_port}"
     return (
         f"shardserve: serving {served} at {url} (precision {precision.name}: {precision.reason}; "
         f"{'compiled stages; ' if state.compile else ''}{layout}"
-        f"{settings.rank_threads} thread(s) per rank, device {settings.device})"
+        f"{settings.rank_threads} thread(s) per rank, device {settings.device}"
+        f"{api})"
     )
 
 

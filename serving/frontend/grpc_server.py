@@ -6,7 +6,8 @@ REST. The RPCs are Triton's ``inference.GRPCInferenceService`` (``serving/fronte
 each inside the envelope of ``serving/frontend/grpc_call.py``.
 
 - **Limits**: messages over ``max_body_bytes`` are refused by gRPC itself (RESOURCE_EXHAUSTED);
-  ``SO_REUSEPORT`` is off, so a port in use is an error, not a second server sharing it.
+  ``SO_REUSEPORT`` is off, so a port in use is an error, not a second server sharing it (but in the
+  API processes of ``--api-workers``, which share it: ``serving/frontend/grpc_forward.py``).
 - **Drain**: ``stop(grace_s)`` refuses new RPCs and lets those in flight finish (the lifespan runs it
   beside the models' drain; meanwhile inference answers UNAVAILABLE, as REST answers 503).
 
@@ -23,8 +24,10 @@ import logging
 
 import grpc
 from fastapi import FastAPI
+from tritonclient.grpc import service_pb2_grpc
 
 from serving.frontend.grpc_call import SERVICE
+from serving.frontend.grpc_forward import ForwardingService
 from serving.frontend.grpc_service import add_service
 
 logger = logging.getLogger(__name__)
@@ -33,23 +36,41 @@ logger = logging.getLogger(__name__)
 class GrpcFront:
     """The running gRPC server of an app (module doc)."""
 
-    def __init__(self, server: grpc.aio.Server, port: int) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, port: int, forwarding: ForwardingService | None = None
+    ) -> None:
         self.server = server
         self.port = port
+        self.forwarding = forwarding  # an API process's link to the core's gRPC
 
     @classmethod
-    async def start(cls, app: FastAPI, *, host: str, port: int) -> GrpcFront:
-        """Bind ``host:port`` (OSError naming the flags when it cannot) and serve Triton's service."""
+    async def start(
+        cls,
+        app: FastAPI,
+        *,
+        host: str,
+        port: int,
+        address: str | None = None,
+        core_address: str | None = None,
+    ) -> GrpcFront:
+        """Bind ``host:port`` (OSError naming the flags when it cannot) and serve Triton's service;
+        ``address``: bind that instead (the core of ``--api-workers``: a unix socket); ``core_address``:
+        an API process, sharing the port (``SO_REUSEPORT``) and forwarding the core's RPCs there."""
         settings = app.state.settings
         server = grpc.aio.server(
             options=[
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(core_address is not None)),
                 ("grpc.max_receive_message_length", settings.max_body_bytes),
                 ("grpc.max_send_message_length", -1),
             ]
         )
-        add_service(server, app)
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        forwarding = None
+        if core_address is None:
+            add_service(server, app)
+        else:
+            forwarding = ForwardingService(app, core_address)
+            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(forwarding, server)
+        address = address or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         try:
             bound = server.add_insecure_port(address)
         except RuntimeError as err:
@@ -63,8 +84,10 @@ class GrpcFront:
             )
         await server.start()
         logger.info("gRPC (%s) listening on %s", SERVICE, f"{host}:{bound}")
-        return cls(server, bound)
+        return cls(server, bound, forwarding)
 
     async def stop(self, *, grace_s: float | None) -> None:
         """Refuse new RPCs; those in flight get ``grace_s`` to finish (None: cancel them now)."""
         await self.server.stop(grace_s)
+        if self.forwarding is not None:
+            await self.forwarding.close()

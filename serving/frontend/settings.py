@@ -84,8 +84,8 @@ class ServeSettings(GangFlags, PlacementFlags):
         AUTO,
         description="HTTP API processes in front of one engine core (vLLM's --api-server-count). 1: "
         "everything in this process. N >= 2: N processes share the port (SO_REUSEPORT, Linux), each "
-        "parsing, validating, tokenizing and decoding, while this process keeps the models, the one "
-        "queue, the gangs, metrics, status and gRPC; a dead one is replaced. auto: 1 on cpu (the ranks "
+        "parsing, validating, tokenizing and decoding (gRPC too, with grpc_port), while this process "
+        "keeps the models, the one queue, the gangs, metrics and status; a dead one is replaced. auto: 1 on cpu (the ranks "
         f"use the cores); on cuda, the cores left after one per rank and one for the core, at most "
         f"{MAX_AUTO_API_WORKERS}",
     )

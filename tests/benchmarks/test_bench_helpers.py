@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_kernels
 import bench_serving
 
+from loadtest.overload import process_tree
+
 
 def _logits(n: int = 2, s: int = 8) -> torch.Tensor:
     out = torch.zeros(n, s, 2)
@@ -97,14 +99,17 @@ def test_cpu_seconds_counts_a_process_and_its_children():
     )
     try:
         deadline = time.monotonic() + 30
-        while bench_serving.cpu_seconds(parent.pid)[1] < 0.3 and time.monotonic() < deadline:
+        while bench_serving.cpu_seconds(parent.pid)[2] < 0.3 and time.monotonic() < deadline:
             time.sleep(0.1)
-        own, children = bench_serving.cpu_seconds(parent.pid)
-        assert children >= 0.3 and own < children  # the child burned 0.3 s, the parent waited
+        own, api, children = bench_serving.cpu_seconds(parent.pid)
+        assert children >= 0.3 and own < children and api == 0.0  # the child burned 0.3 s, the parent waited
+        child = process_tree(parent.pid)[1]
+        own, api, children = bench_serving.cpu_seconds(parent.pid, api=[child])  # as an API process
+        assert api >= 0.3 and children == 0.0
     finally:
         os.killpg(parent.pid, signal.SIGKILL)  # the parent and its child
         parent.wait()
-    assert bench_serving.cpu_seconds(parent.pid) == (0.0, 0.0)  # gone: nothing to count
+    assert bench_serving.cpu_seconds(parent.pid) == (0.0, 0.0, 0.0)  # gone: nothing to count
 
 
 def test_explicit_configs_expand_cores_and_drop_duplicates():

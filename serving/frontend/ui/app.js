@@ -144,6 +144,17 @@ function renderReplicas(s) {
   ]);
 }
 
+function renderApiWorkers(s) {
+  const ws = s.api_workers || [];
+  $("api-section").hidden = ws.length === 0;
+  rows($("api-workers").tBodies[0], ws, (w) => [
+    String(w.index),
+    w.pid === null ? "—" : String(w.pid),
+    badge(!w.alive ? "restarting" : w.connected ? "ready" : "starting"),
+    String(w.restarts),
+  ]);
+}
+
 // One line per rank: "1 (1/0): pid 4242 · cpu", with its host when the gang spans several hosts.
 // Host and pid are what the rank reports in its heartbeats; "not heard yet" before its first one.
 function ranksOf(r) {
@@ -250,6 +261,7 @@ function render(s) {
   renderModels(s);
   renderPlacement(s);
   renderReplicas(s);
+  renderApiWorkers(s);
   renderTraffic(s);
   renderStages(s);
   renderAutoscaler(s);

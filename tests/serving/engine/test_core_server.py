@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 import zmq
 import zmq.asyncio
 from fastapi.testclient import TestClient
+from tritonclient.utils import InferenceServerException
 
 import serving.engine.core_client as cc
 from models.qa_windows import WindowConfig, encode_qa
@@ -58,7 +60,13 @@ def core_and_api(**overrides: Any) -> Iterator[tuple[TestClient, TestClient, Fak
     with TestClient(core_app) as core:
         wait_until(lambda: core.get("/readyz").status_code == 200, what="a ready core")
         server = core_app.state.core_server
-        link = CoreLink(endpoint=server.endpoint, key=server.key, identity="w0.0", parent_pid=None)
+        link = CoreLink(
+            endpoint=server.endpoint,
+            key=server.key,
+            identity="w0.0",
+            parent_pid=None,
+            grpc_address=server.grpc_address,
+        )
         settings = core_app.state.settings.model_copy(update={"admin_token": None})  # as the pool's
         with TestClient(build_app(settings, core=link)) as api:
             wait_until(lambda: api.get("/readyz").status_code == 200, what="a ready API app")
@@ -228,6 +236,31 @@ def test_a_draining_core_stops_its_api_processes_taking_new_work() -> None:
         r = api.post("/v1/qa", json={"question": QUESTION, "context": CONTEXT})
         assert r.status_code == 503 and r.headers["Retry-After"]
         core.app.state.shutting_down = False
+
+
+def test_grpc_in_an_api_process_answers_and_the_core_answers_its_own_rpcs() -> None:
+    """Inference, metadata and config in the API process; statistics and the repository (admin token,
+    which the API process does not hold) from the core's gRPC on its unix socket."""
+    with core_and_api(grpc_port=0, host="127.0.0.1") as (core, api, _):
+        triton = grpcclient.InferenceServerClient(f"127.0.0.1:{api.app.state.grpc_port}")
+        tensors = []
+        for name, value in (("question", QUESTION), ("context", CONTEXT)):
+            tensor = grpcclient.InferInput(name, [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+            tensors.append(tensor)
+        answer = triton.infer("tiny-bert", tensors).as_numpy("answer").ravel()[0].decode()
+        rest = core.post("/v1/qa", json={"question": QUESTION, "context": CONTEXT}).json()["answers"][0][
+            "text"
+        ]
+        assert answer == rest
+        assert triton.get_model_config("tiny-bert", as_json=True)["config"]["name"] == "tiny-bert"
+        stats = triton.get_inference_statistics("tiny-bert", as_json=True)["model_stats"][0]
+        assert int(stats["inference_count"]) == 2  # the core's REST one and its own, flushed before it asked
+        index = triton.get_model_repository_index(headers={"authorization": f"Bearer {TOKEN}"}, as_json=True)
+        assert [m["name"] for m in index["models"]] == ["tiny-bert"]
+        with pytest.raises(InferenceServerException, match=r"UNAUTHENTICATED|admin"):
+            triton.get_model_repository_index()
+        triton.close()
 
 
 # ------------------------------------------------------------------ the wire, pure

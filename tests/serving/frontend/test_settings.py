@@ -131,6 +131,30 @@ def test_a_gang_larger_than_the_gpus_names_ranks_per_gpu(gpus):
         ServeSettings(ranks_per_gpu=2)
 
 
+@pytest.mark.parametrize(
+    ("n_cores", "n_gpus", "flags", "workers"),
+    [
+        (2, 0, {}, 1),  # cpu: the ranks use the cores
+        (64, 0, {}, 1),
+        (2, 0, dict(api_workers=3), 3),  # as asked
+        (16, 1, dict(device="cuda"), 8),  # 16 - 1 rank - 1 core = 14, at most 8
+        (16, 1, dict(device="cuda", ranks_per_gpu=4), 8),  # 16 - 4 - 1 = 11
+        (8, 1, dict(device="cuda", ranks_per_gpu=4), 3),  # 8 - 4 - 1
+        (4, 2, dict(device="cuda", ranks_per_gpu=2), 1),  # 4 ranks leave no core to spare
+    ],
+)
+def test_api_workers_auto_uses_the_cores_the_ranks_leave(cores, gpus, n_cores, n_gpus, flags, workers):
+    cores(n_cores)
+    gpus(n_gpus)
+    assert ServeSettings(**flags).api_worker_count == workers
+
+
+def test_api_workers_is_a_count_or_auto():
+    with pytest.raises(ValidationError, match=r"api_workers\n.*greater than or equal to 1, or auto"):
+        ServeSettings(api_workers=0)
+    assert ServeSettings(api_workers="auto").api_workers == "auto"
+
+
 def test_pp_auto_is_chosen_at_start_and_the_chosen_layout_is_checked_then(cores):
     """``--pp auto``: the settings validate without a layout; ``fit_serve_layout`` picks the fewest
     ranks that fit ``--max-memory-per-rank`` and checks them as a given layout (partitioner/fit.py)."""

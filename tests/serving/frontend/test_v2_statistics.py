@@ -41,7 +41,7 @@ def test_model_statistics_reads_counts_and_nanoseconds_from_the_registry() -> No
     for size, seconds in ((10, 0.5), (2, 0.25), (2, 0.25)):
         m.executions.labels(batch_size=str(size)).observe(seconds)
     metrics.for_model("b").inferences.inc(7)  # another model's series are not a's
-    served = SimpleNamespace(name="a", model=SimpleNamespace(generation=1))  # an engine, as stats read it
+    served = SimpleNamespace(name="a", generation=1)  # an engine, as stats read it
     (a,) = model_statistics(metrics, [served])["model_stats"]  # type: ignore[list-item]
     stats = a["inference_stats"]
     assert (a["inference_count"], a["execution_count"], a["last_inference"], a["version"]) == (5, 3, 0, "2")

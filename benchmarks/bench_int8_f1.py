@@ -15,6 +15,10 @@ v1.1. This scores the unpartitioned model over the development pool (``../shared
              training set (not the scored pool)
   int8-static-ffn  the same but the FFN's output projections stay fp32 (their input, the GELU's
              output, has the widest range: where per-tensor activation int8 loses most)
+  int8-sq, int8-sq-ffn  the two above with SmoothQuant (Xiao et al. 2023, ``--sq-alpha`` a): each
+             Linear's input divided per channel by s = max|x|^a / max|w|^(1-a) (from the
+             calibration), its weight columns multiplied by s: activation outliers move into the weights
+  int8-sq-ffnbf16  int8-sq with the FFN's output projections in bf16 instead (fast and accurate)
 
     python benchmarks/bench_int8_f1.py                                   # the whole pool, ~20 min on 2 cores
     python benchmarks/bench_int8_f1.py --max-examples 500 --variants fp32,int8-pc --json int8.json
@@ -44,13 +48,25 @@ from training.squad_metrics import evaluate
 
 logger = logging.getLogger("bench_int8_f1")
 
-VARIANTS = ("fp32", "bf16", "int8", "int8-pc", "int8-static", "int8-static-ffn")
+VARIANTS = (
+    "fp32",
+    "bf16",
+    "int8",
+    "int8-pc",
+    "int8-static",
+    "int8-static-ffn",
+    "int8-sq",
+    "int8-sq-ffn",
+    "int8-sq-ffnbf16",
+)
 SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad"
 POOL = SQUAD / "squad-v1.1-train-pool.json"
 TRAIN = SQUAD / "squad-v1.1-train.json"
 
 
-def model_of(variant: str, source: object, calibration: EvalInputs | None = None) -> nn.Module:
+def model_of(
+    variant: str, source: object, calibration: EvalInputs | None = None, *, sq_alpha: float = 0.5
+) -> nn.Module:
     """The unpartitioned model in ``variant`` (the QA head stays fp32 in every one)."""
     model = build_model(source, dtype=torch.bfloat16 if variant == "bf16" else torch.float32).eval()
     if variant in ("int8", "int8-pc"):
@@ -64,14 +80,43 @@ def model_of(variant: str, source: object, calibration: EvalInputs | None = None
         with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated in torch 2.13
             warnings.simplefilter("ignore", UserWarning)
             model.layers = quantize_dynamic(model.layers, {nn.Linear: qconfig}, dtype=torch.qint8)
-    elif variant.startswith("int8-static"):
+    elif variant.startswith("int8-s"):
         assert calibration is not None
-        static_int8(model, calibration, keep_ffn_out=variant == "int8-static-ffn")
+        smooth = sq_alpha if variant.startswith("int8-sq") else None
+        keep = "fp32" if variant.endswith("-ffn") else "bf16" if variant.endswith("-ffnbf16") else None
+        static_int8(model, calibration, keep_ffn_out=keep, smooth=smooth)
     return model
 
 
-def static_int8(model: nn.Module, calibration: EvalInputs, *, keep_ffn_out: bool) -> None:
-    """Replace the encoder's Linear layers by calibrated static int8 ones, in place (module doc)."""
+class _Bf16(nn.Module):
+    """A Linear computed in bf16 inside an fp32 model (the layer int8 loses most on, kept fast)."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.to(torch.bfloat16)).float()
+
+
+class _Smooth(nn.Module):
+    """SmoothQuant's per-input-channel division of a Linear's input (its weight columns multiplied back)."""
+
+    def __init__(self, inv_scale: torch.Tensor, inner: nn.Module) -> None:
+        super().__init__()
+        self.register_buffer("inv_scale", inv_scale)  # (in_features,)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in_features)
+        return self.inner(x * self.inv_scale)
+
+
+def static_int8(
+    model: nn.Module, calibration: EvalInputs, *, keep_ffn_out: bool, smooth: float | None
+) -> None:
+    """Replace the encoder's Linear layers by calibrated static int8 ones, in place (module doc);
+    ``keep_ffn_out``: "fp32" / "bf16" for the FFN's down projections (None: int8 too); ``smooth``:
+    SmoothQuant's alpha (None: none)."""
     from torch.ao import quantization as tq
 
     torch.backends.quantized.engine = "onednn"  # VNNI / AMX-INT8 kernels; full 8-bit activations
@@ -79,15 +124,42 @@ def static_int8(model: nn.Module, calibration: EvalInputs, *, keep_ffn_out: bool
         activation=tq.HistogramObserver.with_args(reduce_range=False),
         weight=tq.default_per_channel_weight_observer,
     )
+    targets = [
+        (module, child, sub)
+        for module in list(model.layers.modules())
+        for child, sub in list(module.named_children())
+        if isinstance(sub, nn.Linear) and not (keep_ffn_out and child == "down")  # MLP.down
+    ]
+    if keep_ffn_out == "bf16":
+        for module in list(model.layers.modules()):
+            if isinstance(getattr(module, "down", None), nn.Linear):
+                module.down = _Bf16(module.down)
+    if smooth is not None:  # per input channel: max |x| over the calibration windows
+        amax = {id(sub): torch.zeros(sub.in_features) for _, _, sub in targets}
+
+        def record(sub: nn.Module, args: tuple) -> None:
+            x = args[0].detach().abs().flatten(0, -2)  # (tokens, in_features)
+            amax[id(sub)] = torch.maximum(amax[id(sub)], x.amax(dim=0))
+
+        hooks = [sub.register_forward_pre_hook(record) for _, _, sub in targets]
+        with torch.inference_mode():
+            for ids, mask, types in calibration.batches:
+                model(ids, mask, types)
+        for h in hooks:
+            h.remove()
     wrapped = []
-    for module in list(model.layers.modules()):
-        for child, sub in list(module.named_children()):
-            if not isinstance(sub, nn.Linear) or (keep_ffn_out and child == "down"):  # MLP.down
-                continue
-            wrapper = tq.QuantWrapper(sub)
-            wrapper.qconfig = qconfig
+    for module, child, sub in targets:
+        wrapper = tq.QuantWrapper(sub)
+        wrapper.qconfig = qconfig
+        wrapped.append(wrapper)
+        if smooth is not None:
+            w_max = sub.weight.detach().abs().amax(dim=0).clamp(min=1e-5)  # (in_features,)
+            scale = (amax[id(sub)].clamp(min=1e-5) ** smooth / w_max ** (1 - smooth)).clamp(min=1e-5)
+            with torch.no_grad():
+                sub.weight.mul_(scale)  # (out, in) * (in,)
+            setattr(module, child, _Smooth(1.0 / scale, wrapper))
+        else:
             setattr(module, child, wrapper)
-            wrapped.append(wrapper)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for w in wrapped:
@@ -97,13 +169,19 @@ def static_int8(model: nn.Module, calibration: EvalInputs, *, keep_ffn_out: bool
                 model(ids, mask, types)
         for w in wrapped:
             tq.convert(w, inplace=True)
-    logger.info("static int8: %d Linear layers quantized", len(wrapped))
+    logger.info("static int8: %d Linear layers quantized (SmoothQuant alpha %s)", len(wrapped), smooth)
 
 
 def score(
-    variant: str, source: object, cfg: EvalConfig, inputs: EvalInputs, calibration: EvalInputs | None
+    variant: str,
+    source: object,
+    cfg: EvalConfig,
+    inputs: EvalInputs,
+    calibration: EvalInputs | None,
+    *,
+    sq_alpha: float,
 ) -> dict[str, float]:
-    model = model_of(variant, source, calibration)
+    model = model_of(variant, source, calibration, sq_alpha=sq_alpha)
     full, row = inputs.empty_logits(), 0
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -130,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         help="int8-static: questions of the training set (--calibration-data) calibrated on (default: %(default)s)",
     )
     p.add_argument("--calibration-data", type=Path, default=TRAIN, help="SQuAD file calibrated on")
+    p.add_argument("--sq-alpha", type=float, default=0.5, help="SmoothQuant's alpha (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -146,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EvalConfig(model=args.model, data=str(args.data), max_examples=args.max_examples)
     inputs = eval_inputs(cfg, source)
     calibration = None
-    if any(v.startswith("int8-static") for v in variants):
+    if any(v.startswith(("int8-static", "int8-sq")) for v in variants):
         calib_cfg = EvalConfig(
             model=args.model, data=str(args.calibration_data), max_examples=args.calibration
         )
         calibration = eval_inputs(calib_cfg, source)
     rows = []
     for variant in variants:
-        row = {"variant": variant, **score(variant, source, cfg, inputs, calibration)}
+        row = {"variant": variant, **score(variant, source, cfg, inputs, calibration, sq_alpha=args.sq_alpha)}
         rows.append(row)
         logger.info(
             "%s: %.1f windows/s, EM %.2f, F1 %.2f", variant, row["windows_s"], row["exact"], row["f1"]

@@ -2,9 +2,10 @@
 instead of models and gangs (``build_app(settings, core=link)``; ``serving/frontend/api_workers.py``
 starts the processes, each on its own ``SO_REUSEPORT`` socket of the server's port).
 
-``api_lifespan`` replaces the core's lifespan: no models, no gangs, a link to the core. The app's repository is
-a ``RemoteRepository`` and its metrics a ``MetricsRelay`` (``serving/engine/remote_engine.py``,
-``serving/engine/core_client.py``), so every QA route of every protocol runs unchanged.
+``api_lifespan`` replaces the core's lifespan: no models, no gangs, a link to the core. The app's
+repository is a ``RemoteRepository`` and its metrics a ``MetricsRelay``
+(``serving/engine/remote_engine.py``, ``serving/engine/core_client.py``), so every QA route of every
+protocol runs unchanged (gRPC too: ``serving/frontend/grpc_forward.py``).
 ``ForwardToCore`` sends the routes off the hot path (admin, /metrics, the status JSON, /v1/models,
 Triton's statistics, config and repository) whole to the core, which answers them in its app: auth,
 counts and the status have one home. The core's ``State`` says when the server stops (readiness 503,

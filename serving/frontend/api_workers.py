@@ -15,6 +15,7 @@ in a row before it connects is not restarted again; when none is left, ``fatal_e
 server. ``stop`` sends SIGTERM (uvicorn's graceful stop: answers in flight go out) and kills what is
 left after ``timeout_s``.
 
+    held = hold_ports(app, config)      # the CLI, before uvicorn runs the core without a socket
     pool = ApiWorkerPool(count=4, settings=settings, core=core, host="0.0.0.0", port=8000, metrics=metrics)
     await pool.start(); pool.connected(); pool.describe(); await pool.stop(timeout_s=5)
 
@@ -28,6 +29,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,3 +249,25 @@ class ApiWorkerPool:
         )
         slot.restart_at = now + slot.backoff_s
         slot.backoff_s = min(RESTART_MAX_S, 2 * slot.backoff_s)
+
+
+def hold_ports(app: Any, config: uvicorn.Config) -> list[socket.socket]:
+    """The core's side of ``--api-workers`` before uvicorn runs: hold the HTTP (and gRPC) port with
+    bound, non-listening ``SO_REUSEPORT`` sockets (``--port 0``: the port is chosen here; no other
+    server can take it; the API processes join it) and give the app the pool to start. The caller
+    runs uvicorn with no socket of its own and closes these after."""
+    settings = app.state.settings
+    held = [reuseport_socket(settings.host, settings.port, listen=False)]
+    config.port = port = held[0].getsockname()[1]
+    if settings.grpc_port is not None:  # the API processes serve it too (grpc_forward.py)
+        held.append(reuseport_socket(settings.host, settings.grpc_port, listen=False))
+        app.state.settings = settings.model_copy(update={"grpc_port": held[-1].getsockname()[1]})
+    app.state.api_pool_factory = lambda core: ApiWorkerPool(
+        count=settings.api_worker_count,
+        settings=app.state.settings,
+        core=core,
+        host=settings.host,
+        port=port,
+        metrics=app.state.metrics,
+    )
+    return held

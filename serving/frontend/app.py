@@ -358,14 +358,7 @@ def build_app(
     if settings.auto_layout:  # pp/tp auto: the fewest ranks that fit (the CLI chose it already)
         settings, chosen = fit_serve_layout(settings)
         logger.info("%s", chosen)
-    app = FastAPI(
-        title="shardserve",
-        version="0.1.0",
-        description="Model-parallel extractive question answering. Errors are JSON: {error, detail}.",
-        lifespan=lifespan,
-        docs_url=None,  # /docs and /redoc: serving/frontend/pages.py, with local assets (no CDN)
-        redoc_url=None,
-    )
+    app = _fastapi(lifespan)
     app.state.settings = settings
     app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device
     app.state.compile = resolve_compile(settings.compile, device=settings.device, tp=settings.tp)
@@ -383,7 +376,7 @@ def build_app(
 def _api_app(settings: ServeSettings, core: CoreLink) -> FastAPI:
     """The app of one API process (``serving/frontend/api_role.py``): the same routes, its models in
     the core; the routes off the hot path forwarded there."""
-    app = FastAPI(title="shardserve", version="0.1.0", lifespan=api_lifespan, docs_url=None, redoc_url=None)
+    app = _fastapi(api_lifespan)
     app.state.settings = settings
     app.state.core_link = core
     app.state.metrics = MetricsRelay(None)
@@ -391,6 +384,17 @@ def _api_app(settings: ServeSettings, core: CoreLink) -> FastAPI:
     app.add_middleware(ForwardToCore)
     _install_routes(app, settings)
     return app
+
+
+def _fastapi(lifespan: Any) -> FastAPI:
+    return FastAPI(
+        title="shardserve",
+        version="0.1.0",
+        description="Model-parallel extractive question answering. Errors are JSON: {error, detail}.",
+        lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc: serving/frontend/pages.py, with local assets (no CDN)
+        redoc_url=None,
+    )
 
 
 def _install_routes(app: FastAPI, settings: ServeSettings) -> None:

@@ -159,25 +159,10 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
     app = build_app(settings, models=models)
     config = uvicorn_config(settings, app)
     sockets, reserved = None, []
-    if settings.api_worker_count > 1:  # API processes listen; this process (the core) holds the port
-        from serving.frontend.api_role import reuseport_socket
-        from serving.frontend.api_workers import ApiWorkerPool
+    if settings.api_worker_count > 1:  # API processes listen; this process (the core) holds the ports
+        from serving.frontend.api_workers import hold_ports
 
-        reserved = [reuseport_socket(settings.host, settings.port, listen=False)]
-        config.port = port = reserved[0].getsockname()[1]
-        if settings.grpc_port is not None:  # the API processes serve it too (grpc_forward.py)
-            reserved.append(reuseport_socket(settings.host, settings.grpc_port, listen=False))
-            grpc_port = reserved[-1].getsockname()[1]
-            app.state.settings = app.state.settings.model_copy(update={"grpc_port": grpc_port})
-        app.state.api_pool_factory = lambda core: ApiWorkerPool(
-            count=settings.api_worker_count,
-            settings=app.state.settings,
-            core=core,
-            host=settings.host,
-            port=port,
-            metrics=app.state.metrics,
-        )
-        sockets = []
+        reserved, sockets = hold_ports(app, config), []
     server = DrainingServer(config, app)
     signals.check()
     signals.server = server

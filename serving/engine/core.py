@@ -55,8 +55,8 @@ from serving.config import AutoscalingConfig, FleetConfig
 from serving.engine.batcher import ReplicaView
 from serving.engine.dispatcher import Dispatcher
 from serving.engine.input_processor import AdmissionAsk, InputProcessor
-from serving.engine.output_processor import Job, OutputProcessor
-from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
+from serving.engine.output_processor import Job, OutputProcessor, await_answer
+from serving.engine.qa_types import EngineError, PairResult, QAPair
 from serving.engine.replica_detail import ReplicaDetail
 from serving.engine.scheduler import Scheduler
 from serving.fleet import model_loader
@@ -363,29 +363,18 @@ class Engine:
     ) -> list[PairResult]:
         """The job's answers; EngineError for 503/504; ClientGone when ``disconnected`` fires first.
         Its end is the request's outcome in the metrics (success, or fail however it failed)."""
-        watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         bound = max(0.0, job.deadline - self.clock()) + self.stall_timeout_s + SAFETY_MARGIN_S
         results: list[PairResult] | None = None
         try:
-            waiting = {job.future} if watch is None else {job.future, watch}
-            done, _ = await asyncio.wait(waiting, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
-            if job.future in done:
-                results = job.future.result()
-                return results
-            if watch is not None and watch in done:
-                self.cancel(job.request_id)
-                raise ClientGone(job.request_id)
-            logger.error("request %s not answered %.1f s past its deadline", job.request_id, bound)
-            self.cancel(job.request_id)
-            raise EngineError(504, "deadline_exceeded", f"not answered within {bound:.1f} s")
-        except asyncio.CancelledError:  # the caller went away (a gRPC client cancelled): drop its work
-            self.cancel(job.request_id)
-            raise
+            results = await await_answer(
+                job.future,
+                request_id=job.request_id,
+                bound_s=bound,
+                disconnected=disconnected,
+                cancel=lambda: self.cancel(job.request_id),
+            )
+            return results
         finally:
-            if watch is not None and not watch.done():
-                watch.cancel()
-            if not job.future.done():
-                job.future.cancel()
             self.outputs.observe_end(job, results)
 
     def cancel(self, request_id: str) -> None:

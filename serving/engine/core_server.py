@@ -104,12 +104,8 @@ class CoreServer:
         ``fail`` in the metrics); other processes' requests are untouched. Returns how many."""
         rids = self._workers.pop(identity.encode(), set())
         for rid in rids:
-            if (reserved := self._reserved.pop(rid, None)) is not None:
-                reserved[0].unreserve(reserved[1])
-            elif (job_of := self._jobs.pop(rid, None)) is not None:
-                engine, job = job_of
-                engine.cancel(rid)
-                job.future.cancel()
+            if (dropped := self._drop(rid)) is not None:  # admitted: it ends failed
+                engine, job = dropped
                 record_end(
                     engine.metrics, answered=None, seconds=time.perf_counter() - job.started, phases={}
                 )
@@ -207,11 +203,18 @@ class CoreServer:
 
     def _on_cancel(self, identity: bytes, rid: str) -> None:
         self._workers.get(identity, set()).discard(rid)
+        self._drop(rid)
+
+    def _drop(self, rid: str) -> tuple[Engine, Any] | None:
+        """Give ``rid``'s reserved place back, or drop its queued work (its answer never sent); the
+        (engine, job) of an admitted request, else None."""
         if (reserved := self._reserved.pop(rid, None)) is not None:
             reserved[0].unreserve(reserved[1])
-        elif (job_of := self._jobs.pop(rid, None)) is not None:
+            return None
+        if (job_of := self._jobs.pop(rid, None)) is not None:
             job_of[0].cancel(rid)
             job_of[1].future.cancel()
+        return job_of
 
     def _on_observed(self, events: list[list[Any]]) -> None:
         served = self.models.entries

@@ -16,7 +16,8 @@ API process decodes it (``decode_pairs``) and reports its end (``record_end``).
 
 Times three phases of a request in ``Job.phases`` (``queue``: until its last window is dispatched;
 ``compute_infer``: that dispatch until all its logits are back; ``compute_output``: its span decoding;
-the engine adds ``compute_input``), and ``observe_end`` (``record_end``) writes a request's outcome and
+the engine adds ``compute_input``), ``await_answer`` waits for a request's answer (or its client's
+departure, or its bound), and ``observe_end`` (``record_end``) writes a request's outcome and
 phases to the metrics when the engine is done with it (``serving/metrics.py``; Triton's statistics read them).
 
     outputs = OutputProcessor(metrics=metrics, null_threshold=None)
@@ -32,15 +33,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from models.qa_decoding import decode_spans
 from models.qa_windows import EncodedBatch, QAWindow
-from serving.engine.qa_types import EngineError, PairResult, QAPair
+from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
 from serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
@@ -213,3 +215,36 @@ def record_end(
         for phase, s in phases.items():
             metrics.request_phase.labels(phase=phase).observe(s)
     metrics.last_inference.set_to_current_time()
+
+
+async def await_answer(
+    future: asyncio.Future,
+    *,
+    request_id: str,
+    bound_s: float,
+    disconnected: Callable[[], Awaitable[Any]] | None,
+    cancel: Callable[[], None],
+) -> Any:
+    """``future``'s result (its exception raised), else ``cancel()`` the request's work and raise:
+    ClientGone when ``disconnected`` fires first, EngineError 504 after ``bound_s``, the caller's own
+    cancellation (a gRPC client that went away). ``Engine.wait`` and an API process's
+    ``RemoteEngine.wait`` (``serving/engine/remote_engine.py``) both wait this way."""
+    watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+    try:
+        waiting = {future} if watch is None else {future, watch}
+        done, _ = await asyncio.wait(waiting, timeout=bound_s, return_when=asyncio.FIRST_COMPLETED)
+        if future in done:
+            return future.result()
+        cancel()
+        if watch is not None and watch in done:
+            raise ClientGone(request_id)
+        logger.error("request %s not answered %.1f s past its deadline", request_id, bound_s)
+        raise EngineError(504, "deadline_exceeded", f"not answered within {bound_s:.1f} s")
+    except asyncio.CancelledError:
+        cancel()
+        raise
+    finally:
+        if watch is not None and not watch.done():
+            watch.cancel()
+        if not future.done():
+            future.cancel()

@@ -35,8 +35,8 @@ from serving.engine import core_wire as cw
 from serving.engine.core import SAFETY_MARGIN_S
 from serving.engine.core_client import CoreClient, MetricsRelay
 from serving.engine.input_processor import InputProcessor
-from serving.engine.output_processor import DECODE_INLINE_MAX_WINDOWS, decode_pairs
-from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
+from serving.engine.output_processor import DECODE_INLINE_MAX_WINDOWS, await_answer, decode_pairs
+from serving.engine.qa_types import EngineError, PairResult, QAPair
 from serving.engine.repository import model_not_found
 
 logger = logging.getLogger(__name__)
@@ -105,31 +105,20 @@ class RemoteEngine:
     async def wait(
         self, job: RemoteJob, *, disconnected: Callable[[], Awaitable[Any]] | None = None
     ) -> list[PairResult]:
-        """The job's answers (``Engine.wait``'s contract)."""
-        watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-        bound = max(0.0, job.give_up_at - time.monotonic())
+        """The job's answers (``Engine.wait``'s contract, ``await_answer``); decoded here."""
         results: list[PairResult] | None = None
         try:
-            waiting = {job.future} if watch is None else {job.future, watch}
-            done, _ = await asyncio.wait(waiting, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
-            if job.future in done:
-                answer: cw.Answer = job.future.result()  # raises the core's EngineError
-                job.phases.update(queue=answer.queue_s, compute_infer=answer.infer_s)
-                results = await self._decode(job, answer)
-                return results
-            self.client.cancel(job.request_id)
-            if watch is not None and watch in done:
-                raise ClientGone(job.request_id)
-            logger.error("request %s not answered %.1f s past its deadline", job.request_id, bound)
-            raise EngineError(504, "deadline_exceeded", f"not answered within {bound:.1f} s")
-        except asyncio.CancelledError:
-            self.client.cancel(job.request_id)
-            raise
+            answer: cw.Answer = await await_answer(  # raises the core's EngineError
+                job.future,
+                request_id=job.request_id,
+                bound_s=max(0.0, job.give_up_at - time.monotonic()),
+                disconnected=disconnected,
+                cancel=lambda: self.client.cancel(job.request_id),
+            )
+            job.phases.update(queue=answer.queue_s, compute_infer=answer.infer_s)
+            results = await self._decode(job, answer)
+            return results
         finally:
-            if watch is not None and not watch.done():
-                watch.cancel()
-            if not job.future.done():
-                job.future.cancel()
             answered = None if results is None else len(job.pairs)
             seconds = time.perf_counter() - job.started
             self.metrics.record_end(self.name, answered=answered, seconds=seconds, phases=job.phases)

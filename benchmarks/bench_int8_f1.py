@@ -7,8 +7,13 @@ v1.1. This scores the unpartitioned model over the development pool (``../shared
 
   fp32       the reference
   bf16       what ``--dtype auto`` picks on a CPU with bf16 units (skipped without them)
-  int8       torch.ao dynamic quantization of the encoder's Linear layers, per-tensor weights
-  int8-pc    the same with per-channel weights (``per_channel_dynamic_qconfig``)
+  int8       what ``--dtype int8`` serves (``partitioner/int8.py``): static int8 attention and FFN-up
+             projections with SmoothQuant, calibrated as ``shardserve quantize`` does on
+             ``--calibration`` training questions; FFN-down projections and the rest in bf16 (fp32
+             on a CPU without bf16 units)
+  int8-fp32  the same with the rest in fp32 whatever the CPU (what a CPU without bf16 units serves)
+  int8-dyn   torch.ao dynamic quantization of the encoder's Linear layers, per-tensor weights
+  int8-dyn-pc  the same with per-channel weights (``per_channel_dynamic_qconfig``)
   int8-static  static (calibrated) int8 of weights AND activations: each encoder Linear wrapped in
              quantize -> quantized linear (oneDNN: VNNI / AMX-INT8) -> dequantize, per-channel
              weights, activation ranges from a histogram over ``--calibration`` questions of the
@@ -21,7 +26,7 @@ v1.1. This scores the unpartitioned model over the development pool (``../shared
   int8-sq-ffnbf16  int8-sq with the FFN's output projections in bf16 instead (fast and accurate)
 
     python benchmarks/bench_int8_f1.py                                   # the whole pool, ~20 min on 2 cores
-    python benchmarks/bench_int8_f1.py --max-examples 500 --variants fp32,int8-pc --json int8.json
+    python benchmarks/bench_int8_f1.py --variants fp32,bf16,int8 --json int8.json    # the shipped path
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ VARIANTS = (
     "fp32",
     "bf16",
     "int8",
-    "int8-pc",
+    "int8-fp32",
+    "int8-dyn",
+    "int8-dyn-pc",
     "int8-static",
     "int8-static-ffn",
     "int8-sq",
@@ -68,15 +75,27 @@ def model_of(
     variant: str, source: object, calibration: EvalInputs | None = None, *, sq_alpha: float = 0.5
 ) -> nn.Module:
     """The unpartitioned model in ``variant`` (the QA head stays fp32 in every one)."""
+    if variant in ("int8", "int8-fp32"):
+        from partitioner.int8 import calibrate, quantize_linears
+        from partitioner.precision import compute_dtype
+
+        assert calibration is not None
+        stats = calibrate(
+            build_model(source, dtype=torch.float32).eval(), calibration.batches, alpha=sq_alpha
+        )
+        rest = torch.float32 if variant == "int8-fp32" else compute_dtype("int8")
+        model = build_model(source, dtype=rest).eval()
+        quantize_linears(model, stats)
+        return model
     model = build_model(source, dtype=torch.bfloat16 if variant == "bf16" else torch.float32).eval()
-    if variant in ("int8", "int8-pc"):
+    if variant in ("int8-dyn", "int8-dyn-pc"):
         from torch.ao.quantization import (
             default_dynamic_qconfig,
             per_channel_dynamic_qconfig,
             quantize_dynamic,
         )
 
-        qconfig = per_channel_dynamic_qconfig if variant == "int8-pc" else default_dynamic_qconfig
+        qconfig = per_channel_dynamic_qconfig if variant == "int8-dyn-pc" else default_dynamic_qconfig
         with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated in torch 2.13
             warnings.simplefilter("ignore", UserWarning)
             model.layers = quantize_dynamic(model.layers, {nn.Linear: qconfig}, dtype=torch.qint8)
@@ -205,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "--calibration",
         type=int,
         default=512,
-        help="int8-static: questions of the training set (--calibration-data) calibrated on (default: %(default)s)",
+        help="int8 and the static variants: questions of the training set (--calibration-data) calibrated "
+        "on (default: %(default)s)",
     )
     p.add_argument("--calibration-data", type=Path, default=TRAIN, help="SQuAD file calibrated on")
     p.add_argument("--sq-alpha", type=float, default=0.5, help="SmoothQuant's alpha (default: %(default)s)")
@@ -225,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EvalConfig(model=args.model, data=str(args.data), max_examples=args.max_examples)
     inputs = eval_inputs(cfg, source)
     calibration = None
-    if any(v.startswith(("int8-static", "int8-sq")) for v in variants):
+    if any(v in ("int8", "int8-fp32") or v.startswith(("int8-static", "int8-sq")) for v in variants):
         calib_cfg = EvalConfig(
             model=args.model, data=str(args.calibration_data), max_examples=args.calibration
         )

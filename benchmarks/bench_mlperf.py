@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     examples = load_examples(args.squad, args.samples)
     bodies = [json.dumps({"question": e.question, "context": e.context}).encode() for e in examples]
-    info = machine_info("auto")
+    info = machine_info("auto", model=args.model)
     servers: dict[str, list[str]] = {}
     if "shardserve" not in args.skip:
         servers["shardserve"] = [sys.executable, "-m", "shardserve.cli", "--log-level", "WARNING", "serve",

@@ -171,9 +171,12 @@ def bench_raw(
         tt = b.token_type_ids.to(device) if types else None
         batches.append((b.input_ids.to(device), b.attention_mask.to(device), tt))
     if engine == "torch":
-        from partitioner.precision import DTYPES
+        from partitioner.int8 import calibration_path, load_calibration, quantize_linears
+        from partitioner.precision import compute_dtype
 
-        net = build_model(source, dtype=DTYPES[dtype], device=device)
+        net = build_model(source, dtype=compute_dtype(dtype), device=device).eval()
+        if dtype == "int8":  # the served int8 path, from the model's calibration (`shardserve quantize`)
+            quantize_linears(net, load_calibration(calibration_path(source), model=source.name))
         label = f"{dtype} on {device}"
 
         def model(ids, mask, tt):
@@ -457,9 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
         help="precision of (a) and of shardserve's explicit-flag rows; auto resolves as `shardserve serve` "
-        "does (bf16 on CPUs with AMX / AVX512-BF16, else fp32) (default: %(default)s)",
+        "does (int8 for a model calibrated with `shardserve quantize` on CPUs with VNNI / AMX, else bf16 on "
+        "CPUs with AMX / AVX512-BF16, else fp32); int8 needs that calibration (default: %(default)s)",
     )
     p.add_argument(
         "--device",
@@ -554,15 +558,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def machine_info(dtype: str, device: str = "cpu") -> dict[str, Any]:
+def machine_info(dtype: str, device: str = "cpu", *, model: str | None = None) -> dict[str, Any]:
     """CPU, its reduced-precision units, the GPU on cuda, and the dtype ``dtype`` resolves to on ``device``
-    (printed with the table)."""
+    (for ``model``: auto picks int8 where it is calibrated, as the server does; printed with the table)."""
     import torch
 
     from partitioner.precision import cpu_capabilities, resolve_dtype
 
     caps = cpu_capabilities()
-    choice = resolve_dtype(dtype, device)
+    calibrated = False
+    if model is not None:
+        from models.registry import resolve_model
+        from partitioner.int8 import calibration_path
+
+        calibrated = calibration_path(resolve_model(model)).is_file()
+    choice = resolve_dtype(dtype, device, int8_calibrated=calibrated)
     try:
         import onnxruntime
 
@@ -663,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.raw_run)
         print(json.dumps(asdict(bench_raw(args, pairs, **spec))))
         return 0
-    info = machine_info(args.dtype, args.device)
+    info = machine_info(args.dtype, args.device, model=args.model)
     dtype = info["dtype"]
     logger.info("cpu %s; --dtype %s -> %s (%s)", info["cpu"], args.dtype, dtype, info["dtype_reason"])
     skip = set(args.skip)
@@ -756,8 +766,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--length-buckets", args.length_buckets, "--dtype", args.dtype]  # fmt: skip
         for i, flags in enumerate(explicit_configs(args), start=1):
             port = free_port()
-            cmd = [*base, "--port", str(port), *flags, *batching, *args.serve_arg]
-            note = " ".join(flags + batching[:4]) + f" --dtype {args.dtype}"
+            cmd = [*base, "--port", str(port), *batching, *flags, *args.serve_arg]  # a config's --dtype wins
+            note = " ".join(flags + batching[:4]) + ("" if "--dtype" in flags else f" --dtype {args.dtype}")
             logger.info("(c) shardserve flags #%d: %s", i, note)
             results.append(bench_server(cmd, port, pairs, args, f"(c) shardserve flags #{i}", note))
     print_table(results, args, info)
@@ -771,12 +781,12 @@ def main(argv: list[str] | None = None) -> int:
 def _default_placement(device: str) -> str:
     """What `shardserve serve --device DEVICE` with no other flags picks on this machine (its own settings)."""
     try:
-        from partitioner.precision import resolve_dtype
+        from serving.frontend.layout import serve_precision
         from serving.frontend.settings import ServeSettings
 
         s = ServeSettings(device=device)
         lo, _ = s.replica_bounds
-        dtype = resolve_dtype(s.dtype, s.device).name
+        dtype = serve_precision(s).name  # int8 where the model is calibrated and the CPU has int8 units
         return f"{lo} replica(s) x pp={s.pp} tp={s.tp} x {s.rank_threads} thread(s)/rank, {dtype}"
     except Exception as err:  # the settings API moved: the row is still measured
         return f"(placement unknown: {err})"

@@ -1,16 +1,19 @@
 """Numeric precision: which dtype a gang computes in, picked per device, and why.
 
 One home for the product's precision setting. Serving, ``verify``, ``eval``, ``plan`` and the
-benchmarks take ``--dtype {auto,float32,bfloat16,float16}`` (weights and activations in that dtype,
-span logits in fp32); ``train`` takes ``--precision {fp32,bf16,fp16}`` (autocast over fp32 master
-weights and fp32 optimizer state). ``auto`` asks torch what the device can do:
+benchmarks take ``--dtype {auto,float32,bfloat16,float16,int8}`` (weights and activations in that
+dtype, span logits in fp32; ``int8``: calibrated static int8 Linear layers, ``partitioner/int8.py``);
+``train`` takes ``--precision {fp32,bf16,fp16}`` (autocast over fp32 master weights and fp32
+optimizer state). ``auto`` asks torch what the device can do:
 
 - CUDA: bf16 when ``torch.cuda.is_bf16_supported()`` (Ampere and newer), else fp32 (fp16 has too
   little range to be a safe default); ``float16`` stays available explicitly.
 - CPU: bf16 when the CPU has bf16 units (Intel AMX or AVX512-BF16, as torch and oneDNN report
   them), else fp32. A CPU without them still *runs* bf16 (emulated, several times slower than fp32), so an
   explicit ``bfloat16`` is allowed with a warning; ``float16`` on a CPU without native fp16 units
-  (AMX-FP16 / oneDNN fp16) is refused with an error naming the CPU.
+  (AMX-FP16 / oneDNN fp16) is refused with an error naming the CPU. For a model calibrated with
+  ``shardserve quantize``, on a CPU with int8 units (VNNI / AMX), ``auto`` is int8
+  (``int8_calibrated``); int8 is refused on GPUs.
 
     python -m partitioner.precision            # what this machine would pick, and why
 """
@@ -29,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+DTYPE_CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "int8")
 PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -115,7 +118,12 @@ class DtypeChoice:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.name]
+        """The float dtype of the tensors (int8: of all but the quantized Linear layers)."""
+        return compute_dtype(self.name)
+
+    @property
+    def int8(self) -> bool:
+        return self.name == "int8"
 
     @property
     def itemsize(self) -> int:
@@ -126,12 +134,26 @@ class DtypeChoice:
         return self.name != "float32"
 
 
-def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeChoice:
+def compute_dtype(name: str) -> torch.dtype:
+    """The float dtype tensors are in under ``--dtype name``; ``int8`` (CPU only) keeps everything
+    but its quantized Linear layers (``partitioner/int8.py``) in bf16 where the CPU has bf16 units,
+    else in fp32."""
+    if name == "int8":
+        return torch.bfloat16 if cpu_capabilities().bf16 else torch.float32
+    return DTYPES[name]
+
+
+def resolve_dtype(
+    requested: str, device: str | torch.device = "cpu", *, int8_calibrated: bool = False
+) -> DtypeChoice:
     """``--dtype`` (or a ``--precision`` alias) on ``device`` -> the dtype to run, with the reason.
 
     Raises ``PrecisionError`` for a dtype the device cannot run (fp16 on a CPU without fp16 units,
-    bf16 on a GPU without bf16 support), naming the device and the alternatives in the words of the
-    request (``--precision bf16 or fp32`` for a ``--precision`` name, else ``bfloat16 or float32``).
+    bf16 on a GPU without bf16 support, int8 off the CPU), naming the device and the alternatives in
+    the words of the request (``--precision bf16 or fp32`` for a ``--precision`` name, else
+    ``bfloat16 or float32``). ``int8_calibrated``: every model to run has an int8 calibration, so
+    ``auto`` picks int8 on a CPU with int8 units (VNNI / AMX), where it measured faster than bf16
+    within MLPerf's accuracy bound (docs/benchmarks.md).
     """
     as_precision = requested in _PRECISION_TO_DTYPE and requested != "auto"
     requested = _PRECISION_TO_DTYPE.get(requested, requested)
@@ -144,6 +166,10 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeCh
     if requested not in DTYPE_CHOICES:
         raise PrecisionError(f"dtype {requested!r} unknown; choose from {', '.join(DTYPE_CHOICES)}")
     dev = torch.device(device)
+    if requested == "int8" and dev.type != "cpu":
+        raise PrecisionError(
+            f"int8 runs on CPUs (oneDNN's int8 kernels), not on {dev}; {use('bfloat16', 'float32')}"
+        )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise PrecisionError(f"device {dev} requested but CUDA is not available")
@@ -161,6 +187,13 @@ def resolve_dtype(requested: str, device: str | torch.device = "cpu") -> DtypeCh
     if dev.type != "cpu":
         raise PrecisionError(f"device {dev} unsupported (cpu or cuda)")
     caps = cpu_capabilities()
+    if requested == "auto" and int8_calibrated and caps.int8:
+        unit = "AMX" if caps.amx else "VNNI"
+        return DtypeChoice("int8", f"auto: the models are int8-calibrated and CPU {caps.model} has {unit}")
+    if requested == "int8":
+        rest = "bf16" if caps.bf16 else "fp32"
+        units = "" if caps.int8 else "; no VNNI/AMX: oneDNN's AVX2 int8 path, not measured here"
+        return DtypeChoice("int8", f"requested: static int8 Linear layers, the rest in {rest}{units}")
     if requested == "auto":
         if caps.bf16:
             unit = "AMX" if caps.amx else "AVX512-BF16"

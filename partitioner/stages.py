@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from models.build import QAModel, new_model
 from models.registry import ModelSource
+from partitioner.int8 import calibration_path, load_calibration, quantize_linears
 from partitioner.plan import PartitionPlan
 from partitioner.shard_loading import load_shard
 from partitioner.tensor_parallel import apply_tensor_parallel
@@ -48,8 +49,10 @@ def build_stage(
     tp_group: dist.ProcessGroup | None,
     dtype: torch.dtype = torch.float32,
     head_seed: int = 0,
+    int8: bool = False,
 ) -> QAModel:
-    """The stage module of global ``rank``, with its shard of the weights loaded."""
+    """The stage module of global ``rank``, with its shard of the weights loaded; ``int8``: its
+    Linear layers quantized with the model's calibration (``partitioner/int8.py``)."""
     stage_index, tp_rank = plan.dims.coords(rank)
     with torch.device("meta"):
         model = new_model(source.config)
@@ -59,4 +62,7 @@ def build_stage(
     report = load_shard(model, source.weights(), source.config, head_seed=head_seed)
     logger.debug("rank %d loaded %.1f MB of weights", rank, report.bytes_read / 1e6)
     model.load_report = report  # what was read from disk / initialised, for the gang's ready info
-    return model.eval()
+    model.eval()
+    if int8:
+        quantize_linears(model, load_calibration(calibration_path(source), model=source.name))
+    return model

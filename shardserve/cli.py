@@ -28,13 +28,16 @@ from serving.frontend.cli import SERVE
 from shardserve.errors import main_guard, print_error
 from shardserve.flags import InvalidSettings, add_command, add_settings_arguments, build_settings
 from training.cli import EVAL, EXPORT_OVERLAY, TRAIN
+from training.quantize import QUANTIZE
 from training.rank import TRAIN_PROGRAM
 
 logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WORKER = worker_command((STREAM_PROGRAM, TRAIN_PROGRAM))  # what `shardserve worker` may run
-COMMANDS: tuple[Command, ...] = (SERVE, PLAN, VERIFY, WORKER, TRAIN, EVAL, EXPORT_OVERLAY, LOADTEST)
+COMMANDS: tuple[Command, ...] = (
+    SERVE, PLAN, VERIFY, WORKER, TRAIN, EVAL, QUANTIZE, EXPORT_OVERLAY, LOADTEST,
+)  # fmt: skip
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

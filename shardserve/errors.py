@@ -18,6 +18,7 @@ from typing import Any
 from models.config import ModelConfigError
 from models.hf_weights import CheckpointError
 from partitioner.cost import InfeasiblePlanError
+from partitioner.int8 import CalibrationMissing
 from partitioner.placement.latency import PlacementError
 from partitioner.placement.workload import WorkloadError
 from partitioner.precision import PrecisionError
@@ -33,6 +34,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     WorkloadError,
     PrecisionError,
     JoinError,
+    CalibrationMissing,
 )
 
 

@@ -54,7 +54,8 @@ class EvalSettings(WindowSettings):
     batch_size: int = Field(32, description="windows per forward micro-batch")
     dtype: Literal[DTYPE_CHOICES] = Field(  # type: ignore[valid-type]
         "auto",
-        description="compute dtype: auto picks bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
+        description="compute dtype: auto picks int8 for a model calibrated with `shardserve quantize` on CPUs "
+        "with VNNI / AMX, else bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
         "float32; logits and span decoding stay float32",
     )
     max_answer_length: int = Field(30, description="longest answer span in tokens (1..512)")
@@ -278,6 +279,7 @@ def cmd_eval(args: EvalSettings) -> int:
 
 
 def _eval(args: EvalSettings) -> int:
+    from partitioner.int8 import CalibrationMissing
     from partitioner.runtime.gang import GangError
     from training.evaluate import EvalConfig, EvalConfigError, evaluate_model
     from training.squad_data import SquadFormatError
@@ -294,7 +296,7 @@ def _eval(args: EvalSettings) -> int:
     try:
         cfg = EvalConfig(**dataclass_values(args, EvalConfig), window=window)
         metrics = evaluate_model(cfg)
-    except (EvalConfigError, SquadFormatError, PrecisionError) as exc:
+    except (EvalConfigError, SquadFormatError, PrecisionError, CalibrationMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except GangError as exc:  # a rank failed or was lost (--pp / --tp): one line; the whole story at INFO

@@ -181,6 +181,7 @@ def predict_answers(
 
     from models.build import build_model
     from models.registry import resolve_model
+    from partitioner.int8 import calibration_path, load_calibration, quantize_linears
     from partitioner.plan import ParallelDims, make_plan
     from partitioner.precision import resolve_dtype
     from partitioner.stream.gang import StreamGang
@@ -188,9 +189,11 @@ def predict_answers(
 
     # Everything that can be refused is checked before any slow work and before the progress bar,
     # so an error is one line of its own: dtype, model, partition, window length, data, tokenizer.
-    choice = resolve_dtype(cfg.dtype, "cpu")
-    logger.info("eval in %s (%s)", choice.name, choice.reason)
     source = resolve_model(cfg.model)
+    calibration = calibration_path(source)
+    choice = resolve_dtype(cfg.dtype, "cpu", int8_calibrated=calibration.is_file())
+    logger.info("eval in %s (%s)", choice.name, choice.reason)
+    int8 = load_calibration(calibration, model=source.name) if choice.int8 else None
     dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
     plan = make_plan(source.config, dims, seq_len=cfg.window.max_seq_len) if dims.world_size > 1 else None
     inputs = eval_inputs(cfg, source)
@@ -201,7 +204,9 @@ def predict_answers(
 
     row = 0
     if plan is None:
-        model = build_model(source, dtype=choice.dtype)
+        model = build_model(source, dtype=choice.dtype).eval()
+        if int8 is not None:
+            quantize_linears(model, int8)
         with torch.inference_mode(), progress() as bar:
             for ids, mask, types in inputs.batches:
                 logits = model(ids, mask, types)  # (b, s, 2)

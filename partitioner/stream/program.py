@@ -35,7 +35,7 @@ from partitioner.compiled import compile_stage, warm_up
 from partitioner.host_copy import to_host
 from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
-from partitioner.precision import DTYPES
+from partitioner.precision import compute_dtype
 from partitioner.runtime.rank import GangSpec, RankContext
 from partitioner.runtime.remote import RemoteProgram
 from partitioner.runtime.wire import register_messages
@@ -87,12 +87,18 @@ def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) ->
     """Build this rank's stage of every model of the gang (each compiled and warmed up when
     ``extra["compile"]``), then stream."""
     t0 = time.perf_counter()
-    dtype = DTYPES[ctx.spec.dtype]
+    dtype = compute_dtype(ctx.spec.dtype)
     table = gang_models(ctx.spec)
     index_of = {m.name: i for i, m in enumerate(table)}
     stages = [
         build_stage(
-            m.source, m.plan, rank=ctx.rank, tp_group=ctx.tp_group, dtype=dtype, head_seed=ctx.spec.head_seed
+            m.source,
+            m.plan,
+            rank=ctx.rank,
+            tp_group=ctx.tp_group,
+            dtype=dtype,
+            head_seed=ctx.spec.head_seed,
+            int8=ctx.spec.dtype == "int8",
         )
         for m in table
     ]
@@ -141,10 +147,15 @@ def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) ->
 
 
 def _holding(stage: QAModel) -> dict[str, Any]:
-    """What a rank's stage of one model holds, for its ready info."""
+    """What a rank's stage of one model holds, for its ready info (int8 layers: their packed weights)."""
+
+    def held(module: torch.nn.Module) -> int:
+        packed = sum(getattr(m, "weight_bytes", 0) for m in module.modules())
+        return packed + sum(p.numel() * p.element_size() for p in module.parameters())
+
     return {
-        "param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters()),
-        "layer_param_bytes": sum(p.numel() * p.element_size() for p in stage.layers.parameters()),
+        "param_bytes": held(stage),
+        "layer_param_bytes": held(stage.layers),
         "checkpoint_bytes_read": stage.load_report.bytes_read,
         "layers": [int(k) for k in stage.layers],
     }

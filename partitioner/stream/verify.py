@@ -65,7 +65,10 @@ SAMPLES: list[tuple[str, str]] = [
 # keeps ~8 (bf16) / ~11 (fp16) mantissa bits: measured on the default model (pp, tp in (1,1), (2,1),
 # (1,2)), bf16 logits (magnitudes up to ~10) move by at most 0.165 and on tiny-bert by 0.022
 # (tests/partitioner/test_precision.py); fp16 keeps 3 more bits.
-TOLERANCES: dict[str, float] = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}
+# int8 (calibrated static int8 Linear layers, partitioner/int8.py) is judged by F1 (eval: >= 99 % of
+# fp32's, MLPerf's bound); its logit bound only catches a broken path: on the default model's 676
+# calibration windows int8 logits moved by at most 1.86.
+TOLERANCES: dict[str, float] = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05, "int8": 2.5}
 MAX_ANSWER_TOKENS = 30
 SAMPLE_SEQ_LEN = 256  # the longest sample window (tokens); the largest batch is all of SAMPLES
 

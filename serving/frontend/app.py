@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Mount
 
 from partitioner.compiled import resolve_compile
-from partitioner.precision import DtypeChoice, resolve_dtype
+from partitioner.precision import DtypeChoice
 from serving.engine.builder import (
     BackendFactory,
     ModelGeneration,
@@ -68,7 +68,7 @@ from serving.engine.repository import ModelRepository
 from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
 from serving.frontend.access import AccessMiddleware, include_protected
 from serving.frontend.api_role import CoreLink, ForwardToCore, api_lifespan
-from serving.frontend.layout import fit_serve_layout
+from serving.frontend.layout import fit_serve_layout, serve_precision
 from serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from serving.frontend.pages import install_pages
 from serving.frontend.routes import admin_router, api_router, health_router
@@ -360,7 +360,7 @@ def build_app(
         logger.info("%s", chosen)
     app = _fastapi(lifespan)
     app.state.settings = settings
-    app.state.precision = resolve_dtype(settings.dtype, settings.device)  # PrecisionError names the device
+    app.state.precision = serve_precision(settings)  # PrecisionError names the device
     app.state.compile = resolve_compile(settings.compile, device=settings.device, tp=settings.tp)
     app.state.metrics = ServingMetrics()
     app.state.status = StatusBoard(app.state.metrics)  # registry history for GET /ui/status

@@ -10,10 +10,35 @@ before it loads the models; ``build_app`` calls it for settings that still say `
 
 from __future__ import annotations
 
-from models.registry import resolve_model
+from models.registry import ModelSource, resolve_model
 from partitioner.fit import fit_layout, memory_budget
-from partitioner.precision import resolve_dtype
+from partitioner.int8 import calibration_path, load_calibration
+from partitioner.precision import DtypeChoice, resolve_dtype
 from serving.frontend.settings import ServeSettings
+
+
+def _sources(settings: ServeSettings) -> dict[str, ModelSource]:
+    """The models served at start that resolve (one that does not is left to its loading, which says why)."""
+    sources = {}
+    for name, ref in settings.models():
+        try:
+            sources[name] = resolve_model(ref)
+        except (ValueError, OSError):  # ModelConfigError and the like
+            continue
+    return sources
+
+
+def serve_precision(settings: ServeSettings) -> DtypeChoice:
+    """``--dtype`` resolved for the device and the models served at start: ``auto`` picks int8 where
+    every one of them has an int8 calibration (``shardserve quantize``) and the CPU has int8 units;
+    ``int8`` for a model without one is ``CalibrationMissing`` naming the command (one line)."""
+    sources = _sources(settings)
+    calibrated = bool(sources) and all(calibration_path(s).is_file() for s in sources.values())
+    choice = resolve_dtype(settings.dtype, settings.device, int8_calibrated=calibrated)
+    if choice.int8:
+        for source in sources.values():
+            load_calibration(calibration_path(source), model=source.name)  # readable, this format
+    return choice
 
 
 def fit_serve_layout(settings: ServeSettings) -> tuple[ServeSettings, str | None]:
@@ -27,12 +52,7 @@ def fit_serve_layout(settings: ServeSettings) -> tuple[ServeSettings, str | None
     Also returns the line saying which layout ``auto`` chose and why (None: the layout was given)."""
     if settings.placement is not None:
         return settings, None
-    configs = {}
-    for name, ref in settings.models():
-        try:
-            configs[name] = resolve_model(ref).config
-        except (ValueError, OSError):  # ModelConfigError and the like: the loading says it in one line
-            continue
+    configs = {name: source.config for name, source in _sources(settings).items()}
     if not configs:  # nothing to fit: a fixed layout for the loading to fail with its own message
         pp, tp = (1 if d == "auto" else int(d) for d in (settings.pp, settings.tp))
         return (settings.with_layout(pp, tp) if settings.auto_layout else settings), None
@@ -41,7 +61,7 @@ def fit_serve_layout(settings: ServeSettings) -> tuple[ServeSettings, str | None
         device=settings.device,
         batch_size=max(1, min(settings.max_batch_size, settings.max_batch_tokens // settings.max_seq_len)),
         seq_len=settings.max_seq_len,
-        dtype=resolve_dtype(settings.dtype, settings.device),
+        dtype=serve_precision(settings),
         share=settings.ranks_per_gpu if settings.device == "cuda" else 1,
     )
     choice = fit_layout(

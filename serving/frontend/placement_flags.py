@@ -19,7 +19,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from partitioner.placement.latency import MeasuredLatency, PlacementError
-from partitioner.precision import DTYPES
+from partitioner.precision import compute_dtype
 from serving.config import PLACEMENT_POLICIES, PlacementConfig
 
 # the flags that apply with placement only
@@ -151,7 +151,7 @@ class PlacementFlags(BaseSettings):
             slo_scale=self.slo_scale,
             single_latency_s=None if single is None else single / 1000.0,
             latency_profile=self.latency_profile,
-            dtype_bytes=DTYPES[dtype].itemsize,
+            dtype_bytes=compute_dtype(dtype).itemsize,
             replan_interval_s=self.replan_interval_s,
             look_back_s=self.replan_look_back_s,
             **where,

@@ -107,6 +107,38 @@ def test_serve_float16_on_a_cpu_without_fp16_units_is_one_line(
     assert err.startswith("error: float16 is not supported on cpu (Test CPU"), err
 
 
+def test_serve_int8_without_a_calibration_is_one_line_naming_the_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from models.registry import resolve_model
+    from serving.frontend import cli as serve_cli
+
+    monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))
+    resolve_model("tiny-bert")  # the preset written into the fresh cache first
+    capsys.readouterr()  # (its progress bar)
+    monkeypatch.setattr(serve_cli.DrainingServer, "run", lambda *a, **k: pytest.fail("the server started"))
+    err = _one_line_error(capsys, ["serve", "--model", "tiny-bert", "--dtype", "int8"], "no int8 calibration")
+    assert "shardserve quantize --model tiny-bert" in err, err
+
+
+def test_auto_serves_int8_only_where_every_model_is_calibrated_and_the_cpu_has_int8_units(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from models.registry import resolve_model
+    from partitioner.int8 import calibration_path, save_calibration
+    from partitioner.precision import cpu_capabilities
+    from serving.frontend.layout import serve_precision
+    from serving.frontend.settings import ServeSettings
+
+    monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))
+    one = ServeSettings(model=["tiny-bert"])
+    two = ServeSettings(model=["a=tiny-bert", "b=tiny-roberta"])
+    assert not serve_precision(one).int8
+    save_calibration({}, calibration_path(resolve_model("tiny-bert")), model="tiny-bert")
+    assert serve_precision(one).int8 == cpu_capabilities().int8
+    assert not serve_precision(two).int8  # tiny-roberta has none: auto keeps the float dtype
+
+
 def test_serve_refuses_a_layout_over_max_memory_per_rank_before_any_weight_loads(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

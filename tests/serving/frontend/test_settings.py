@@ -56,8 +56,9 @@ def test_explicit_flags_win(cores, flags, bounds, threads):
 
 def test_dtype_is_validated_with_the_choices():
     assert ServeSettings().dtype == "auto"
-    with pytest.raises(ValidationError, match="dtype='int8' must be one of auto, float32, bfloat16, float16"):
-        ServeSettings(dtype="int8")
+    assert ServeSettings(dtype="int8").dtype == "int8"
+    with pytest.raises(ValidationError, match="dtype='int4' must be one of auto, float32, bfloat16, float16, int8"):
+        ServeSettings(dtype="int4")
 
 
 def test_compile_is_validated_with_the_choices():

@@ -1,0 +1,248 @@
+"""Static int8 Linear layers, calibrated: ``--dtype int8`` on CPUs (oneDNN's u8 x s8 kernels: VNNI, AMX-INT8).
+
+What ``int8`` means here (measured in docs/benchmarks.md, "int8 judged by F1"):
+
+- every Linear layer of the encoder's layers (attention projections, the FFN's up projection) runs as
+  ``y = dequant(qlinear(quant(x * m), W_q)) + b``: weights int8 per output channel, the input uint8
+  per tensor (zero point 128) from a calibrated range;
+- SmoothQuant (Xiao et al. 2023, alpha 0.5): ``m`` divides each input channel by
+  ``s = max|x|^a / max|w|^(1-a)`` and the weight's columns are multiplied by ``s``, so activation
+  outliers move into the weights; the division is folded into the quantizing multiply (free);
+- the FFN's down projections (their input, the activation's output, has the widest range) stay in
+  the float dtype, as does everything else (embeddings, attention, LayerNorm, the QA head): bf16 where
+  the CPU has bf16 units, else fp32 (``partitioner.precision.resolve_dtype``).
+
+The ranges come from ``calibrate`` over real windows (``shardserve quantize``, training/quantize.py),
+stored as one small safetensors file per model (``calibration_path``): per target layer its
+SmoothQuant factors ``<name>.smooth`` (in_features,) and the smoothed input's largest magnitude
+``<name>.amax`` (a scalar). ``quantize_linears`` swaps the layers of a built model or a pipeline
+stage (names are the model's canonical ones, the same in every stage); tensor-parallel Column/Row
+layers quantize their own shard (a row-parallel shard takes its slice of the factors).
+
+    stats = calibrate(model, batches)                 # model in fp32, batches of (ids, mask, types)
+    save_calibration(stats, calibration_path(source), model=source.name)
+    quantize_linears(stage, load_calibration(calibration_path(source)))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.registry import MODEL_NAMES, ModelSource, cache_dir
+from partitioner.collectives import reduce_from_tp
+from partitioner.shard_loading import ShardSlice
+from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_FILE = "int8_calibration.safetensors"
+FORMAT = "shardserve-int8-smoothquant-v1"
+DEFAULT_ALPHA = 0.5
+ZERO_POINT = 128  # uint8 activations: oneDNN's fast path (signed int8 inputs fell to a kernel 3,000x slower)
+_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+_MLP_NAMES = ("mlp", "feed_forward", "ffn")  # their last Linear (the down projection) stays float
+
+
+class CalibrationMissing(FileNotFoundError):
+    """``--dtype int8`` for a model that was never calibrated; the message says how to calibrate."""
+
+
+def calibration_path(source: ModelSource) -> Path:
+    """Where ``source``'s int8 calibration lives: inside a model folder, or (the registry's models,
+    which live in installed packages) in the shardserve cache."""
+    if source.name in MODEL_NAMES:
+        return cache_dir() / "int8" / f"{source.name}.safetensors"
+    return source.checkpoint / CALIBRATION_FILE
+
+
+def target_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """Canonical name -> Linear layer that int8 quantizes: those under ``model.layers`` but each FFN's
+    last one (its down projection)."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if not name.startswith("layers.") or not isinstance(module, _LINEARS):
+            continue
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        if parent.rsplit(".", 1)[-1] in _MLP_NAMES:
+            linears = [n for n, m in owner.named_children() if isinstance(m, _LINEARS)]
+            if child == linears[-1]:
+                continue
+        out[name] = module
+    return out
+
+
+def _smooth_factors(weight: torch.Tensor, amax_in: torch.Tensor, alpha: float) -> torch.Tensor:
+    # weight: (out, in); amax_in: (in,) -> s: (in,); the input is divided by s, the weight's columns multiplied
+    w_max = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+    return (amax_in.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
+
+
+@torch.inference_mode()
+def calibrate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, ...]],
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """SmoothQuant factors and smoothed input ranges of ``model``'s target Linear layers over
+    ``batches`` (two passes: the per-channel ranges, then the per-tensor range after smoothing);
+    ``on_batch(windows)`` after each forward (a progress bar)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"SmoothQuant alpha must be in [0, 1] (got {alpha:g})")
+    batches = list(batches)
+    targets = target_linears(model)
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no Linear layers under .layers to quantize")
+    channel = {name: torch.zeros(lin.weight.shape[1]) for name, lin in targets.items()}
+    tensor = dict.fromkeys(targets, 0.0)
+    factors: dict[str, torch.Tensor] = {}
+
+    def per_channel(name: str):
+        def hook(_m: nn.Module, args: tuple) -> None:
+            x = args[0].detach().float().abs().flatten(0, -2)  # (tokens, in)
+            channel[name] = torch.maximum(channel[name], x.amax(dim=0))
+
+        return hook
+
+    def per_tensor(name: str):
+        def hook(_m: nn.Module, args: tuple) -> None:
+            tensor[name] = max(tensor[name], float((args[0].detach().float() / factors[name]).abs().max()))
+
+        return hook
+
+    for make in (per_channel, per_tensor):
+        hooks = [lin.register_forward_pre_hook(make(name)) for name, lin in targets.items()]
+        try:
+            for batch in batches:
+                model(*batch)
+                if on_batch is not None:
+                    on_batch(int(batch[0].shape[0]))
+        finally:
+            for h in hooks:
+                h.remove()
+        if make is per_channel:
+            factors = {n: _smooth_factors(lin.weight, channel[n], alpha) for n, lin in targets.items()}
+    stats: dict[str, torch.Tensor] = {}
+    for name in targets:
+        stats[f"{name}.smooth"] = factors[name]
+        stats[f"{name}.amax"] = torch.tensor(max(tensor[name], 1e-8))
+    return stats
+
+
+def save_calibration(stats: dict[str, torch.Tensor], path: Path, *, model: str, **meta: object) -> Path:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    info = {"format": FORMAT, "model": model, **{k: json.dumps(v) for k, v in meta.items()}}
+    save_file({k: v.contiguous() for k, v in stats.items()}, str(tmp), metadata=info)
+    tmp.replace(path)
+    return path
+
+
+def load_calibration(path: Path, *, model: str = "") -> dict[str, torch.Tensor]:
+    """The stats ``save_calibration`` wrote; ``CalibrationMissing`` (with the command to run) if none."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise CalibrationMissing(
+            f"--dtype int8: model {model or path.parent.name!r} has no int8 calibration ({path}); "
+            f"run `shardserve quantize --model {model or '<model>'} --data <SQuAD json>` first"
+        )
+    with safe_open(str(path), framework="pt") as f:
+        if (f.metadata() or {}).get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} calibration file")
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+class Int8Linear(nn.Module):
+    """A Linear layer (or one rank's shard of a tensor-parallel one) in static int8; ``reduce``: the
+    row-parallel all-reduce of the partial products before the bias (None: none); ``gelu``: the
+    exact GELU that follows it, fused into oneDNN's kernel (3x faster with fp32 outputs). Inference only."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        smooth: torch.Tensor,
+        amax: float,
+        reduce: object = None,
+        gelu: bool = False,
+    ) -> None:
+        super().__init__()
+        w = weight.detach().float() * smooth  # (out, in): the columns carry the factors
+        w_scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)  # (out,) per output channel
+        w_q = torch.round(w / w_scale[:, None]).clamp(-128, 127).to(torch.int8)
+        self.act_scale = float(amax) / 127  # uint8 step; zero point 128 covers [-amax, amax]
+        self.register_buffer("in_mul", 1.0 / (smooth * self.act_scale))  # (in,) fp32
+        self.register_buffer("w_scale", w_scale)
+        self.register_buffer("w_zero", torch.zeros(w_scale.shape[0], dtype=torch.long))
+        self.packed = torch.ops.onednn.qlinear_prepack(w_q, None)  # oneDNN's blocked int8 layout
+        self.weight_bytes = w_q.numel()  # what the packed weight holds (for the gang's ready info)
+        self.bias = None if bias is None else bias.detach().float()
+        self.reduce = reduce
+        self.post_op = "gelu" if gelu else "none"
+        if gelu and reduce is not None:
+            raise ValueError("a GELU cannot follow a row-parallel layer before its all-reduce")
+        self.in_features, self.out_features = int(w.shape[1]), int(w.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., in) float -> (..., out) in x's dtype. Quantizing in fp32 is 3x faster than in bf16
+        # on CPUs (vectorised in-place ops), and int8 -> uint8 (+ the zero point 128) is one XOR of a byte.
+        y = x.to(torch.float32, copy=True).mul_(self.in_mul).round_().clamp_(-128, 127)
+        q = y.to(torch.int8).view(torch.uint8).bitwise_xor_(ZERO_POINT)  # (..., in) uint8
+        bias = self.bias if self.reduce is None else None
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, self.act_scale, ZERO_POINT, self.packed, self.w_scale, self.w_zero, bias,
+            1.0, 0, x.dtype, self.post_op, [None], "none",
+        )  # fmt: skip
+        if self.reduce is not None:
+            y = reduce_from_tp(y, self.reduce)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        post = ", gelu" if self.post_op == "gelu" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, act_scale={self.act_scale:.3g}{post}"
+
+
+def _int8_of(layer: nn.Module, smooth: torch.Tensor, amax: float, *, gelu: bool) -> Int8Linear:
+    if isinstance(layer, RowParallelLinear):  # the input arrives sharded: this shard's slice of the factors
+        spec = layer.shard_specs["weight"]  # along dim 1 of the (out, in) weight
+        smooth = ShardSlice(0, spec.start, spec.length, spec.blocks).take(smooth)
+        return Int8Linear(layer.weight, layer.bias, smooth=smooth, amax=amax, reduce=layer.group)
+    # nn.Linear, or a column-parallel shard (input replicated; copy_to_tp is the identity forward)
+    return Int8Linear(layer.weight, layer.bias, smooth=smooth, amax=amax, gelu=gelu)
+
+
+def quantize_linears(model: nn.Module, stats: dict[str, torch.Tensor]) -> int:
+    """Swap ``model``'s target Linear layers for ``Int8Linear`` ones, in place; the number swapped.
+    A stage holds some of the calibrated layers; a target with no stats is an error (a stale file)."""
+    if model.training:
+        raise ValueError("int8 Linear layers are for inference: call model.eval() first")
+    count = 0
+    for name, layer in target_linears(model).items():
+        if f"{name}.smooth" not in stats:
+            raise ValueError(f"the int8 calibration has no entry for {name}: recalibrate the model")
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        # the encoder's MLP computes down(act(up(x))): an exact GELU after ``up`` goes into its kernel
+        gelu = child == "up" and getattr(owner, "act", None) is F.gelu
+        q = _int8_of(layer, stats[f"{name}.smooth"].float(), float(stats[f"{name}.amax"]), gelu=gelu)
+        setattr(owner, child, q)
+        if gelu:
+            owner.act = nn.Identity()
+        count += 1
+    logger.debug("int8: %d Linear layers quantized", count)
+    return count

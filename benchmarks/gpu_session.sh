@@ -20,6 +20,9 @@
 #                      (where a GPU rank's CPU goes: ~1 core per rank on the first H200)
 #       train          train bf16 pp2 on .gpu/pool10.json (2 articles held out), then its eval
 #       bench_serving  benchmarks/bench_serving.py --device $DEV, 64 clients (-> $OUT/bench_serving.json)
+#       int8           --dtype int8 against bf16 on the HOST's CPU (an AMX Xeon on the first H200):
+#                      bench_int8_f1.py over .gpu/pool10.json, calibrated on its first 128 questions (so
+#                      its F1 is no verdict: the speed is the figure) (-> $OUT/int8.json)
 #       big            benchmarks/bench_big_model.py --device $DEV, 1.7 B Llama at pp 1,2,4, a few questions
 #   DEV=cpu OUT=/tmp/gs benchmarks/gpu_session.sh run verify serve    # rehearsal here, on the CPU
 #
@@ -31,7 +34,7 @@
 # Environment: DEV (cuda | cpu, default cuda), OUT (default /tmp/gpuout), BUDGET_S, LIM_SCALE (multiplies
 # every step's limit; cpu: 3), STANDIN (1: use .gpu's stand-in model when present, default; 0: the
 # installed package), CORES (bench_serving's --cores; cuda: 8), BENCH_S, BENCH_LIM, TRAIN_N, TRAIN_STEPS,
-# TRAIN_LIM, BIG_Q, BIG_PP, BIG_LIM, BIG_DIR, TAILN.
+# TRAIN_LIM, INT8_LIM, BIG_Q, BIG_PP, BIG_LIM, BIG_DIR, TAILN.
 
 # annotated-doc: a fastapi requirement the first GPU image had only through huggingface_hub's typer
 WHEELS="fastapi starlette uvicorn pydantic pydantic_core pydantic-settings python-dotenv annotated-types
@@ -39,7 +42,7 @@ typing-inspection fastapi_offline pyzmq tritonclient python-rapidjson openteleme
 # what they provide, imported once after installing them there: a missing requirement is named up front
 IMPORTS="fastapi starlette uvicorn pydantic pydantic_core pydantic_settings dotenv annotated_types
 typing_inspection fastapi_offline zmq tritonclient rapidjson opentelemetry annotated_doc"
-STEPS="unit verify families serve profile train bench_serving big"
+STEPS="unit verify families serve profile train bench_serving int8 big"
 DEVICE_LIMIT=$((64 * 1024 * 1024))
 
 die() { echo "gpu_session.sh: $*" >&2; exit 2; }
@@ -311,6 +314,11 @@ run() {
           --extra-config "$extra" --extra-config "$one" --squad .gpu/pool10.json --cores "$CORES" \
           --json "$L/bench_serving.json"
         cp "$L/bench_serving.json" "$OUT/" 2>/dev/null ;;
+      int8)
+        TAILN=8 step int8-host-cpu "${INT8_LIM:-120}" python3 benchmarks/bench_int8_f1.py --variants bf16,int8 \
+          --data .gpu/pool10.json --calibration-data .gpu/pool10.json --calibration 128 --max-examples 600 \
+          --json "$L/int8.json"
+        cp "$L/int8.json" "$OUT/" 2>/dev/null ;;
       big)
         TAILN=12 step big "${BIG_LIM:-300}" python3 benchmarks/bench_big_model.py --device "$DEV" \
           --questions "${BIG_Q:-8}" --pp "${BIG_PP:-1,2,4}" --dir "${BIG_DIR:-/tmp/shardserve-big}" \

@@ -48,6 +48,8 @@ from bench_serving import machine_info
 
 from models.build import build_model
 from models.registry import resolve_model
+from partitioner.int8 import calibrate, quantize_linears, smooth_factors
+from partitioner.precision import compute_dtype
 from training.evaluate import EvalConfig, EvalInputs, answers_of, eval_inputs
 from training.squad_metrics import evaluate
 
@@ -76,9 +78,6 @@ def model_of(
 ) -> nn.Module:
     """The unpartitioned model in ``variant`` (the QA head stays fp32 in every one)."""
     if variant in ("int8", "int8-fp32"):
-        from partitioner.int8 import calibrate, quantize_linears
-        from partitioner.precision import compute_dtype
-
         assert calibration is not None
         stats = calibrate(
             build_model(source, dtype=torch.float32).eval(), calibration.batches, alpha=sq_alpha
@@ -172,8 +171,7 @@ def static_int8(
         wrapper.qconfig = qconfig
         wrapped.append(wrapper)
         if smooth is not None:
-            w_max = sub.weight.detach().abs().amax(dim=0).clamp(min=1e-5)  # (in_features,)
-            scale = (amax[id(sub)].clamp(min=1e-5) ** smooth / w_max ** (1 - smooth)).clamp(min=1e-5)
+            scale = smooth_factors(sub.weight, amax[id(sub)], smooth)  # (in_features,)
             with torch.no_grad():
                 sub.weight.mul_(scale)  # (out, in) * (in,)
             setattr(module, child, _Smooth(1.0 / scale, wrapper))

@@ -171,12 +171,12 @@ def bench_raw(
         tt = b.token_type_ids.to(device) if types else None
         batches.append((b.input_ids.to(device), b.attention_mask.to(device), tt))
     if engine == "torch":
-        from partitioner.int8 import calibration_path, load_calibration, quantize_linears
+        from partitioner.int8 import model_calibration, quantize_linears
         from partitioner.precision import compute_dtype
 
         net = build_model(source, dtype=compute_dtype(dtype), device=device).eval()
         if dtype == "int8":  # the served int8 path, from the model's calibration (`shardserve quantize`)
-            quantize_linears(net, load_calibration(calibration_path(source), model=source.name))
+            quantize_linears(net, model_calibration(source))
         label = f"{dtype} on {device}"
 
         def model(ids, mask, tt):

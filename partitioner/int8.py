@@ -21,7 +21,7 @@ layers quantize their own shard (a row-parallel shard takes its slice of the fac
 
     stats = calibrate(model, batches)                 # model in fp32, batches of (ids, mask, types)
     save_calibration(stats, calibration_path(source), model=source.name)
-    quantize_linears(stage, load_calibration(calibration_path(source)))
+    quantize_linears(stage, model_calibration(source))
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def target_linears(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def _smooth_factors(weight: torch.Tensor, amax_in: torch.Tensor, alpha: float) -> torch.Tensor:
+def smooth_factors(weight: torch.Tensor, amax_in: torch.Tensor, alpha: float) -> torch.Tensor:
     # weight: (out, in); amax_in: (in,) -> s: (in,); the input is divided by s, the weight's columns multiplied
     w_max = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
     return (amax_in.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
@@ -130,7 +130,7 @@ def calibrate(
             for h in hooks:
                 h.remove()
         if make is per_channel:
-            factors = {n: _smooth_factors(lin.weight, channel[n], alpha) for n, lin in targets.items()}
+            factors = {n: smooth_factors(lin.weight, channel[n], alpha) for n, lin in targets.items()}
     stats: dict[str, torch.Tensor] = {}
     for name in targets:
         stats[f"{name}.smooth"] = factors[name]
@@ -162,6 +162,11 @@ def load_calibration(path: Path, *, model: str = "") -> dict[str, torch.Tensor]:
         if (f.metadata() or {}).get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT} calibration file")
         return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def model_calibration(source: ModelSource) -> dict[str, torch.Tensor]:
+    """``source``'s calibration, from ``calibration_path``; ``CalibrationMissing`` names the command."""
+    return load_calibration(calibration_path(source), model=source.name)
 
 
 class Int8Linear(nn.Module):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from models.build import QAModel, new_model
 from models.registry import ModelSource
-from partitioner.int8 import calibration_path, load_calibration, quantize_linears
+from partitioner.int8 import model_calibration, quantize_linears
 from partitioner.plan import PartitionPlan
 from partitioner.shard_loading import load_shard
 from partitioner.tensor_parallel import apply_tensor_parallel
@@ -64,5 +64,5 @@ def build_stage(
     model.load_report = report  # what was read from disk / initialised, for the gang's ready info
     model.eval()
     if int8:
-        quantize_linears(model, load_calibration(calibration_path(source), model=source.name))
+        quantize_linears(model, model_calibration(source))
     return model

@@ -181,7 +181,7 @@ def predict_answers(
 
     from models.build import build_model
     from models.registry import resolve_model
-    from partitioner.int8 import calibration_path, load_calibration, quantize_linears
+    from partitioner.int8 import calibration_path, model_calibration, quantize_linears
     from partitioner.plan import ParallelDims, make_plan
     from partitioner.precision import resolve_dtype
     from partitioner.stream.gang import StreamGang
@@ -193,7 +193,7 @@ def predict_answers(
     calibration = calibration_path(source)
     choice = resolve_dtype(cfg.dtype, "cpu", int8_calibrated=calibration.is_file())
     logger.info("eval in %s (%s)", choice.name, choice.reason)
-    int8 = load_calibration(calibration, model=source.name) if choice.int8 else None
+    int8 = model_calibration(source) if choice.int8 else None
     dims = ParallelDims(pp=cfg.pp, tp=cfg.tp)
     plan = make_plan(source.config, dims, seq_len=cfg.window.max_seq_len) if dims.world_size > 1 else None
     inputs = eval_inputs(cfg, source)

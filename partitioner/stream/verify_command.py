@@ -19,7 +19,7 @@ from models.registry import resolve_model
 from partitioner.cli import PartitionSettings
 from partitioner.command import Command, at_least, positive_number
 from partitioner.compiled import COMPILE_CHOICES, resolve_compile
-from partitioner.int8 import calibration_path, load_calibration
+from partitioner.int8 import model_calibration
 from partitioner.plan import ParallelDims
 from partitioner.precision import resolve_dtype
 from partitioner.stream.verify import SAMPLE_SEQ_LEN, SAMPLES, TOLERANCES, verify_partitioned
@@ -51,7 +51,7 @@ def cmd_verify(args: VerifySettings) -> int:
     source = resolve_model(args.model)
     choice = resolve_dtype(args.dtype, args.device)
     if choice.int8:  # before any rank starts: CalibrationMissing names `shardserve quantize`
-        load_calibration(calibration_path(source), model=source.name)
+        model_calibration(source)
     # the layout, checked against --max-memory-per-rank at verify's largest batch before a rank starts
     cfg = source.config
     seq_len = min(SAMPLE_SEQ_LEN, cfg.max_seq_len)

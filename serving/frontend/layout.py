@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from models.registry import ModelSource, resolve_model
 from partitioner.fit import fit_layout, memory_budget
-from partitioner.int8 import calibration_path, load_calibration
+from partitioner.int8 import calibration_path, model_calibration
 from partitioner.precision import DtypeChoice, resolve_dtype
 from serving.frontend.settings import ServeSettings
 
@@ -37,7 +37,7 @@ def serve_precision(settings: ServeSettings) -> DtypeChoice:
     choice = resolve_dtype(settings.dtype, settings.device, int8_calibrated=calibrated)
     if choice.int8:
         for source in sources.values():
-            load_calibration(calibration_path(source), model=source.name)  # readable, this format
+            model_calibration(source)  # readable, this format
     return choice
 
 

@@ -31,5 +31,7 @@ def test_quantize_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["quantize", "--model", "tiny-bert", "--data", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --data {tmp_path / 'none.json'}: no such file", err
-    assert main(["quantize", "--model", str(tmp_path / "nope"), "--data", str(_squad_file_of(tmp_path, 1))]) == 2
+    assert (
+        main(["quantize", "--model", str(tmp_path / "nope"), "--data", str(_squad_file_of(tmp_path, 1))]) == 2
+    )
     assert "neither a known name" in capsys.readouterr().err

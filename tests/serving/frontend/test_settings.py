@@ -57,7 +57,9 @@ def test_explicit_flags_win(cores, flags, bounds, threads):
 def test_dtype_is_validated_with_the_choices():
     assert ServeSettings().dtype == "auto"
     assert ServeSettings(dtype="int8").dtype == "int8"
-    with pytest.raises(ValidationError, match="dtype='int4' must be one of auto, float32, bfloat16, float16, int8"):
+    with pytest.raises(
+        ValidationError, match="dtype='int4' must be one of auto, float32, bfloat16, float16, int8"
+    ):
         ServeSettings(dtype="int4")
 
 

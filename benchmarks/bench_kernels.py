@@ -330,7 +330,9 @@ def print_table(results: list[KernelResult], args: argparse.Namespace) -> None:
         f"\nmodel={args.model} seq_len={args.seq_len} threads={args.threads} cores={os.cpu_count()} "
         f"torch={torch.__version__} duration={args.duration:g}s per cell"
     )
-    print(f"cpu: {caps.describe()}; bf16 units: {caps.bf16}, AMX: {caps.amx}, int8 units: {caps.int8}")
+    print(
+        f"cpu: {caps.describe()}; bf16 units: {caps.bf16}, AMX: {caps.amx}, int8 kernels: {caps.int8_unit or 'none'}"
+    )
     sizes = sorted({r.batch_size for r in results if r.examples_per_s is not None})
     base = {r.batch_size: r.examples_per_s for r in results if r.variant == "fp32" and r.examples_per_s}
     head = "".join(f" {'b' + str(b) + ' ex/s':>10} {'vs fp32':>7}" for b in sizes)

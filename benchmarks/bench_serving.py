@@ -6,8 +6,10 @@ bf16 / AMX / int8 units printed above the figures:
 (a) raw: the unpartitioned model at the chosen precision (--dtype, ``auto`` as ``shardserve serve``
     resolves it), no HTTP, windows sorted by length into batches of --max-batch-size (the best case
     for padding), measured two ways on the same cores: one process with --cores torch threads, and
-    (a') --cores single-thread processes at once (data parallel); the limit is the better of the
-    two. Row (a2) (batch 1, data parallel) shows what batching itself buys on this model;
+    (a') --cores single-thread processes at once (data parallel), and (a2) batch 1 data parallel
+    (what batching itself buys on this model). Each row times whole passes over every window (a pass
+    cut off would time only the shorter ones). The limit is the best of the three: batch 1 beats
+    batches of 32 in fp32 on an AVX2-only CPU;
 (b) naive: a FastAPI server (subprocess) that tokenizes, runs the model and decodes one request
     at a time (a lock around the whole request), torch using every core, in fp32 (what a user
     writes); (b2) the same server with the model in bf16;
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import logging
 import os
@@ -145,8 +146,8 @@ def bench_raw(
     onnx_dir: str | None = None,
     device: str = "cpu",
 ) -> Result:
-    """Raw forward over the questions' windows; ``engine``: torch (at ``dtype``, on ``device``), ort-fp32
-    or ort-int8 (cpu)."""
+    """Raw forward over the questions' windows, in whole passes over all of them for at least
+    ``duration_s``; ``engine``: torch (at ``dtype``, on ``device``), ort-fp32 or ort-int8 (cpu)."""
     import torch
 
     from models.build import build_model
@@ -206,15 +207,16 @@ def bench_raw(
             label += f" (warmed over its {len(firsts)} batch shapes first)"
         else:
             model(*batches[0])
+        # whole passes over every window until duration_s has passed: the batches are in length
+        # order, and a run cut off mid-pass would time only the shorter windows (a faster "limit")
         start = time.perf_counter()
         stop_at = start + duration_s
-        for b in itertools.cycle(batches):
-            t0 = time.perf_counter()
-            model(*b)
-            lat.append(time.perf_counter() - t0)
-            done += int(b[0].shape[0])
-            if time.perf_counter() >= stop_at:
-                break
+        while time.perf_counter() < stop_at:
+            for b in batches:
+                t0 = time.perf_counter()
+                model(*b)
+                lat.append(time.perf_counter() - t0)
+                done += int(b[0].shape[0])
         elapsed = time.perf_counter() - start
     del model, batches
     gc.collect()
@@ -462,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "int8"],
         help="precision of (a) and of shardserve's explicit-flag rows; auto resolves as `shardserve serve` "
-        "does (int8 for a model calibrated with `shardserve quantize` on CPUs with VNNI / AMX, else bf16 on "
+        "does (int8 for a model calibrated with `shardserve quantize` on x86 CPUs with AVX2 or better, else bf16 on "
         "CPUs with AMX / AVX512-BF16, else fp32); int8 needs that calibration (default: %(default)s)",
     )
     p.add_argument(
@@ -583,7 +585,7 @@ def machine_info(dtype: str, device: str = "cpu", *, model: str | None = None) -
         "cpu": caps.describe(),
         "bf16_units": caps.bf16,
         "amx": caps.amx,
-        "int8_units": caps.int8,
+        "int8_kernels": caps.int8_unit or None,
         "dtype_requested": dtype,
         "dtype": choice.name,
         "dtype_reason": choice.reason,
@@ -622,7 +624,7 @@ def ratio_lines(results: list[Result], *, cores: int | None = None) -> list[str]
 
     default = best(("(c) shardserve default",))
     explicit = best(("(c) shardserve flags",))
-    limit = best(("(a) ", "(a') "))
+    limit = best(("(a) ", "(a') ", "(a2) "))
     naive = best(("(b) ",))
     naive16 = best(("(b2) ",))
     ort = best(("(d) ",))
@@ -654,7 +656,7 @@ def ratio_lines(results: list[Result], *, cores: int | None = None) -> list[str]
         ceiling = limit.questions_per_s / (1 + default.server_cpu_ms / 1000 * limit.questions_per_s / cores)
         lines.append(
             f"  ceiling from the server process's {default.server_cpu_ms:.1f} ms CPU per answer on {cores} "
-            f"cores, batching as good as (a): {ceiling:.1f} q/s = "
+            f"cores, batching as good as the limit's: {ceiling:.1f} q/s = "
             f"{ceiling / limit.questions_per_s:.2f}x the limit"
         )
     return lines
@@ -786,7 +788,7 @@ def _default_placement(device: str) -> str:
 
         s = ServeSettings(device=device)
         lo, _ = s.replica_bounds
-        dtype = serve_precision(s).name  # int8 where the model is calibrated and the CPU has int8 units
+        dtype = serve_precision(s).name  # int8 where the model is calibrated and the CPU has int8 kernels
         return f"{lo} replica(s) x pp={s.pp} tp={s.tp} x {s.rank_threads} thread(s)/rank, {dtype}"
     except Exception as err:  # the settings API moved: the row is still measured
         return f"(placement unknown: {err})"
@@ -807,7 +809,7 @@ def print_table(results: list[Result], args: argparse.Namespace, info: dict[str,
     )
     print(
         f"cpu: {info['cpu']}; bf16 units: {info['bf16_units']}, AMX: {info['amx']}, "
-        f"int8 units: {info['int8_units']}"
+        f"int8 kernels: {info['int8_kernels'] or 'none'}"
     )
     if info["gpu"]:
         print(f"gpu: {info['gpu']} (the raw rows, the naive servers and shardserve compute on it)")

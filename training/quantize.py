@@ -8,7 +8,7 @@ how far the logits moved. Calibrate on training data, never on what you score.
 
     shardserve quantize --model default --data ../shared/data/squad/squad-v1.1-train.json
     shardserve eval --model default --data ../shared/data/squad/squad-v1.1-train-pool.json --dtype int8
-    shardserve serve --model default --dtype int8       # auto picks it on CPUs with VNNI / AMX
+    shardserve serve --model default --dtype int8       # auto picks it on x86 CPUs (AVX2 and up)
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ QUANTIZE = Command(
     help="calibrate a model for --dtype int8 (static int8 Linear layers, SmoothQuant)",
     description="Run SQuAD questions through the model in fp32, record each Linear layer's input ranges, "
     "and write the model's int8 calibration, which serve, eval and verify read with --dtype int8 (and "
-    "--dtype auto on CPUs with VNNI / AMX). Calibrate on training data, not on what you score.",
+    "--dtype auto on x86 CPUs with AVX2 or better). Calibrate on training data, not on what you score.",
     settings=QuantizeSettings,
     run=cmd_quantize,
 )

@@ -33,8 +33,9 @@ from serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 
-TICK_S = 0.02  # busy-time sampling period; health checks every HEALTH_EVERY ticks
-HEALTH_EVERY = 5
+# busy-time sampling and health checks. Every 20 ms (health every 100 ms) this task alone took 22 ms
+# of the server's CPU per second on an idle server (AMD Zen 3), 0.7 ms per answer at 31 answers/s
+TICK_S = 0.1
 
 
 class Supervisor:
@@ -136,16 +137,13 @@ class Supervisor:
         )
 
     async def _run(self) -> None:
-        tick = 0
         next_scale = self.clock()
         while True:
             await asyncio.sleep(TICK_S)
             now = self.clock()
             try:
                 self.manager.sample_busy()
-                tick += 1
-                if tick % HEALTH_EVERY == 0:
-                    self.manager.check_health()
+                self.manager.check_health()
                 if self.autoscaling and now >= next_scale:
                     next_scale = now + self.interval_s
                     self.scale_step(now)

@@ -17,6 +17,7 @@ import bench_kernels
 import bench_serving
 
 from loadtest.overload import process_tree
+from partitioner.precision import cpu_capabilities
 
 
 def _logits(n: int = 2, s: int = 8) -> torch.Tensor:
@@ -63,6 +64,7 @@ def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
     rows = [
         _result("(a) raw batched bfloat16, 1 proc", 40.0),
         _result("(a') raw batched bfloat16, 2 procs", 50.0),
+        _result("(a2) raw batch 1 bfloat16, 2 procs", 49.0),
         _result("(b) naive FastAPI fp32", 10.0),
         _result("(d) ONNX Runtime fp32, batch 32", 20.0),
         _result("(d) ONNX Runtime int8, batch 1", 25.0),
@@ -77,6 +79,10 @@ def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
         "ONNX Runtime best raw (d) [(d) ONNX Runtime int8, batch 1]: 1.80x  (target >= 2x: NOT met)" in text
     )
     assert "best flags [(c) shardserve flags #2]: 48.0 q/s" in text
+    rows.append(_result("(a2) raw batch 1 float32, 2 procs", 60.0))  # batch 1 can be the best raw row
+    assert "raw forward limit (a) [(a2) raw batch 1 float32, 2 procs]: 0.75x" in "\n".join(
+        bench_serving.ratio_lines(rows)
+    )
     assert "ONNX Runtime best accurate raw (d, fp32) [(d) ONNX Runtime fp32, batch 32]: 2.25x" in text
 
 
@@ -86,7 +92,7 @@ def test_ceiling_line_charges_the_server_process_cpu_to_the_cores():
     assert not any("ceiling" in line for line in bench_serving.ratio_lines(rows, cores=2))  # not measured
     c.server_cpu_ms = 5.0  # at q answers/s the model keeps 2 - 0.005 q cores at 50 answers/core-s
     text = "\n".join(bench_serving.ratio_lines(rows, cores=2))
-    assert "5.0 ms CPU per answer on 2 cores, batching as good as (a): 80.0 q/s = 0.80x the limit" in text
+    assert "5.0 ms CPU per answer on 2 cores, batching as good as the limit's: 80.0 q/s = 0.80x the limit" in text
 
 
 def test_cpu_seconds_counts_a_process_and_its_children():
@@ -133,7 +139,11 @@ def test_machine_info_says_when_onnxruntime_is_absent(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
     info = bench_serving.machine_info("float32")
     assert info["onnxruntime"] is None and info["dtype"] == "float32"
-    assert info["cpu"] and isinstance(info["bf16_units"], bool) and isinstance(info["int8_units"], bool)
+    assert (
+        info["cpu"]
+        and isinstance(info["bf16_units"], bool)
+        and info["int8_kernels"] in (None, cpu_capabilities().int8_unit)
+    )
 
 
 def test_big_model_checkpoint_is_sharded_and_loads_as_transformers_wrote_it(tmp_path, monkeypatch):

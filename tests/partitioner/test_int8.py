@@ -21,6 +21,7 @@ from partitioner.int8 import (
     quantize_linears,
     save_calibration,
     target_linears,
+    weight_max,
 )
 from partitioner.precision import PrecisionError, cpu_capabilities, resolve_dtype
 
@@ -59,6 +60,24 @@ def test_int8_linear_matches_the_float_layer_within_its_quantization_step(dtype)
     err = (got.float() - ref).abs().max().item()
     assert err < 0.03 * ref.abs().max().item(), err  # 8-bit steps: about 1 % of the range
     assert err > 0  # it is int8 arithmetic, not the float layer
+
+
+def test_int8_linear_is_exact_integer_arithmetic_at_the_extremes():
+    # every input at +amax (uint8 255) against weights at their largest magnitude, both signs: each
+    # pair of products (2 x 255 x 127) overflows int16 in AVX2's kernels unless the weights keep 7 bits
+    lin = nn.Linear(64, 8, bias=False).requires_grad_(False)
+    lin.weight.fill_(1.0)
+    lin.weight[1::2] = -1.0
+    x = torch.full((2, 64), 3.0)
+    q = Int8Linear(lin.weight, None, smooth=torch.ones(64), amax=3.0)
+    with torch.inference_mode():
+        got, ref = q(x), lin(x)  # (2, 8): +-192
+    assert torch.allclose(got, ref, rtol=0.02), (got, ref)
+
+
+def test_weight_max_fits_the_cpus_int8_accumulators():
+    caps = cpu_capabilities()
+    assert weight_max() == (127 if caps.vnni or caps.amx else 63)
 
 
 def test_targets_keep_the_ffn_down_projections_float(tiny):

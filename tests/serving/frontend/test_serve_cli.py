@@ -121,7 +121,7 @@ def test_serve_int8_without_a_calibration_is_one_line_naming_the_command(
     assert "shardserve quantize --model tiny-bert" in err, err
 
 
-def test_auto_serves_int8_only_where_every_model_is_calibrated_and_the_cpu_has_int8_units(
+def test_auto_serves_int8_only_where_every_model_is_calibrated_and_the_cpu_has_int8_kernels(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from models.registry import resolve_model

@@ -92,7 +92,10 @@ def test_ceiling_line_charges_the_server_process_cpu_to_the_cores():
     assert not any("ceiling" in line for line in bench_serving.ratio_lines(rows, cores=2))  # not measured
     c.server_cpu_ms = 5.0  # at q answers/s the model keeps 2 - 0.005 q cores at 50 answers/core-s
     text = "\n".join(bench_serving.ratio_lines(rows, cores=2))
-    assert "5.0 ms CPU per answer on 2 cores, batching as good as the limit's: 80.0 q/s = 0.80x the limit" in text
+    assert (
+        "5.0 ms CPU per answer on 2 cores, batching as good as the limit's: 80.0 q/s = 0.80x the limit"
+        in text
+    )
 
 
 def test_cpu_seconds_counts_a_process_and_its_children():

@@ -58,8 +58,7 @@ def weight_max() -> int:
     pair of products in int16 and saturate (2 x 255 x 127 > 32767 > 2 x 255 x 64), as fbgemm's
     ``reduce_range``. Measured on an AVX2-only CPU: 8-bit weights were off by 15 % of the output's
     range on a layer with an outlier channel, 7-bit ones match exact integer arithmetic."""
-    caps = cpu_capabilities()
-    return 127 if caps.vnni or caps.amx else 63
+    return 127 if cpu_capabilities().int8_dot else 63
 
 
 class CalibrationMissing(FileNotFoundError):

@@ -63,15 +63,20 @@ class CpuCapabilities:
         return self.amx or self.avx512_bf16
 
     @property
+    def int8_dot(self) -> bool:
+        """int8 dot products accumulated in int32 (AMX-INT8, VNNI): no int16 intermediate sums."""
+        return self.amx or self.vnni
+
+    @property
     def int8(self) -> bool:
         """oneDNN's int8 matmul kernels run fast here: AMX-INT8, VNNI, or AVX2 / AVX512 without VNNI
         (u8 x s8 pairs summed in int16, 7-bit weights: 1.42x fp32 at 99.9 % of its F1 on an AVX2-only Zen 3)."""
-        return self.amx or self.vnni or self.isa in ("AVX2", "AVX512")
+        return self.int8_dot or self.isa in ("AVX2", "AVX512")
 
     @property
     def int8_unit(self) -> str:
         """What runs int8 here, in words ("" where nothing known does)."""
-        if self.amx or self.vnni:
+        if self.int8_dot:
             return "AMX" if self.amx else "VNNI"
         return f"{self.isa} (oneDNN's int8 kernels without VNNI)" if self.int8 else ""
 
@@ -129,6 +134,11 @@ class DtypeChoice:
     def dtype(self) -> torch.dtype:
         """The float dtype of the tensors (int8: of all but the quantized Linear layers)."""
         return compute_dtype(self.name)
+
+    @property
+    def int8_dot(self) -> bool:
+        """int8 dot products accumulated in int32 (AMX-INT8, VNNI): no int16 intermediate sums."""
+        return self.amx or self.vnni
 
     @property
     def int8(self) -> bool:

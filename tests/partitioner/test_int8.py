@@ -78,6 +78,7 @@ def test_int8_linear_is_exact_integer_arithmetic_at_the_extremes():
 def test_weight_max_fits_the_cpus_int8_accumulators():
     caps = cpu_capabilities()
     assert weight_max() == (127 if caps.vnni or caps.amx else 63)
+    assert caps.int8_dot == (caps.vnni or caps.amx)
 
 
 def test_targets_keep_the_ffn_down_projections_float(tiny):

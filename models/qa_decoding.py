@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from models.qa_windows import (
@@ -82,26 +83,28 @@ class QAPrediction:
         return "" if self.no_answer or not self.answers else self.answers[0].text
 
 
-def _as_logit_rows(logits: Any, windows: Sequence[QAWindow], name: str) -> list[torch.Tensor]:
+def _as_logit_rows(logits: Any, windows: Sequence[QAWindow], name: str) -> list[np.ndarray]:
     rows = [logits[i] for i in range(len(logits))] if isinstance(logits, torch.Tensor) else list(logits)
     if len(rows) != len(windows):
         raise ValueError(f"{name}: got {len(rows)} rows for {len(windows)} windows")
     out = []
     for i, (row, w) in enumerate(zip(rows, windows, strict=True)):
-        t = torch.as_tensor(row).detach().to("cpu", torch.float32).reshape(-1)  # (>= num_tokens,)
-        if t.numel() < w.num_tokens:
-            raise ValueError(f"{name}[{i}] has {t.numel()} values, the window has {w.num_tokens} tokens")
+        if isinstance(row, torch.Tensor):
+            row = row.detach().to("cpu", torch.float32).numpy()
+        t = np.asarray(row, dtype=np.float32).reshape(-1)  # (>= num_tokens,)
+        if t.size < w.num_tokens:
+            raise ValueError(f"{name}[{i}] has {t.size} values, the window has {w.num_tokens} tokens")
         t = t[: w.num_tokens]
-        if not torch.isfinite(t).all():
+        if not np.isfinite(t).all():
             raise ValueError(f"{name}[{i}] contains non-finite values")
         out.append(t)
     return out
 
 
-def _joint_log_softmax(logits: torch.Tensor, pointable: torch.Tensor) -> torch.Tensor:
+def _joint_log_softmax(logits: np.ndarray, pointable: np.ndarray) -> np.ndarray:
     """Log-softmax of ``logits`` (W, L) over the ``pointable`` positions of ALL rows together; -inf elsewhere."""
-    flat = logits.masked_fill(~pointable, -math.inf).reshape(-1)  # (W * L,)
-    return torch.log_softmax(flat, dim=0).reshape(logits.shape)  # (W, L)
+    shifted = np.where(pointable, logits, -np.inf) - logits[pointable].max()  # (W, L)
+    return shifted - np.log(np.exp(shifted).sum())  # (W, L)
 
 
 def decode_spans(
@@ -138,16 +141,17 @@ def decode_spans(
     n_win = len(windows)
     seq = max(w.num_tokens for w in windows)
     neg_inf = -math.inf
-    start = torch.full((n_win, seq), neg_inf)  # (W, L)
-    end = torch.full((n_win, seq), neg_inf)  # (W, L)
-    is_ctx = torch.zeros((n_win, seq), dtype=torch.bool)  # (W, L)
-    char_start = torch.full((n_win, seq), -1, dtype=torch.long)  # (W, L)
-    char_end = torch.full((n_win, seq), -1, dtype=torch.long)  # (W, L)
+    # numpy, not torch: these arrays are small, and a torch op costs several times a numpy one
+    start = np.full((n_win, seq), neg_inf, dtype=np.float32)  # (W, L)
+    end = np.full((n_win, seq), neg_inf, dtype=np.float32)  # (W, L)
+    is_ctx = np.zeros((n_win, seq), dtype=bool)  # (W, L)
+    char_start = np.full((n_win, seq), -1, dtype=np.int64)  # (W, L)
+    char_end = np.full((n_win, seq), -1, dtype=np.int64)  # (W, L)
     for i, w in enumerate(windows):
         k = w.num_tokens
         start[i, :k] = s_rows[i]
         end[i, :k] = e_rows[i]
-        offs = w.offsets.long()  # (k, 2)
+        offs = w.offsets.numpy()  # (k, 2)
         if int(offs[:, 1].max()) > len(context):
             raise ValueError(
                 f"window {i} has offsets up to {int(offs[:, 1].max())}, outside the context ({len(context)} chars)"
@@ -162,21 +166,23 @@ def decode_spans(
 
     # One distribution over all windows: every window's context tokens + ONE null position (the
     # CLS of the min-null window), so scores compare across windows (see the module docstring).
-    pointable = is_ctx.clone()  # (W, L)
+    pointable = is_ctx.copy()  # (W, L)
     pointable[null_window, 0] = True
     log_p_start = _joint_log_softmax(start, pointable)  # (W, L)
     log_p_end = _joint_log_softmax(end, pointable)  # (W, L)
 
-    # Band of spans (s, s + a) with a in [0, A): gather end-side values by unfolding a padded row.
+    # Band of spans (s, s + a) with a in [0, A): end-side values gathered from a right-padded row.
     band = min(max_answer_length, seq)
+    cols = np.arange(seq)[:, None] + np.arange(band)  # (L, A): the end token s + a
 
-    def _band(x: torch.Tensor, fill: float | bool) -> torch.Tensor:
-        padded = torch.nn.functional.pad(x, (0, band - 1), value=fill)  # (W, L + A - 1)
-        return padded.unfold(1, band, 1)  # (W, L, A)
+    def _band(x: np.ndarray, fill: float | bool) -> np.ndarray:
+        padded = np.full((n_win, seq + band - 1), fill, dtype=x.dtype)  # (W, L + A - 1)
+        padded[:, :seq] = x
+        return padded[:, cols]  # (W, L, A)
 
     valid = is_ctx[:, :, None] & _band(is_ctx, False)  # (W, L, A)
-    log_p = (log_p_start[:, :, None] + _band(log_p_end, neg_inf)).masked_fill(~valid, neg_inf)  # (W, L, A)
-    logit = (start[:, :, None] + _band(end, neg_inf)).masked_fill(~valid, neg_inf)  # (W, L, A)
+    log_p = np.where(valid, log_p_start[:, :, None] + _band(log_p_end, neg_inf), neg_inf)  # (W, L, A)
+    logit = np.where(valid, start[:, :, None] + _band(end, neg_inf), neg_inf)  # (W, L, A)
 
     n_valid = int(valid.sum())
     if n_valid == 0:
@@ -187,10 +193,11 @@ def decode_spans(
     flat = log_p.reshape(-1)  # (W * L * A,)
     k = min(n_valid, top_k * n_win)
     while True:
-        values, indices = flat.topk(k)
+        top = np.argpartition(flat, flat.size - k)[flat.size - k :]  # (k,) the k largest, unordered
+        top = top[np.argsort(-flat[top], kind="stable")]  # best first
         answers: list[Answer] = []
         seen: set[tuple[int, int]] = set()
-        for value, index in zip(values.tolist(), indices.tolist(), strict=True):
+        for value, index in zip(flat[top].tolist(), top.tolist(), strict=True):
             w, rem = divmod(index, seq * band)
             s, a = divmod(rem, band)
             cs, ce = int(char_start[w, s]), int(char_end[w, s + a])

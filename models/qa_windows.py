@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -396,17 +397,20 @@ def encode_qa(
     windows: list[QAWindow] = []
     seen_per_example = [0] * len(questions)
     has_context = [False] * len(questions)
-    for w, ex in enumerate(sample_map):
-        n = len(enc["input_ids"][w])
-        data = torch.empty((n, 4), dtype=torch.int32)  # (n, 4)
-        data[:, 0] = torch.tensor(enc["input_ids"][w], dtype=torch.int32)
-        data[:, 1] = torch.tensor(enc["token_type_ids"][w], dtype=torch.int32) if has_types else 0
-        data[:, 2:] = torch.tensor(enc["offset_mapping"][w], dtype=torch.int32).reshape(n, 2)
-        seq_ids = enc.sequence_ids(w)
-        not_context = torch.tensor([sid != 1 for sid in seq_ids]) | (data[:, 3] <= data[:, 2])  # (n,)
+    # the Rust encodings' lists straight into numpy: half the time of torch.tensor on each list
+    for e, ex in zip(enc.encodings, sample_map, strict=True):
+        n = len(e.ids)
+        data = np.empty((n, 4), dtype=np.int32)  # (n, 4)
+        data[:, 0] = e.ids
+        data[:, 1] = e.type_ids if has_types else 0
+        data[:, 2:] = e.offsets  # (n, 2)
+        seq_ids = np.array(e.sequence_ids, dtype=np.float32)  # (n,) None (a special token) -> nan
+        not_context = (seq_ids != 1) | (data[:, 3] <= data[:, 2])  # (n,)
         data[not_context, 2:] = -1
         has_context[ex] = has_context[ex] or not bool(not_context.all())
-        windows.append(QAWindow(data=data, example_index=ex, window_index=seen_per_example[ex]))
+        windows.append(
+            QAWindow(data=torch.from_numpy(data), example_index=ex, window_index=seen_per_example[ex])
+        )
         seen_per_example[ex] += 1
     for ex, ok in enumerate(has_context):
         if not ok:

@@ -90,6 +90,8 @@ class ServingMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple, Any] = {}  # labelled series kept by ``child``
+        self._models: dict[str, ModelMetrics] = {}  # ``for_model``'s
         m = ["model"]
         self.requests = Counter(
             "shardserve_requests_total",
@@ -225,47 +227,61 @@ class ServingMetrics:
 
     def count_request(self, *, model: str, endpoint: str, status: int, seconds: float) -> None:
         """One answered HTTP request of a question-answering endpoint: ``requests_total`` and latency."""
-        self.requests.labels(model=model, endpoint=endpoint, status=str(status)).inc()
-        self.latency.labels(model=model, endpoint=endpoint).observe(seconds)
+        self.child(self.requests, model=model, endpoint=endpoint, status=str(status)).inc()
+        self.child(self.latency, model=model, endpoint=endpoint).observe(seconds)
+
+    def child(self, metric: MetricWrapperBase, **labels: str) -> Any:
+        """``metric.labels(**labels)``, kept: prometheus_client's ``labels`` validates and locks on every
+        call, a cost paid per request on the hot path. ``remove_where`` forgets what it kept."""
+        key = (id(metric), *labels.items())
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(**labels)
+        return found
 
     def for_model(self, model: str) -> ModelMetrics:
-        """The metrics one model's engine and fleet write, with its ``model`` label bound."""
-        return ModelMetrics(self, model)
+        """The metrics one model's engine and fleet write, with its ``model`` label bound (one per model
+        until ``forget_model``)."""
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
 
     def forget_model(self, model: str) -> None:
         """Drop every series of ``model`` (it was unloaded): /metrics names only the models served."""
+        self._models.pop(model, None)
         for name in (*MODEL_METRICS, "requests", "latency", "model_info"):
-            _remove_where(getattr(self, name), model=model)
+            self.remove_where(getattr(self, name), model=model)
+
+    def remove_where(self, metric: MetricWrapperBase, **match: str) -> None:
+        """Remove the series of ``metric`` whose labels include ``match``."""
+        names = metric._labelnames
+        labelled = {
+            tuple(sample.labels[n] for n in names)
+            for family in metric.collect()
+            for sample in family.samples
+            if all(sample.labels.get(k) == v for k, v in match.items())
+        }
+        for values in labelled:
+            metric.remove(*values)
+        self._children.clear()  # a kept child of a removed series would write where nobody reads
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _remove_where(metric: MetricWrapperBase, **match: str) -> None:
-    """Remove the series of ``metric`` whose labels include ``match``."""
-    names = metric._labelnames
-    labelled = {
-        tuple(sample.labels[n] for n in names)
-        for family in metric.collect()
-        for sample in family.samples
-        if all(sample.labels.get(k) == v for k, v in match.items())
-    }
-    for values in labelled:
-        metric.remove(*values)
 
 
 class _Bound:
     """One metric with its ``model`` label bound: ``.labels(**rest)`` for the others, or the child's
     ``inc`` / ``set`` / ``observe`` when ``model`` is its only label."""
 
-    def __init__(self, metric: MetricWrapperBase, model: str) -> None:
-        self.metric, self.model = metric, model
+    def __init__(self, metrics: ServingMetrics, metric: MetricWrapperBase, model: str) -> None:
+        self.metrics, self.metric, self.model = metrics, metric, model
 
     def labels(self, **rest: str) -> Any:
-        return self.metric.labels(model=self.model, **rest)
+        return self.metrics.child(self.metric, model=self.model, **rest)
 
     def __getattr__(self, name: str) -> Any:  # inc, set, observe of the model's own series
-        return getattr(self.metric.labels(model=self.model), name)
+        return getattr(self.metrics.child(self.metric, model=self.model), name)
 
 
 class ModelMetrics:
@@ -275,14 +291,14 @@ class ModelMetrics:
     def __init__(self, metrics: ServingMetrics, model: str) -> None:
         self.all, self.model = metrics, model
         for name in MODEL_METRICS:
-            setattr(self, name, _Bound(getattr(metrics, name), model))
+            setattr(self, name, _Bound(metrics, getattr(metrics, name), model))
 
     def set_model_info(self, *, precision: str, pp: int, tp: int) -> None:
         """Make ``model_info`` describe this model as now served (its previous series is dropped)."""
-        _remove_where(self.all.model_info, model=self.model)
+        self.all.remove_where(self.all.model_info, model=self.model)
         self.all.model_info.labels(model=self.model, precision=precision, pp=str(pp), tp=str(tp)).set(1)
 
     def forget_replica(self, replica_id: str) -> None:
         """Drop the per-replica series (stage busy time, bubble fraction) of a gang that is gone."""
         for metric in (self.all.stage_busy, self.all.bubble):
-            _remove_where(metric, model=self.model, replica=replica_id)
+            self.all.remove_where(metric, model=self.model, replica=replica_id)

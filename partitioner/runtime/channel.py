@@ -36,7 +36,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -105,15 +105,27 @@ class DriverChannel:
             except zmq.ZMQError as exc:
                 raise ChannelError(f"rank {rank} is not connected: {exc}") from None
 
-    def recv(self, timeout_s: float) -> Any | None:
-        """The next message from any rank, or None after ``timeout_s``. Heartbeats are consumed
-        here (they update ``last_seen`` / ``progress`` / ``busy_since``); one reader at a time."""
+    def recv(self, timeout_s: float, *, wake_fds: Sequence[int] = ()) -> Any | None:
+        """The next message from any rank, or None after ``timeout_s`` or as soon as one of
+        ``wake_fds`` is readable (a process sentinel: a rank exited). Heartbeats are consumed here
+        (they update ``last_seen`` / ``progress`` / ``busy_since``); one reader at a time."""
         self._read_at = time.monotonic()
         deadline = self._read_at + timeout_s
+        poller = None
+        if wake_fds:
+            poller = zmq.Poller()
+            poller.register(self._pull, zmq.POLLIN)
+            for fd in wake_fds:
+                poller.register(fd, zmq.POLLIN)
         while True:
             wait_ms = max(0, int(1000 * (deadline - time.monotonic())))
-            if self._closed or not self._pull.poll(wait_ms):
+            if self._closed:
                 return None
+            if poller is None:
+                if not self._pull.poll(wait_ms):
+                    return None
+            elif dict(poller.poll(wait_ms)).get(self._pull) is None:
+                return None  # timed out, or a wake fd is readable
             frames = self._pull.recv_multipart()
             try:
                 msg = decode(frames, self.key)

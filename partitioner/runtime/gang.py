@@ -12,7 +12,8 @@ bound to loopback for a gang on this machine). What the core reports (its ``erro
 per-rank progress and busy time from the heartbeats):
 
 - a rank that raises reports its traceback and exits;
-- a rank that dies (``kill -9``) is seen through its process sentinel within ``poll_s``;
+- a rank that dies (``kill -9``) is seen through its process sentinel (at once by a stream's
+  monitor, within ``poll_s`` elsewhere);
 - a rank that stops beating (killed, frozen by SIGSTOP, or cut off by the network) is seen after
   ``heartbeat_timeout_s``, the same rule for ranks spawned here and ranks on other hosts.
 
@@ -343,11 +344,15 @@ class Gang:
         assert self._channel is not None
         self._channel.send(rank, msg)
 
-    def recv(self, timeout_s: float) -> Any | None:
-        """The next message from a rank within ``timeout_s``, or None; a ``RankStopped`` is noted
-        (``finished``) and a ``RankFailed`` handed on, for ``diagnose``."""
+    def recv(self, timeout_s: float, *, until_exit: bool = False) -> Any | None:
+        """The next message from a rank within ``timeout_s``, or None; ``until_exit``: None as soon
+        as a rank spawned here exits (its process sentinel), however long ``timeout_s`` is. A
+        ``RankStopped`` is noted (``finished``) and a ``RankFailed`` handed on, for ``diagnose``."""
         assert self._channel is not None
-        msg = self._channel.recv(timeout_s)
+        sentinels = (
+            [p.sentinel for r, p in self._procs.items() if r not in self._finished] if until_exit else []
+        )
+        msg = self._channel.recv(timeout_s, wake_fds=sentinels)
         if isinstance(msg, RankStopped):
             self._finished.add(msg.rank)
         return msg

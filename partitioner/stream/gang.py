@@ -38,6 +38,8 @@ from partitioner.stream.program import Batch, Result, Stop
 
 logger = logging.getLogger(__name__)
 
+MONITOR_WAIT_S = 0.25  # the monitor's longest sleep: it wakes at once for a result or a rank's exit
+
 
 def _as_numpy(t: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
     if t is None or isinstance(t, np.ndarray):
@@ -145,7 +147,9 @@ class StreamGang(Gang):
                 lost = GangError(f"{self.name}: {self._lost_send}")
                 self.fail(self.diagnose(phase="", on_other=self._on_late) or lost)
                 break
-            msg = self.recv(self.poll_s)
+            # woken by a message or a rank's exit; the timeout only bounds how late a silent rank
+            # (no process here: a remote one) or a failed send is judged
+            msg = self.recv(MONITOR_WAIT_S, until_exit=True)
             if isinstance(msg, Result):
                 self._resolve(msg)
                 continue

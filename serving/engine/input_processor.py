@@ -2,8 +2,9 @@
 
 Owns tokenization for serving: the windowing settings (``WindowConfig``) and the one tokenizer
 thread. ``encode`` runs on the calling thread; ``encode_async`` runs it on the tokenizer thread so
-that long contexts never stall the event loop (and says how long the tokenizing took: a request's
-``compute_input`` phase). Admission (queue places, limits) is not here: it
+that long contexts never stall the event loop, short text (``INLINE_CHARS``) right on the loop
+while the thread is idle (and says how long the tokenizing took: a request's ``compute_input``
+phase). Admission (queue places, limits) is not here: it
 belongs to the scheduler, and the engine asks for a place before it asks for tokens.
 
     inputs = InputProcessor(tokenizer=lambda: manager.model.tokenizer, window=WindowConfig())
@@ -21,17 +22,23 @@ import asyncio
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from models.qa_windows import EncodedBatch, WindowConfig, encode_qa
 from serving.engine.qa_types import QAPair
 
 logger = logging.getLogger(__name__)
 
+# text (questions + contexts, characters) tokenized on the event loop when the tokenizer is free:
+# about a millisecond at most; longer text goes to the tokenizer thread
+INLINE_CHARS = 4096
 EWMA_ALPHA = 0.2  # weight of the newest request in the characters-per-token/-second estimates
 # the start of each whitespace-separated chunk holding a word character: BERT-family tokenizers split
 # on whitespace first and keep every word character, so each such chunk is at least one token
@@ -55,8 +62,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.window = window
         # One thread: a fast tokenizer is not safe to call from several threads at once
-        # ("Already borrowed"); one is enough to keep tokenization off the event loop.
+        # ("Already borrowed"); one is enough to keep tokenization off the event loop. The lock is
+        # held around every use of the tokenizer: short text tokenized on the loop takes it too.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-tokenize")
+        self._lock = threading.Lock()
         # admission estimates (EWMAs over encoded requests) and the text waiting for the thread
         self._chars_per_token: float | None = None
         self._chars_per_s: float | None = None
@@ -66,12 +75,13 @@ class InputProcessor:
         """Tokenize ``pairs`` into windows on the calling thread; raises ``QAInputError`` /
         ``ValueError`` for text the tokenizer refuses."""
         t0 = time.perf_counter()
-        encoded = encode_qa(
-            self.tokenizer(),
-            [p.question for p in pairs],
-            [p.context for p in pairs],
-            window=self.window,
-        )
+        with self._lock:
+            encoded = encode_qa(
+                self.tokenizer(),
+                [p.question for p in pairs],
+                [p.context for p in pairs],
+                window=self.window,
+            )
         if tokens := _context_tokens(encoded):
             self._chars_per_token = _ewma(self._chars_per_token, sum(len(p.context) for p in pairs) / tokens)
         self._chars_per_s = _ewma(self._chars_per_s, _chars(pairs) / max(time.perf_counter() - t0, 1e-6))
@@ -131,8 +141,12 @@ class InputProcessor:
 
     async def encode_async(self, pairs: list[QAPair]) -> tuple[EncodedBatch, float]:
         """``encode`` on the tokenizer thread (the event loop keeps running meanwhile), and the seconds
-        the tokenizing itself took (not the wait for the thread)."""
+        the tokenizing itself took (not the wait for the thread). Text of at most ``INLINE_CHARS``
+        is tokenized right here when the tokenizer is free: a hand-off to the thread and back costs
+        more CPU than tokenizing it."""
         chars = _chars(pairs)
+        if chars <= INLINE_CHARS and not self._pending_chars and not self._lock.locked():
+            return self.encode_timed(pairs)  # the thread has nothing to do: the lock is free
         self._pending_chars += chars
         try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, self.encode_timed, pairs)
@@ -150,8 +164,8 @@ def _context_tokens(encoded: EncodedBatch) -> int:
     last: dict[int, int] = {}  # pair -> char start of its last context token counted
     n = 0
     for w in encoded.windows:
-        starts = w.data[:, 2]  # (num_tokens,) char start of each token, -1 off the context
-        n += int((starts > last.get(w.example_index, -1)).sum())
+        starts = w.data.numpy()[:, 2]  # (num_tokens,) char start of each token, -1 off the context
+        n += int(np.count_nonzero(starts > last.get(w.example_index, -1)))
         last[w.example_index] = int(starts.max())
     return n
 

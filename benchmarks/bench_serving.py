@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--length-buckets",
-        default=",".join(str(n) for n in range(64, 385, 32)),
+        default="64,96,128,160,192,256,320,384",
         help="shardserve buckets (default: %(default)s)",
     )
     p.add_argument(

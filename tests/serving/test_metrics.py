@@ -123,3 +123,21 @@ def test_forget_model_drops_every_series_of_that_model_only() -> None:
         dict(lb).get("model") for (name, lb), _ in series.items() if not name.startswith("shardserve_api_")
     }
     assert models == {"b"}  # every series but the server's own (its API processes)
+
+
+def test_series_written_again_after_they_were_dropped_are_exported() -> None:
+    """Labelled series are kept for the hot path (``ServingMetrics.child``); a series dropped with its
+    gang or its model and then written again must reach the registry, not a kept orphan."""
+    everything = ServingMetrics()
+    m = everything.for_model("a")
+    m.stage_busy.labels(replica="r1", stage="0").inc(1.0)
+    m.forget_replica("r1")
+    m.stage_busy.labels(replica="r1", stage="0").inc(2.0)
+    busy = ("shardserve_stage_busy_seconds_total", (("model", "a"), ("replica", "r1"), ("stage", "0")))
+    assert read_registry(everything.registry)[busy] == 2.0
+    m.queue_depth.set(3)
+    everything.forget_model("a")
+    again = everything.for_model("a")  # a model loaded again under its old name
+    assert again is not m
+    again.queue_depth.set(5)
+    assert read_registry(everything.registry)[("shardserve_queue_depth_requests", (("model", "a"),))] == 5.0

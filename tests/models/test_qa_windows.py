@@ -214,3 +214,53 @@ def test_pad_windows_mixes_requests(tok):
     assert set(batch.model_inputs()) == {"input_ids", "attention_mask", "token_type_ids"}
     with pytest.raises(ValueError, match="shorter than the longest"):
         pad_windows(windows, pad_token_id=0, pad_to_length=10)
+
+
+def _wrapper_windows(tok, question, context, window):
+    """The windows transformers' own call makes: (ids, type ids, offsets, sequence ids) per window."""
+    enc = tok(
+        question,
+        context,
+        truncation="only_second",
+        max_length=window.max_seq_len,
+        stride=window.doc_stride,
+        return_overflowing_tokens=True,
+        return_offsets_mapping=True,
+        padding=False,
+    )
+    return [(e.ids, e.offsets, e.sequence_ids) for e in enc.encodings]
+
+
+@pytest.mark.parametrize(
+    "name", ["default", "tiny-roberta", "tiny-deberta-v2", "tiny-modernbert", "tiny-llama"]
+)
+def test_windows_are_the_ones_transformers_makes(name):
+    from models.registry import resolve_model
+
+    tok = resolve_model(name).tokenizer()
+    window = WindowConfig(max_seq_len=48, doc_stride=12, max_question_len=12)
+    question, context = "Which sentence mentions golf, and why?", _long_context(12)
+    tok(question, truncation=True, max_length=4)  # the wrapper's own truncation state changed in between
+    enc = encode_qa(tok, [question], [context], window=window)
+    want = _wrapper_windows(tok, enc.questions[0], context, window)  # the question cut to 12 tokens
+    assert len(enc.windows) == len(want) > 2
+    for w, (ids, offsets, seq_ids) in zip(enc.windows, want, strict=True):
+        assert w.input_ids.tolist() == ids
+        kept = [off if s == 1 and off[1] > off[0] else None for off, s in zip(offsets, seq_ids, strict=True)]
+        assert _offs(w) == kept
+
+
+def test_threads_share_a_tokenizer(tok):
+    from concurrent.futures import ThreadPoolExecutor
+
+    window = WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
+    texts = [(f"question {i} about golf?", _long_context(4 + i % 9)) for i in range(48)]
+    alone = [[w.data.tolist() for w in encode_qa(tok, [q], [c], window=window).windows] for q, c in texts]
+    with ThreadPoolExecutor(4) as pool:
+        shared = list(
+            pool.map(
+                lambda qc: [w.data.tolist() for w in encode_qa(tok, [qc[0]], [qc[1]], window=window).windows],
+                texts,
+            )
+        )
+    assert shared == alone

@@ -217,7 +217,8 @@ def test_pad_windows_mixes_requests(tok):
 
 
 def _wrapper_windows(tok, question, context, window):
-    """The windows transformers' own call makes: (ids, type ids, offsets, sequence ids) per window."""
+    """The windows transformers' own call makes: (ids, type ids, offsets, sequence ids) per window
+    (type ids None where the model reads none)."""
     enc = tok(
         question,
         context,
@@ -228,7 +229,8 @@ def _wrapper_windows(tok, question, context, window):
         return_offsets_mapping=True,
         padding=False,
     )
-    return [(e.ids, e.offsets, e.sequence_ids) for e in enc.encodings]
+    types = "token_type_ids" in enc
+    return [(e.ids, e.type_ids if types else None, e.offsets, e.sequence_ids) for e in enc.encodings]
 
 
 @pytest.mark.parametrize(
@@ -244,8 +246,9 @@ def test_windows_are_the_ones_transformers_makes(name):
     enc = encode_qa(tok, [question], [context], window=window)
     want = _wrapper_windows(tok, enc.questions[0], context, window)  # the question cut to 12 tokens
     assert len(enc.windows) == len(want) > 2
-    for w, (ids, offsets, seq_ids) in zip(enc.windows, want, strict=True):
+    for w, (ids, types, offsets, seq_ids) in zip(enc.windows, want, strict=True):
         assert w.input_ids.tolist() == ids
+        assert w.token_type_ids.tolist() == (types or [0] * len(ids))
         kept = [off if s == 1 and off[1] > off[0] else None for off, s in zip(offsets, seq_ids, strict=True)]
         assert _offs(w) == kept
 

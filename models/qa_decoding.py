@@ -101,10 +101,10 @@ def _as_logit_rows(logits: Any, windows: Sequence[QAWindow], name: str) -> list[
     return out
 
 
-def _joint_log_softmax(logits: np.ndarray, pointable: np.ndarray) -> np.ndarray:
-    """Log-softmax of ``logits`` (W, L) over the ``pointable`` positions of ALL rows together; -inf elsewhere."""
-    shifted = np.where(pointable, logits, -np.inf) - logits[pointable].max()  # (W, L)
-    return shifted - np.log(np.exp(shifted).sum())  # (W, L)
+def _log_sum_exp(x: np.ndarray) -> float:
+    """``log(sum(exp(x)))`` of a 1-D array, without overflow."""
+    top = float(x.max())
+    return top + math.log(float(np.exp(x - top).sum()))
 
 
 def decode_spans(
@@ -144,63 +144,60 @@ def decode_spans(
     # numpy, not torch: these arrays are small, and a torch op costs several times a numpy one
     start = np.full((n_win, seq), neg_inf, dtype=np.float32)  # (W, L)
     end = np.full((n_win, seq), neg_inf, dtype=np.float32)  # (W, L)
-    is_ctx = np.zeros((n_win, seq), dtype=bool)  # (W, L)
-    char_start = np.full((n_win, seq), -1, dtype=np.int64)  # (W, L)
-    char_end = np.full((n_win, seq), -1, dtype=np.int64)  # (W, L)
+    chars = np.full((n_win, seq, 2), -1, dtype=np.int64)  # (W, L, 2) context character span of each token
     for i, w in enumerate(windows):
         k = w.num_tokens
         start[i, :k] = s_rows[i]
         end[i, :k] = e_rows[i]
-        offs = w.offsets.numpy()  # (k, 2)
-        if int(offs[:, 1].max()) > len(context):
-            raise ValueError(
-                f"window {i} has offsets up to {int(offs[:, 1].max())}, outside the context ({len(context)} chars)"
-            )
-        is_ctx[i, :k] = offs[:, 0] >= 0
-        char_start[i, :k] = offs[:, 0]
-        char_end[i, :k] = offs[:, 1]
+        chars[i, :k] = w.offsets.numpy()  # (k, 2)
+    if int(chars[:, :, 1].max()) > len(context):
+        i = int((chars[:, :, 1].max(axis=1) > len(context)).argmax())  # the first such window
+        raise ValueError(
+            f"window {i} has offsets up to {int(chars[i, :, 1].max())}, outside the context ({len(context)} chars)"
+        )
+    is_ctx = chars[:, :, 0] >= 0  # (W, L)
 
     null_per_window = start[:, 0] + end[:, 0]  # (W,)
     null_window = int(null_per_window.argmin())
     null_score = float(null_per_window[null_window])
 
     # One distribution over all windows: every window's context tokens + ONE null position (the
-    # CLS of the min-null window), so scores compare across windows (see the module docstring).
+    # CLS of the min-null window), so scores compare across windows (see the module docstring). A
+    # span's log p_start + log p_end is its logit sum less the two normalisers.
     pointable = is_ctx.copy()  # (W, L)
     pointable[null_window, 0] = True
-    log_p_start = _joint_log_softmax(start, pointable)  # (W, L)
-    log_p_end = _joint_log_softmax(end, pointable)  # (W, L)
+    log_norm = _log_sum_exp(start[pointable]) + _log_sum_exp(end[pointable])
 
-    # Band of spans (s, s + a) with a in [0, A): end-side values gathered from a right-padded row.
+    # Band of spans (s, s + a) with a in [0, A): the end logits seen through a sliding window of a
+    # right-padded row; -inf wherever either end is not a context token (so the span is not valid).
     band = min(max_answer_length, seq)
-    cols = np.arange(seq)[:, None] + np.arange(band)  # (L, A): the end token s + a
+    start_ctx = np.where(is_ctx, start, neg_inf)  # (W, L)
+    end_padded = np.full((n_win, seq + band - 1), neg_inf, dtype=np.float32)  # (W, L + A - 1)
+    end_padded[:, :seq] = np.where(is_ctx, end, neg_inf)
+    row, col = end_padded.strides
+    end_band = np.ndarray((n_win, seq, band), np.float32, end_padded, strides=(row, col, col))  # (W, L, A)
+    logit = start_ctx[:, :, None] + end_band  # (W, L, A)
+    flat = logit.reshape(-1)  # (W * L * A,)
 
-    def _band(x: np.ndarray, fill: float | bool) -> np.ndarray:
-        padded = np.full((n_win, seq + band - 1), fill, dtype=x.dtype)  # (W, L + A - 1)
-        padded[:, :seq] = x
-        return padded[:, cols]  # (W, L, A)
-
-    valid = is_ctx[:, :, None] & _band(is_ctx, False)  # (W, L, A)
-    log_p = np.where(valid, log_p_start[:, :, None] + _band(log_p_end, neg_inf), neg_inf)  # (W, L, A)
-    logit = np.where(valid, start[:, :, None] + _band(end, neg_inf), neg_inf)  # (W, L, A)
-
-    n_valid = int(valid.sum())
+    n_valid = int(np.count_nonzero(flat > neg_inf))
     if n_valid == 0:
         logger.debug("no valid span in %d windows", n_win)
         return QAPrediction(answers=[], null_score=null_score, no_answer=True)
-    best_span_logit = float(logit.max())
+    best_span_logit = float(flat.max())
 
-    flat = log_p.reshape(-1)  # (W * L * A,)
     k = min(n_valid, top_k * n_win)
     while True:
-        top = np.argpartition(flat, flat.size - k)[flat.size - k :]  # (k,) the k largest, unordered
-        top = top[np.argsort(-flat[top], kind="stable")]  # best first
+        if k == 1:
+            top = np.array([flat.argmax()])  # (1,)
+        else:
+            top = np.argpartition(flat, flat.size - k)[flat.size - k :]  # (k,) the k largest, unordered
+            top = top[np.argsort(-flat[top], kind="stable")]  # best first
         answers: list[Answer] = []
         seen: set[tuple[int, int]] = set()
         for value, index in zip(flat[top].tolist(), top.tolist(), strict=True):
             w, rem = divmod(index, seq * band)
             s, a = divmod(rem, band)
-            cs, ce = int(char_start[w, s]), int(char_end[w, s + a])
+            cs, ce = int(chars[w, s, 0]), int(chars[w, s + a, 1])
             while cs < ce - 1 and context[cs].isspace():  # byte-level BPE: a token's span holds its space
                 cs += 1
             if (cs, ce) in seen:
@@ -209,10 +206,10 @@ def decode_spans(
             answers.append(
                 Answer(
                     text=context[cs:ce],
-                    score=min(1.0, math.exp(value)),
+                    score=min(1.0, math.exp(value - log_norm)),
                     start=cs,
                     end=ce,
-                    logit_score=float(logit[w, s, a]),
+                    logit_score=value,
                 )
             )
             if len(answers) == top_k:

@@ -297,3 +297,7 @@ def test_decode_encoded_groups_examples_and_rejects_bad_logits(tok):
         decode_spans([w], [torch.zeros(w.num_tokens)], [torch.zeros(w.num_tokens)], contexts[1], top_k=0)
     with pytest.raises(ValueError, match="one example"):
         decode_spans(enc.windows, start, end, contexts[0])
+    first = [w for w in enc.windows if w.example_index == 0]
+    rows = [torch.zeros(x.num_tokens) for x in first]
+    with pytest.raises(ValueError, match=r"window 0 has offsets up to \d+, outside the context \(10 chars\)"):
+        decode_spans(first, rows, rows, contexts[0][:10])  # every window ends past 10 chars: the first named

@@ -376,11 +376,17 @@ def bench_server(
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
         api = _api_pids(port)  # --api-workers: its API processes (HTTP, tokenizing, decoding)
         marks: list[tuple[float, float, float]] = []  # CPU seconds: server process, API processes, workers
-        timer = threading.Timer(args.warmup_s, lambda: marks.append(cpu_seconds(proc.pid, api=api)))
-        timer.start()
+        # at the measured window's two ends, as the answers counted are those that end inside it (not
+        # after drive returns: the answers still in flight at the end are not counted)
+        timers = [
+            threading.Timer(at, lambda: marks.append(cpu_seconds(proc.pid, api=api)))
+            for at in (args.warmup_s, args.warmup_s + args.duration_s)
+        ]
+        for timer in timers:
+            timer.start()
         result = drive(port, pairs, args, name, note)
-        timer.cancel()
-        marks.append(cpu_seconds(proc.pid, api=api))
+        for timer in timers:
+            timer.join()
         if len(marks) == 2 and result.completed:
             (own0, api0, kids0), (own1, api1, kids1) = marks
             per_q = 1000 / result.completed

@@ -46,7 +46,10 @@ def closed_loop(
     port: int, bodies: list[bytes], *, clients: int, warmup_s: float, duration_s: float
 ) -> list[tuple[float, int]]:
     """``clients`` connections posting ``bodies`` in turn for ``warmup_s + duration_s``: the (latency
-    s, status) of each answer that started after the warm-up and ended within the measured window."""
+    s, status) of each answer that ended within the measured window, so ``len / duration_s`` is the
+    completion rate, as the raw rows count whole passes. Counting only answers that also started in
+    the window left out one answer per client (those in flight at its start): ``clients / rate``
+    seconds' worth, 5 % of a 20-s window at 32 clients and 1 s latency."""
     out: list[tuple[float, int]] = []
 
     async def client(counter: itertools.count, t_measure: float, t_stop: float) -> None:
@@ -55,7 +58,7 @@ def closed_loop(
             while (t0 := time.perf_counter()) < t_stop:
                 status, _ = await post_qa(reader, writer, bodies[next(counter) % len(bodies)])
                 t1 = time.perf_counter()
-                if t0 >= t_measure and t1 <= t_stop:
+                if t_measure <= t1 <= t_stop:
                     out.append((t1 - t0, status))
         finally:
             writer.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -288,3 +289,34 @@ def test_open_loop_client_answers_every_query_when_the_server_drops_kept_alive_c
     assert [s for s, _ in answers] == [200] * 12 and sorted(served) == sorted(
         b'{"q": %d}' % i for i in range(12)
     )
+
+
+def test_closed_loop_counts_every_answer_that_ends_in_the_window():
+    """Throughput is completions per second: an answer in flight when the window opens counts when it
+    ends inside it. A server answering in 0.3 s, 4 clients, window [0.15, 1.05] s: answers end at 0.3,
+    0.6 and 0.9 s on each connection, 12 in all (8 if only answers started in the window counted)."""
+    import asyncio
+    import threading
+
+    import http_load
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]))
+                await asyncio.sleep(0.3)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        out = http_load.closed_loop(
+            server.sockets[0].getsockname()[1], [b"{}"], clients=4, warmup_s=0.15, duration_s=0.9
+        )
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert len(out) == 12 and {status for _, status in out} == {200}
+    assert all(0.29 <= latency < 0.45 for latency, _ in out)

@@ -319,4 +319,3 @@ def test_closed_loop_counts_every_answer_that_ends_in_the_window():
     finally:
         loop.call_soon_threadsafe(loop.stop)
     assert len(out) == 12 and {status for _, status in out} == {200}
-    assert all(0.29 <= latency < 0.45 for latency, _ in out)

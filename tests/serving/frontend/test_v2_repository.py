@@ -193,12 +193,14 @@ def test_repository_routes_need_the_admin_token_and_answer_v2_errors() -> None:
 
 
 def test_each_model_has_its_own_queue_a_burst_of_one_does_not_starve_the_other() -> None:
-    """Model a's queue is full (429); model b's request is still admitted: separate admission per model."""
+    """Model a's queue is full (429); model b's request is still admitted: separate admission per model.
+    One window per micro-batch: a holds at most 2 gangs x 2 batches in flight + 2 queued, so 10
+    requests overflow however they arrive (with 6, requests that trickled in were all admitted)."""
     factory = FakeFactory()
-    with serving(factory, model=TWO, max_queue_size=2) as (client, _):
+    with serving(factory, model=TWO, max_queue_size=2, max_batch_size=1) as (client, _):
         factory.gate.clear()  # every gang holds its batches: a's queue fills
-        with ThreadPoolExecutor(8) as pool:
-            held = [pool.submit(ask, client, model="a") for _ in range(6)]
+        with ThreadPoolExecutor(12) as pool:
+            held = [pool.submit(ask, client, model="a") for _ in range(10)]
             wait_until(lambda: any(f.done() for f in held), what="a 429")
             assert any(f.result().status_code == 429 for f in held if f.done())
             other = pool.submit(ask, client, model="b")

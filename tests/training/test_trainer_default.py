@@ -81,17 +81,17 @@ needs_bf16_units = pytest.mark.skipif(
 only_emulated_bf16 = pytest.mark.skipif(NATIVE_BF16, reason="bf16 units: the 1000-question check runs")
 
 
+def pool_questions(squad_dir, n: int, dtype: str) -> EvalConfig:
+    """The default model on the first ``n`` questions of the development pool, in ``dtype``."""
+    data = str(squad_dir / "squad-v1.1-train-pool.json")
+    return EvalConfig(model="default", data=data, max_examples=n, dtype=dtype)
+
+
 @pytest.fixture(scope="module")
 def fp32_slice(squad_dir) -> tuple[list[SquadExample], dict[str, str]]:
     """fp32's answers to the slice's questions, once for the module (the emulated-bf16 check scores
     its first questions from them)."""
-    cfg = EvalConfig(
-        model="default",
-        data=str(squad_dir / "squad-v1.1-train-pool.json"),
-        max_examples=SLICE,
-        dtype="float32",
-    )
-    return predict_answers(cfg, show_progress=False)
+    return predict_answers(pool_questions(squad_dir, SLICE, "float32"), show_progress=False)
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_units)])
@@ -103,13 +103,7 @@ def test_default_model_scores_its_stated_slice_figure(squad_dir, fp32_slice, dty
     if dtype == "float32":
         got = evaluate(*fp32_slice)
     else:
-        cfg = EvalConfig(
-            model="default",
-            data=str(squad_dir / "squad-v1.1-train-pool.json"),
-            max_examples=SLICE,
-            dtype=dtype,
-        )
-        got = evaluate_model(cfg, show_progress=False)
+        got = evaluate_model(pool_questions(squad_dir, SLICE, dtype), show_progress=False)
     assert got["total"] == want["total"] == SLICE
     if dtype == "float32":
         assert got["exact"] == pytest.approx(want["exact"], abs=0.1), got
@@ -127,11 +121,7 @@ def test_emulated_bf16_stays_near_fp32(squad_dir, fp32_slice):
     """On a CPU without bf16 units, where the 1000-question bf16 check is skipped: the bf16 eval path
     end to end on the first 250 questions, against fp32's answers to the same ones (AMD EPYC Zen 3,
     AVX2: one answer of 250 changed, F1 86.07 vs 86.47)."""
-    data = str(squad_dir / "squad-v1.1-train-pool.json")
-    bf16 = evaluate_model(
-        EvalConfig(model="default", data=data, max_examples=EMULATED_SLICE, dtype="bfloat16"),
-        show_progress=False,
-    )
+    bf16 = evaluate_model(pool_questions(squad_dir, EMULATED_SLICE, "bfloat16"), show_progress=False)
     examples, answers = fp32_slice
     fp32 = evaluate(examples[:EMULATED_SLICE], answers)
     assert fp32["total"] == bf16["total"] == EMULATED_SLICE

@@ -160,7 +160,10 @@ def test_bf16_gang_stays_within_the_stated_bound(name, pp, tp):
     assert result.dtype == "bfloat16" and result.tolerance == TOLERANCES["bfloat16"] == 0.25
     assert result.passed, result
     assert result.max_abs > 1e-4  # bf16 really ran (fp32 would agree to ~1e-6)
-    assert result.span_change_fraction <= 0.25, result
+    # No bound on best-span changes here: on random weights a window's best span often leads by less
+    # than bf16's rounding (tiny-albert on an AVX512-BF16 Zen 4: 2 or 3 of 11 windows moved, run to
+    # run, at max |diff| 0.023-0.024). bf16's accuracy is held by F1 on the real model instead
+    # (tests/training/test_trainer_default.py).
 
 
 def test_fp32_gang_within_1e_4():

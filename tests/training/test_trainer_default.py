@@ -28,14 +28,13 @@ from models.encoder import EncoderForQA
 from models.hf_weights import load_weights
 from models.registry import DEFAULT_OVERLAY_DIR, resolve_model
 from partitioner.precision import cpu_capabilities
-from training.evaluate import EvalConfig, evaluate_model, predict_answers
+from training.evaluate import evaluate_model
 from training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES
-from training.squad_data import SquadExample
 from training.squad_metrics import evaluate
 
 OVERLAYS = sorted(DEFAULT_OVERLAY_DIR.glob("*.safetensors"))
 pytestmark = pytest.mark.skipif(not OVERLAYS, reason="no shipped default overlay")
-SLICE = 1000  # the first questions of the pool, re-measured here
+SLICE = 1000  # the first questions of the pool, re-measured here (what fp32_pool_answers answers)
 
 
 def stated() -> dict[str, Any]:
@@ -81,29 +80,16 @@ needs_bf16_units = pytest.mark.skipif(
 only_emulated_bf16 = pytest.mark.skipif(NATIVE_BF16, reason="bf16 units: the 1000-question check runs")
 
 
-def pool_questions(squad_dir, n: int, dtype: str) -> EvalConfig:
-    """The default model on the first ``n`` questions of the development pool, in ``dtype``."""
-    data = str(squad_dir / "squad-v1.1-train-pool.json")
-    return EvalConfig(model="default", data=data, max_examples=n, dtype=dtype)
-
-
-@pytest.fixture(scope="module")
-def fp32_slice(squad_dir) -> tuple[list[SquadExample], dict[str, str]]:
-    """fp32's answers to the slice's questions, once for the module (the emulated-bf16 check scores
-    its first questions from them)."""
-    return predict_answers(pool_questions(squad_dir, SLICE, "float32"), show_progress=False)
-
-
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_units)])
-def test_default_model_scores_its_stated_slice_figure(squad_dir, fp32_slice, dtype):
+def test_default_model_scores_its_stated_slice_figure(pool_questions, fp32_pool_answers, dtype):
     """What ``shardserve eval --model default --max-examples 1000`` gives for the shipped file is the
     stated fp32 figure (EM/F1 within 0.1); bf16 (the default on CPUs with bf16 units) is within
     0.3 F1 of it - reduced precision is part of the accuracy contract."""
     want = stated()["metrics"]["slice_fp32"]
     if dtype == "float32":
-        got = evaluate(*fp32_slice)
+        got = evaluate(*fp32_pool_answers)
     else:
-        got = evaluate_model(pool_questions(squad_dir, SLICE, dtype), show_progress=False)
+        got = evaluate_model(pool_questions(SLICE, dtype), show_progress=False)
     assert got["total"] == want["total"] == SLICE
     if dtype == "float32":
         assert got["exact"] == pytest.approx(want["exact"], abs=0.1), got
@@ -117,12 +103,12 @@ EMULATED_SLICE = 250  # the bf16 check on a CPU without bf16 units (emulated: 66
 
 
 @only_emulated_bf16
-def test_emulated_bf16_stays_near_fp32(squad_dir, fp32_slice):
+def test_emulated_bf16_stays_near_fp32(pool_questions, fp32_pool_answers):
     """On a CPU without bf16 units, where the 1000-question bf16 check is skipped: the bf16 eval path
     end to end on the first 250 questions, against fp32's answers to the same ones (AMD EPYC Zen 3,
     AVX2: one answer of 250 changed, F1 86.07 vs 86.47)."""
-    bf16 = evaluate_model(pool_questions(squad_dir, EMULATED_SLICE, "bfloat16"), show_progress=False)
-    examples, answers = fp32_slice
+    bf16 = evaluate_model(pool_questions(EMULATED_SLICE, "bfloat16"), show_progress=False)
+    examples, answers = fp32_pool_answers
     fp32 = evaluate(examples[:EMULATED_SLICE], answers)
     assert fp32["total"] == bf16["total"] == EMULATED_SLICE
     assert abs(bf16["f1"] - fp32["f1"]) <= 1.0 and abs(bf16["exact"] - fp32["exact"]) <= 1.0, (fp32, bf16)

@@ -19,8 +19,9 @@ benchmark issues them):
   answers scored with the project's SQuAD metric (``training.squad_metrics.evaluate``: exact match
   and F1).
 
-The raw forward (``bench_serving.py``'s part (a): the unpartitioned model, batches of 32 windows, no
-HTTP, the better of one process with every core and one process per core) gives the ratio
+The raw forward (``bench_serving.py``'s part (a): the unpartitioned model, no HTTP, the best of one
+process with every core at batches of 32 windows and one process per core at batches of 32 and of
+``SMALL_BATCH``) gives the ratio
 shardserve Offline / raw. Servers: ``shardserve serve`` with its default flags (plus each
 ``--serve-arg``), and ``bench_serving.py``'s naive FastAPI server (one request at a time,
 ``--naive-dtype``, fp32 by default: what a user writes).
@@ -49,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import machine_info, raw_in_subprocess
+from bench_serving import SMALL_BATCH, machine_info, raw_in_subprocess
 from http_load import OpenLoopClient
 
 from loadtest.local_server import free_port, stop, wait_ready
@@ -429,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = info["dtype"]
         runs = [raw_in_subprocess(ns, procs=1, threads=args.cores, batch_size=32, duration_s=args.duration_s / 2,
                                   name=f"raw batched {dtype}, 1 proc", dtype=dtype)]  # fmt: skip
-        if args.cores > 1:
-            runs.append(raw_in_subprocess(ns, procs=args.cores, threads=1, batch_size=32, duration_s=args.duration_s / 2,
-                                          name=f"raw batched {dtype}, {args.cores} procs", dtype=dtype))  # fmt: skip
+        for batch in (32, SMALL_BATCH) if args.cores > 1 else ():
+            runs.append(raw_in_subprocess(ns, procs=args.cores, threads=1, batch_size=batch, duration_s=args.duration_s / 2,
+                                          name=f"raw batch {batch} {dtype}, {args.cores} procs", dtype=dtype))  # fmt: skip
         raw = max(runs, key=lambda r: r.questions_per_s)
     report(results, raw, slo_ms=slo_ms, info=info, args=args)
     if args.json:

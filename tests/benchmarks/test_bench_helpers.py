@@ -85,6 +85,10 @@ def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
         bench_serving.ratio_lines(rows)
     )
     assert "ONNX Runtime best accurate raw (d, fp32) [(d) ONNX Runtime fp32, batch 32]: 2.25x" in text
+    rows.append(_result("(a3) raw batch 8 float32, 2 procs", 64.0))  # and so can small batches
+    assert "raw forward limit (a) [(a3) raw batch 8 float32, 2 procs]: 0.70x" in "\n".join(
+        bench_serving.ratio_lines(rows)
+    )
 
 
 def test_ceiling_line_charges_the_server_process_cpu_to_the_cores():

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from models.build import build_model
-from models.encoder import SelfAttention, expand_mask
+from models.encoder import PaddedLayout, SelfAttention, expand_mask
 from models.registry import resolve_model
 from partitioner import precision
 from partitioner.plan import ParallelDims
@@ -116,7 +116,7 @@ def test_sdpa_attention_equals_explicit_softmax_in_fp32():
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[1, 6:] = 0
     mask[2, 2:] = 0
-    got = attn(x, expand_mask(mask))
+    got = attn(x, PaddedLayout(expand_mask(mask)))
     b, s, _ = x.shape
     d = attn.head_dim
 

@@ -143,17 +143,15 @@ class PackedLayout:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float
     ) -> torch.Tensor:
-        # q, k, v: (T, heads_local * D) -> (T, heads_local * D)
-        out = []
-        for qs, ks, vs in zip(*(t.split(self.lengths) for t in (q, k, v)), strict=True):
-            n = qs.shape[0]
-
-            def heads(t: torch.Tensor, n: int = n) -> torch.Tensor:
-                return t.view(1, n, -1, head_dim).transpose(1, 2)  # (1, heads_local, n, D)
-
-            ctx = F.scaled_dot_product_attention(heads(qs), heads(ks), heads(vs), dropout_p=dropout_p)
-            out.append(ctx.transpose(1, 2).reshape(n, -1))
-        return torch.cat(out)
+        # q, k, v: (T, heads_local * D) -> (T, heads_local * D); each sequence a padded batch of one
+        unmasked = PaddedLayout(None)
+        per_sequence = zip(*(t.split(self.lengths) for t in (q, k, v)), strict=True)
+        return torch.cat(
+            [
+                unmasked.attend(qs[None], ks[None], vs[None], head_dim, dropout_p)[0]
+                for qs, ks, vs in per_sequence
+            ]
+        )
 
 
 AttentionLayout = PaddedLayout | PackedLayout

@@ -11,6 +11,11 @@ mask and the relative positions from the padding mask, as transformers' encoder 
 
 Under tensor parallelism each rank's attention holds num_heads / tp heads, and projects the
 relative-position table through its own slice of the key/query projections.
+
+Inference runs padded, never packed (``models/packing.py``): transformers' attention module projects
+the relative-position table (2 x 256 rows) through the key and query projections on every call, so
+calling it once per sequence cost more than the padding it skips (11 % slower on the server's
+micro-batches, docs/benchmarks.md, "Packed inference for the families").
 """
 
 from __future__ import annotations

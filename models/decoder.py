@@ -3,7 +3,8 @@
 ``DecoderForQA`` (``models/hf_family.py`` builds it from the family's data) holds the token table
 as ``embeddings.word_embeddings``, transformers' decoder layers, and, on the last stage, the final
 norm and the span head. Each pipeline stage makes its own causal (or sliding-window, as the config
-says per layer) mask and rotary angles from the padding mask, as transformers' model does:
+says per layer) mask and rotary angles from the padding mask, as transformers' model does (a packed
+batch, ``models/packing.py``: each sequence's own mask and positions):
 
     model = DecoderForQA(resolve_model("tiny-llama").config)
     logits = model(input_ids, attention_mask)         # (B, S, 2) fp32
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from models.hf_family import HFFamilyForQA
+from models.packing import attention_layout
 
 
 class TokenEmbeddings(nn.Module):
@@ -50,8 +52,7 @@ class DecoderForQA(HFFamilyForQA):
     def fresh_buffers(self) -> None:
         self.fresh_rotary()
 
-    def _masks(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        """Each attention kind's mask (None where SDPA's own causal flag does), as transformers makes it."""
+    def masks(self, x: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         makers = {
@@ -62,7 +63,7 @@ class DecoderForQA(HFFamilyForQA):
         # (config, inputs_embeds, attention_mask, cache) by position: the cache argument was named
         # past_key_values until transformers 5.2x, cache after
         args = (self.hf_config, x, attention_mask, None)
-        return {kind: makers[kind](*args, position_ids=position_ids) for kind in kinds}
+        return {kind: makers[kind](*args, position_ids=positions) for kind in kinds}
 
     def forward(
         self, x: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
@@ -71,15 +72,15 @@ class DecoderForQA(HFFamilyForQA):
         Returns (B, S, 2) fp32 span logits when ``qa_outputs`` is present, else (B, S, H)."""
         if self.embeddings is not None:
             x = self.embeddings(x)  # (B, S, H)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, S): windows are right-padded
-        masks = self._masks(x, attention_mask, positions)
-        angles = self.rotary(x, positions)  # (cos, sin), each (1, S, D)
+        layout = attention_layout(attention_mask, training=self.training)
+        x, positions = self.pack(x, layout)  # (B, S, H), (1, S) or packed (1, T, H), (1, T)
+        attention = self.attention_by_kind(x, attention_mask, positions, layout)
+        angles = self.rotary(x, positions)  # (cos, sin), each (1, S|T, D)
         for key, block in self.layers.items():
             x = block(
-                x, attention_mask=masks[self.attention_kinds[int(key)]], position_embeddings=angles,
-                position_ids=positions,
+                x, position_embeddings=angles, position_ids=positions, **attention[self.attention_kinds[int(key)]]
             )  # fmt: skip
         if self.qa_outputs is not None:
             assert self.final_norm is not None
-            x = self.head(self.final_norm(x))  # (B, S, 2) fp32
-        return x
+            x = self.head(self.final_norm(x))  # (..., 2) fp32
+        return self.unpack(x, layout)  # (B, S, H|2)

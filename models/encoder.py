@@ -14,26 +14,18 @@ versions; ``forward`` then maps whatever it receives through whatever parts it s
     model = EncoderForQA(config)
     start_logits, end_logits = model.qa_logits(input_ids, attention_mask)   # each (B, S)
 
-Inference on the CPU runs a padded batch packed (``attention_layout``): the layers see only the real
-tokens, (T, H), and each sequence attends to itself alone, without a mask. On the server's micro-
-batches of the default model (7 % padding), packing the Linear layers alone gained nothing, attention
-per sequence 3 %, both 6 %; the server answered 7-9 % more questions per second (docs/benchmarks.md,
-"Packed inference"). Training, CUDA (one attention call per sequence would be one kernel launch
-each), ``torch.compile`` and int8 calibration (``padded_inference``) keep the padded layout; a batch
-without padding runs unmasked.
+Inference on the CPU runs a padded batch packed: the layers see only the real tokens, (T, H), and
+each sequence attends to itself alone (``models/packing.py`` chooses and owns the layouts).
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.config import EncoderConfig
+from models.packing import AttentionLayout, attention_layout
 from models.span_model import SpanModel
 
 
@@ -95,68 +87,6 @@ class Embeddings(nn.Module):
         return x if self.project is None else self.project(x)  # (B, S, H)
 
 
-class PaddedLayout:
-    """Attention over a padded batch: tensors (B, S, ...) and ``mask`` (B, 1, 1, S) bool, True =
-    attend, or None where no token is padding (the unmasked kernel)."""
-
-    def __init__(self, mask: torch.Tensor | None) -> None:
-        self.mask = mask
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float
-    ) -> torch.Tensor:
-        # q, k, v: (B, S, heads_local * D) -> (B, S, heads_local * D)
-        b, s, _ = q.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, -1, head_dim).transpose(1, 2)  # (B, heads_local, S, D)
-
-        ctx = F.scaled_dot_product_attention(
-            heads(q), heads(k), heads(v), attn_mask=self.mask, dropout_p=dropout_p
-        )
-        return ctx.transpose(1, 2).reshape(b, s, -1)
-
-
-class PackedLayout:
-    """Right-padded sequences packed without their padding: tensors (T, ...), T the real tokens of
-    the batch; each sequence attends to itself alone (one unmasked attention call per sequence)."""
-
-    def __init__(self, attention_mask: torch.Tensor, lengths: list[int]) -> None:
-        self.shape = attention_mask.shape  # (B, S)
-        self.keep = attention_mask.reshape(-1).nonzero().squeeze(1)  # (T,) real tokens of the flat batch
-        self.lengths = lengths
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1]).index_select(0, self.keep)  # (B, S, C) -> (T, C)
-
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        # (T, C) -> (B, S, C), zeros at padding positions
-        full = x.new_zeros(self.shape.numel(), x.shape[-1]).index_copy_(0, self.keep, x)
-        return full.view(*self.shape, -1)
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float
-    ) -> torch.Tensor:
-        # q, k, v: (T, heads_local * D) -> (T, heads_local * D); each sequence a padded batch of one
-        unmasked = PaddedLayout(None)
-        per_sequence = zip(*(t.split(self.lengths) for t in (q, k, v)), strict=True)
-        return torch.cat(
-            [
-                unmasked.attend(qs[None], ks[None], vs[None], head_dim, dropout_p)[0]
-                for qs, ks, vs in per_sequence
-            ]
-        )
-
-
-AttentionLayout = PaddedLayout | PackedLayout
-
-
 class SelfAttention(nn.Module):
     """Multi-head self-attention. The number of heads is read off the projection's output width,
     so a column-parallel ``query``/``key``/``value`` holding num_heads/tp heads just works."""
@@ -206,43 +136,6 @@ class EncoderLayer(nn.Module):
         # x: (B, S, H) padded or (T, H) packed
         x = self.attention_norm(x + self.dropout(self.attention(x, layout)))
         return self.mlp_norm(x + self.dropout(self.mlp(x)))
-
-
-def expand_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, S) 1/0 padding mask -> (B, 1, 1, S) boolean mask for scaled_dot_product_attention."""
-    return attention_mask.bool()[:, None, None, :]
-
-
-_PACKING = contextvars.ContextVar("packing", default=True)
-
-
-@contextlib.contextmanager
-def padded_inference() -> Iterator[None]:
-    """Inference in the padded layout inside this block. int8 calibration runs so: padding's hidden
-    states widen the recorded ranges, and calibrated on real tokens alone the int8 model kept 97.7 %
-    of fp32's F1 instead of 100.1 % (300 pool questions, docs/benchmarks.md, "Packed inference")."""
-    token = _PACKING.set(False)
-    try:
-        yield
-    finally:
-        _PACKING.reset(token)
-
-
-def attention_layout(attention_mask: torch.Tensor, *, training: bool) -> AttentionLayout:
-    """How a batch with this (B, S) 1/0 mask runs: packed for inference on the CPU when it has
-    padding and every sequence is right-padded (one attention call per sequence costs little there),
-    unmasked when it has no padding; else (training, CUDA, ``torch.compile``, left padding,
-    ``padded_inference``) padded and masked, as a model without this choice would run it."""
-    cpu = attention_mask.device.type == "cpu"
-    if training or not cpu or torch.compiler.is_compiling() or not _PACKING.get():
-        return PaddedLayout(expand_mask(attention_mask))
-    real = attention_mask.bool()  # (B, S)
-    if bool(real.all()):
-        return PaddedLayout(None)
-    lengths = real.sum(dim=1)  # (B,)
-    if not torch.equal(real, torch.arange(real.shape[1]) < lengths[:, None]):  # not right-padded
-        return PaddedLayout(expand_mask(attention_mask))
-    return PackedLayout(attention_mask, lengths.tolist())
 
 
 class EncoderForQA(SpanModel):

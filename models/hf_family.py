@@ -10,6 +10,12 @@ index) and ``qa_outputs``; each family's subclass threads the hidden states thro
 a pipeline stage still holds (``models/decoder.py``: Llama, Qwen2, Mistral; ``models/deberta.py``:
 DeBERTa-v2/v3; ``models/modernbert.py``: ModernBERT). Checkpoint names follow from the same data (``Family.checkpoint_name``).
 
+A packed batch (``models/packing.py``: inference on the CPU) reaches the layers as a batch of one,
+(1, T, H), with each token's position in its own sequence; the decoders' and ModernBERT's attention
+kernel (``models/hf_attention.py``) attends within each sequence with the mask the family's own
+makers build for that sequence alone (``attention_by_kind``). DeBERTa runs padded
+(``models/deberta.py`` says why).
+
     model = new_model(resolve_model("tiny-llama").config)    # models.build
     model.layers["3"]                                          # transformers' LlamaDecoderLayer
 """
@@ -22,6 +28,8 @@ import torch
 from torch import nn
 
 from models.config import EncoderConfig
+from models.hf_attention import KERNEL, PackedSequences, register
+from models.packing import AttentionLayout, PackedLayout
 from models.span_model import SpanModel
 
 _DECODER_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -44,7 +52,7 @@ class Family:
     names: tuple[tuple[str, str], ...] = ()  # shardserve's name prefix -> the checkpoint's (besides layers)
     qa_head: str = "qa_outputs"  # the span classifier's attribute in the QA class
     outside: tuple[str, ...] = ("qa_outputs.",)  # shardserve's prefixes of parts outside the base model
-    kernel: str = "sdpa"  # transformers' attention implementation ("eager": the family's own code)
+    kernel: str = KERNEL  # transformers' attention implementation ("eager": the family's own code)
 
     def checkpoint_name(self, canonical: str) -> str:
         """shardserve's parameter name -> the checkpoint's, without the base model's prefix."""
@@ -105,6 +113,7 @@ def hf_config(config: EncoderConfig):
     if isinstance(fields.get("layer_types"), list):
         fields["layer_types"] = fields["layer_types"][: config.num_layers]
     cfg = transformers.AutoConfig.for_model(model_type, **fields)
+    register()
     cfg._attn_implementation = FAMILIES[config.arch].kernel
     return cfg
 
@@ -132,6 +141,43 @@ class HFFamilyForQA(SpanModel):
         """Keep the parts besides the layers and the span classifier (embeddings, norms, position
         tables) of the QA model ``qa`` and its base model ``base``."""
         raise NotImplementedError
+
+    def masks(self, x: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Each attention kind's mask of a (B, S) padded batch, as the family's transformers model
+        makes it (None where SDPA needs none); ``x`` (B, S, ...) gives the shape, dtype and device."""
+        raise NotImplementedError
+
+    def attention_by_kind(
+        self, x: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, layout: AttentionLayout
+    ) -> dict[str, dict]:
+        """Each attention kind's arguments to a layer: a padded batch's mask; for a packed batch no
+        mask, and each sequence's own (``packed_sequences``, from ``masks`` of the sequence alone)."""
+        if not isinstance(layout, PackedLayout):
+            return {kind: {"attention_mask": m} for kind, m in self.masks(x, attention_mask, positions).items()}
+        alone = {}
+        for n in set(layout.lengths):
+            ones = torch.ones(1, n, dtype=torch.long, device=x.device)
+            alone[n] = self.masks(x.new_empty(1, n, 1), ones, torch.arange(n, device=x.device)[None])
+        return {
+            kind: {
+                "attention_mask": None,
+                "packed_sequences": PackedSequences(layout.lengths, [alone[n][kind] for n in layout.lengths]),
+            }
+            for kind in alone[layout.lengths[0]]
+        }
+
+    @staticmethod
+    def pack(x: torch.Tensor, layout: AttentionLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S, H) -> the layers' input and positions: (B, S, H) and (1, S) padded, (1, T, H) and
+        (1, T) packed (a batch of one holding every sequence's real tokens)."""
+        if isinstance(layout, PackedLayout):
+            return layout.pack(x)[None], layout.positions()[None]
+        return x, torch.arange(x.shape[1], device=x.device)[None]  # windows are right-padded
+
+    @staticmethod
+    def unpack(x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+        """The layers' output back to (B, S, C), zeros at the padding positions of a packed batch."""
+        return layout.unpack(x[0]) if isinstance(layout, PackedLayout) else x
 
     def fresh_buffers(self) -> None:
         """Recompute the non-checkpoint buffers (position tables) after ``to_empty`` or a cast."""

@@ -5,8 +5,9 @@ global attention every few layers with local (sliding-window) attention between,
 embeddings (token table + norm), its layers, and on the last stage the final norm, the prediction
 head (dense, activation, norm) and the span classifier (``qa_outputs``). Each stage makes its own
 bidirectional masks (global and sliding-window) and rotary angles per attention kind from the
-padding mask, as transformers' model does; a window may be as long as the model's positions (8192
-for the released checkpoints):
+padding mask, as transformers' model does (a packed batch, ``models/packing.py``: each sequence's
+own masks and positions); a window may be as long as the model's positions (8192 for the released
+checkpoints):
 
     model = ModernBertForQA(resolve_model("tiny-modernbert").config)
     logits = model(input_ids, attention_mask)         # (B, S, 2) fp32
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from models.hf_family import HFFamilyForQA
+from models.packing import attention_layout
 
 
 class ModernBertForQA(HFFamilyForQA):
@@ -38,31 +40,35 @@ class ModernBertForQA(HFFamilyForQA):
     def fresh_buffers(self) -> None:
         self.fresh_rotary()  # one table per attention kind
 
-    def forward(
-        self, x: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x: (B, S) token ids when ``embeddings`` is present, else (B, S, H) hidden states.
-        Returns (B, S, 2) fp32 span logits when ``qa_outputs`` is present, else (B, S, H)."""
+    def masks(self, x: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
         from transformers.masking_utils import (
             create_bidirectional_mask,
             create_bidirectional_sliding_window_mask,
         )
 
-        if self.embeddings is not None:
-            x = self.embeddings(input_ids=x)  # (B, S, H)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, S)
-        kinds = {block.attention_type for block in self.layers.values()}
         makers = {
             "full_attention": create_bidirectional_mask,
             "sliding_attention": create_bidirectional_sliding_window_mask,
         }
+        kinds = {block.attention_type for block in self.layers.values()}
         kw = dict(config=self.hf_config, inputs_embeds=x, attention_mask=attention_mask)
-        masks = {kind: makers[kind](**kw) for kind in kinds}
-        angles = {kind: self.rotary(x, positions, kind) for kind in kinds}  # (cos, sin), each (1, S, D)
+        return {kind: makers[kind](**kw) for kind in kinds}
+
+    def forward(
+        self, x: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: (B, S) token ids when ``embeddings`` is present, else (B, S, H) hidden states.
+        Returns (B, S, 2) fp32 span logits when ``qa_outputs`` is present, else (B, S, H)."""
+        if self.embeddings is not None:
+            x = self.embeddings(input_ids=x)  # (B, S, H)
+        layout = attention_layout(attention_mask, training=self.training)
+        x, positions = self.pack(x, layout)  # (B, S, H), (1, S) or packed (1, T, H), (1, T)
+        attention = self.attention_by_kind(x, attention_mask, positions, layout)
+        angles = {kind: self.rotary(x, positions, kind) for kind in attention}  # (cos, sin), each (1, S|T, D)
         for block in self.layers.values():
             kind = block.attention_type
-            x = block(x, attention_mask=masks[kind], position_embeddings=angles[kind])
+            x = block(x, position_embeddings=angles[kind], **attention[kind])
         if self.qa_outputs is not None:
             assert self.final_norm is not None and self.head_transform is not None
-            x = self.head(self.head_transform(self.final_norm(x)))  # (B, S, 2) fp32
-        return x
+            x = self.head(self.head_transform(self.final_norm(x)))  # (..., 2) fp32
+        return self.unpack(x, layout)  # (B, S, H|2)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.encoder import padded_inference
+from models.packing import padded_inference
 from models.registry import MODEL_NAMES, ModelSource, cache_dir
 from partitioner.collectives import reduce_from_tp
 from partitioner.precision import cpu_capabilities
@@ -135,7 +135,7 @@ def calibrate(
         hooks = [lin.register_forward_pre_hook(make(name)) for name, lin in targets.items()]
         try:
             for batch in batches:
-                with padded_inference():  # the ranges as padded batches see them (models/encoder.py)
+                with padded_inference():  # the ranges as padded batches see them (models/packing.py)
                     model(*batch)
                 if on_batch is not None:
                     on_batch(int(batch[0].shape[0]))

@@ -1,8 +1,11 @@
-"""Text helpers the QA windowing and decoding tests share (their tokenizer fixture: conftest.py)."""
+"""Helpers the model tests share: text for the QA windowing and decoding tests (their tokenizer
+fixture: conftest.py), and right-padded batches for the packing tests."""
 
 from __future__ import annotations
 
 import unicodedata
+
+import torch
 
 from models.qa_windows import QAWindow
 
@@ -23,3 +26,10 @@ def _long_context(n_sentences: int = 40) -> str:
     return " ".join(
         f"Sentence {i} mentions {words[i % 10]} and {words[(3 * i) % 10]}." for i in range(n_sentences)
     )
+
+
+def right_padded(lengths: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids (B, S) and their right-padded attention mask (B, S)."""
+    ids = torch.randint(5, 100, (len(lengths), seq_len))
+    mask = (torch.arange(seq_len) < torch.tensor(lengths)[:, None]).long()
+    return ids.masked_fill(mask.eq(0), 0), mask

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from models.build import build_model
-from models.encoder import PackedLayout, PaddedLayout, attention_layout, expand_mask, padded_inference
+from models.packing import PaddedLayout, expand_mask
 from models.registry import resolve_model
+from tests.models.qa_fixtures import right_padded
 
 
 def test_a_one_type_model_ignores_the_segment_ids_of_a_bert_tokenizer() -> None:
@@ -24,34 +25,13 @@ def test_a_one_type_model_ignores_the_segment_ids_of_a_bert_tokenizer() -> None:
         assert torch.equal(model(ids, mask, types), model(ids, mask, None))
 
 
-def _right_padded(lengths: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids (B, S) and their right-padded attention mask (B, S)."""
-    ids = torch.randint(5, 100, (len(lengths), seq_len))
-    mask = (torch.arange(seq_len) < torch.tensor(lengths)[:, None]).long()
-    return ids.masked_fill(mask.eq(0), 0), mask
-
-
-def test_only_padded_right_padded_inference_batches_on_the_cpu_are_packed() -> None:
-    _, mask = _right_padded([7, 3, 10], 10)
-    layout = attention_layout(mask, training=False)
-    assert isinstance(layout, PackedLayout) and layout.lengths == [7, 3, 10]
-    assert isinstance(attention_layout(mask, training=True), PaddedLayout)  # training: as ever
-    with padded_inference():  # int8 calibration
-        assert isinstance(attention_layout(mask, training=False), PaddedLayout)
-    assert isinstance(attention_layout(mask, training=False), PackedLayout)
-    left = attention_layout(mask.flip(1), training=False)  # a sequence's tokens are not a prefix
-    assert isinstance(left, PaddedLayout) and left.mask is not None
-    full = attention_layout(torch.ones(2, 10, dtype=torch.long), training=False)
-    assert isinstance(full, PaddedLayout) and full.mask is None  # no padding: the unmasked kernel
-
-
 @pytest.mark.parametrize("name", ["tiny-bert", "tiny-roberta", "tiny-albert"])
 def test_a_packed_batch_gives_the_padded_batchs_logits(name: str) -> None:
     """Inference packs a padded batch (no padding reaches the layers); each sequence's logits are
     those of the padded forward (fp32), and of the sequence alone; padding positions are zeros."""
     torch.manual_seed(0)
     model = build_model(resolve_model(name)).eval()
-    ids, mask = _right_padded([12, 5, 9, 1], 12)
+    ids, mask = right_padded([12, 5, 9, 1], 12)
     with torch.inference_mode():
         packed = model(ids, mask)  # (B, S, 2)
         padded = model._layers_and_head(model.embeddings(ids), PaddedLayout(expand_mask(mask)))

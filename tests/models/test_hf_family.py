@@ -59,3 +59,42 @@ def test_modernbert_reads_a_long_window_in_one_piece():
     real = mask.bool()[0]
     assert (got[0, real, 0] - ref.start_logits[0, real]).abs().max() < 1e-4
     assert (got[0, real, 1] - ref.end_logits[0, real]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ON_TRANSFORMERS)
+def test_a_packed_batch_gives_the_padded_batchs_logits(name, monkeypatch):
+    """Inference packs a padded batch: attention runs once per sequence and layer, and each
+    sequence's logits are the padded forward's (fp32) and those of the sequence alone, past the
+    presets' 32-token sliding windows too; padding positions are zeros. DeBERTa runs padded (its
+    attention module projects the relative-position table on every call: packed was slower)."""
+    import transformers.integrations.sdpa_attention as sdpa
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
+
+    from models.build import build_model
+    from models.packing import padded_inference
+    from models.registry import resolve_model
+    from tests.models.qa_fixtures import right_padded
+
+    calls = []
+    real_sdpa = sdpa.sdpa_attention_forward
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real_sdpa(*a, **k))
+    real_deberta = DisentangledSelfAttention.forward  # DeBERTa's own (eager) attention
+    monkeypatch.setattr(DisentangledSelfAttention, "forward", lambda *a, **k: calls.append(1) or real_deberta(*a, **k))
+    torch.manual_seed(0)
+    model = build_model(resolve_model(name)).eval()
+    lengths = [70, 5, 41, 1]
+    ids, mask = right_padded(lengths, 70)
+    with torch.inference_mode():
+        packed = model(ids, mask)  # (B, S, 2)
+        packs = model.config.arch != "deberta-v2"
+        assert len(calls) == (len(lengths) if packs else 1) * len(model.layers)
+        with padded_inference():
+            padded = model(ids, mask)
+        alone = [model(ids[i : i + 1, :n], mask[i : i + 1, :n])[0] for i, n in enumerate(lengths)]
+    real = mask.bool()
+    assert padded[real].std() > 0.05  # logits carry signal, so the comparison bites
+    assert (packed - padded)[real].abs().max().item() < 1e-5
+    if packs:
+        assert packed[~real].abs().max().item() == 0.0
+    for i, want in enumerate(alone):
+        assert (packed[i, : want.shape[0]] - want).abs().max().item() < 1e-5

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from models.build import build_model
-from models.encoder import PaddedLayout, SelfAttention, expand_mask
+from models.encoder import SelfAttention
+from models.packing import PaddedLayout, expand_mask
 from models.registry import resolve_model
 from partitioner import precision
 from partitioner.plan import ParallelDims

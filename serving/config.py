@@ -122,7 +122,7 @@ class FleetConfig:
     network: GangNetwork | None = None  # where gangs listen, which ranks run elsewhere (None: all here)
     heartbeat_timeout_s: float = 1.5  # a rank silent this long is lost
     start_timeout_s: float = 300.0  # a gang not ready after this is failed
-    stall_timeout_s: float = 10.0  # a replica with work and no progress this long is failed
+    stall_timeout_s: float = 10.0  # a replica with work and no progress (batch or layer) this long is failed
     drain_timeout_s: float = 30.0  # a draining gang's in-flight work gets this long
     restart_backoff_s: float = 1.0  # pause before restarting a failed gang
     autoscale_interval_s: float = 0.5  # seconds between autoscaling decisions

@@ -14,7 +14,7 @@ logits are small; activations never pass here (they go rank to rank over torch.d
 Threads: on the driver, any thread may ``send`` (a lock guards the ROUTER) and ONE thread at a
 time reads with ``recv``; a heartbeat thread beats. On a rank, a receiver thread owns the DEALER
 (driver messages go to ``get()``), any thread may ``send`` (a lock guards the PUSH), and a
-heartbeat thread beats with the rank's ``progress`` / ``busy_since`` / ``busy_s`` and where it runs
+heartbeat thread beats with the rank's ``progress`` / ``busy_since`` / ``busy_s`` / ``steps`` and where it runs
 (host name, pid: the driver's ``where``, right even for a rank on another host).
 
 Health without process handles: both ends send a ``Heartbeat`` every ``heartbeat_s``. The driver
@@ -89,6 +89,7 @@ class DriverChannel:
         self.progress = [0] * world_size
         self.busy_since = [0.0] * world_size
         self.busy_s = [0.0] * world_size  # seconds each rank spent inside micro-batches (cumulative)
+        self.steps = [0] * world_size  # layers each rank has finished (progress inside a micro-batch)
         self.where: list[tuple[str, int] | None] = [None] * world_size  # (host, pid) each rank reports
         self._read_at: float | None = None  # when the reader last came for messages (silence is judged then)
         self._beater = threading.Thread(target=self._beat_loop, name="gang-driver-heartbeat", daemon=True)
@@ -140,6 +141,7 @@ class DriverChannel:
                     self.progress[msg.rank] = msg.progress
                     self.busy_since[msg.rank] = msg.busy_since
                     self.busy_s[msg.rank] = msg.busy_s
+                    self.steps[msg.rank] = msg.steps
                     if msg.pid:
                         self.where[msg.rank] = (msg.host, msg.pid)
                 continue
@@ -198,6 +200,7 @@ class RankChannel:
         self.progress = 0  # micro-batches finished (RankContext.micro_batch keeps it)
         self.busy_since = 0.0  # wall time the current micro-batch started, 0 when idle
         self.busy_s = 0.0  # seconds spent inside micro-batches so far
+        self.steps = 0  # layers finished (RankContext.count_layers keeps it)
         self._where = (socket.gethostname(), os.getpid())  # sent with every heartbeat
         self._ctx = zmq.Context()
         self._dealer = self._ctx.socket(zmq.DEALER)
@@ -266,7 +269,8 @@ class RankChannel:
     def _beat_loop(self) -> None:
         while not self._closing.wait(self.heartbeat_s):
             try:
-                self.send(Heartbeat(self.rank, self.progress, self.busy_since, self.busy_s, *self._where))
+                beat = Heartbeat(self.rank, self.progress, self.busy_since, self.busy_s, *self._where, self.steps)
+                self.send(beat)
             except zmq.ZMQError:
                 return  # closing
 

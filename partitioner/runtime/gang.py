@@ -319,6 +319,12 @@ class Gang:
         channel = self._channel
         return list(channel.busy_s) if channel is not None and self._started else []
 
+    def layer_steps(self) -> list[int]:
+        """Per rank: layers finished so far, as of its last heartbeat (progress inside a micro-batch;
+        zeros from ranks that do not count them); empty when not started."""
+        channel = self._channel
+        return list(channel.steps) if channel is not None and self._started else []
+
     def rank_processes(self) -> list[tuple[str, int] | None]:
         """Per rank: (host name, pid) as the rank itself reports them in its heartbeats (None until
         it is heard: not spawned, or an external rank not joined yet); empty when not started."""

@@ -53,6 +53,7 @@ class Heartbeat:
     busy_s: float = 0.0  # seconds spent inside micro-batches so far (per-stage busy time, bubbles)
     host: str = ""  # the sender's host name and process id: where the rank really runs ("" / 0:
     pid: int = 0  # the driver's beats), shown by the status page even for ranks on other hosts
+    steps: int = 0  # layers this rank has finished: progress inside a micro-batch (the stall verdict)
 
 
 DRIVER = -1  # Heartbeat.rank of the driver's heartbeats

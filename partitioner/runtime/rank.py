@@ -132,6 +132,18 @@ class RankContext:
             **flags,
         )
 
+    def count_layers(self, stage: torch.nn.Module) -> None:
+        """Count every layer of ``stage`` that finishes in this rank's heartbeats (``steps``): the
+        driver sees progress inside a micro-batch, so a slow one is not taken for a hang (a micro-
+        batch of a large model on one CPU thread may take longer than the stall timeout). Eager
+        stages only (a hook's side effect does not belong in a compiled graph)."""
+        unique = {id(layer): layer for layer in stage.layers.values()}  # ALBERT: one layer, many keys
+        for layer in unique.values():
+            layer.register_forward_hook(self._layer_done)
+
+    def _layer_done(self, *_: Any) -> None:
+        self.link.steps += 1
+
     @contextlib.contextmanager
     def micro_batch(self, n: int) -> Iterator[None]:
         """Around the computation of this rank's ``n``-th micro-batch (0-based): busy while inside

@@ -109,6 +109,9 @@ def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) ->
         for stage in stages:
             compile_stage(stage)
             info["compile_s"] += warm_up(stage, lengths=lengths, dtype=dtype, device=ctx.device)
+    else:
+        for stage in stages:
+            ctx.count_layers(stage)  # progress inside a micro-batch, in the heartbeats
     held = {m.name: _holding(stage) for m, stage in zip(table, stages, strict=True)}
     totals = {
         k: sum(h[k] for h in held.values())

@@ -114,6 +114,11 @@ def busy_seconds(backend: Backend) -> list[float] | None:
     return _probe(backend, "busy_seconds")
 
 
+def layer_steps(backend: Backend) -> list[int] | None:
+    """Per rank: layers finished so far (None when the backend cannot tell)."""
+    return _probe(backend, "layer_steps")
+
+
 @dataclass
 class ModelGeneration:
     """One loaded model: source, base plan, tokenizer (shared by every gang of the generation)."""

@@ -344,6 +344,9 @@ class GroupView:
     def busy_seconds(self) -> Any:
         return getattr(self._gang.backend, "busy_seconds", list)()
 
+    def layer_steps(self) -> Any:
+        return getattr(self._gang.backend, "layer_steps", list)()
+
     def stuck_ranks(self, after_s: float) -> Any:
         stuck = getattr(self._gang.backend, "stuck_ranks", None)
         return stuck(after_s) if stuck is not None else ([], "")

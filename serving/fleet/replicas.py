@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from partitioner.runtime.gang import GangError
-from serving.fleet.gangs import Backend, GangSource, ModelGeneration, busy_seconds, warm_up
+from serving.fleet.gangs import Backend, GangSource, ModelGeneration, busy_seconds, layer_steps, warm_up
 from serving.metrics import ModelMetrics
 from serving.redact import one_line, scrub_paths
 
@@ -98,8 +98,10 @@ class Replica:
     restarts: int = 0
     replaces: str | None = None
     # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
-    # to an idle gang (set by serving.engine.dispatcher, which sees both)
+    # to an idle gang (set by serving.engine.dispatcher, which sees both), or a layer finished on a
+    # rank (``steps_seen``: the ranks' layer counts at the last health check, which notes it)
     last_progress: float = field(default_factory=time.monotonic)
+    steps_seen: int = 0
 
     @property
     def inflight_batches(self) -> int:
@@ -431,12 +433,16 @@ class ReplicaManager:
     def check_health(self) -> None:
         """The one place a replica is judged failed: its gang reports a lost rank (it died, raised,
         or stopped beating for ``heartbeat_timeout_s``: ``Backend.healthy``), or it stalled: work in
-        flight and no micro-batch completed for ``stall_timeout_s`` (alive but hung), named by the
-        ranks' own progress (``stuck_ranks``, when the gang can tell)."""
+        flight and neither a micro-batch completed nor a layer finished on any rank for
+        ``stall_timeout_s`` (alive but hung; a micro-batch slower than that is still progress),
+        named by the ranks' own progress (``stuck_ranks``, when the gang can tell)."""
         now = time.monotonic()
         for r in list(self.replicas.values()):
             if r.state not in (ReplicaState.READY, ReplicaState.DRAINING) or r.backend is None:
                 continue
+            steps = sum(layer_steps(r.backend) or [])
+            if steps != r.steps_seen:
+                r.steps_seen, r.last_progress = steps, now
             if not r.backend.healthy:
                 err = getattr(r.backend, "error", None)
                 self.mark_failed(r, str(err) if err else "gang unhealthy")

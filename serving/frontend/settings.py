@@ -266,9 +266,9 @@ class ServeSettings(GangFlags, PlacementFlags):
     stall_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="a replica with work in flight and no progress this long is failed and its work "
-        "retried on another (it leaves readiness after half of it); must be below request_timeout_s "
-        "(default: a third of request_timeout_s)",
+        description="a replica with work in flight and no progress this long (no micro-batch completed, "
+        "no layer finished on any rank) is failed and its work retried on another (it leaves readiness "
+        "after half of it); must be below request_timeout_s (default: a third of request_timeout_s)",
     )
     heartbeat_timeout_s: float = Field(
         1.5,

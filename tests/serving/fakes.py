@@ -51,6 +51,7 @@ class FakeGang:
         batch_s: float = 0.0,
         host: str = "fake-host",
         report_busy: bool = False,
+        report_steps: bool = False,
         models: tuple[str, ...] = ("model",),
     ) -> None:
         self.name = name
@@ -64,6 +65,8 @@ class FakeGang:
         self.batch_s = batch_s  # compute time of every micro-batch after the warm-up
         self.report_busy = report_busy  # busy_seconds() answers, as a real gang's heartbeats do
         self.busy_s = 0.0
+        self.report_steps = report_steps  # layer_steps() answers: the layers its batches finished
+        self.steps = 0
         self.hung = threading.Event()  # set: no micro-batch completes any more (a SIGSTOPped rank)
         self.error: GangError | None = None
         self.batches: list[tuple[int, int]] = []  # (batch size, padded length) of every batch after warm-up
@@ -105,6 +108,9 @@ class FakeGang:
     def busy_seconds(self) -> list[float]:
         return [self.busy_s] if self.report_busy and self._running else []
 
+    def layer_steps(self) -> list[int]:
+        return [self.steps] if self.report_steps and self._running else []
+
     def submit(
         self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None, *, model: str | None = None
     ) -> Future:
@@ -134,7 +140,10 @@ class FakeGang:
                 if self.error is not None or self._stopped:
                     break
             if mb > 0 and self.batch_s:
-                time.sleep(self.batch_s)
+                layers = max(1, round(self.batch_s / 0.1))  # a layer finishes about every 0.1 s
+                for _ in range(layers):
+                    time.sleep(self.batch_s / layers)
+                    self.steps += 1
                 self.busy_s += self.batch_s
             if self.error is not None:
                 continue
@@ -188,6 +197,7 @@ class FakeFactory:
         self.start_error: str | None = None  # the failing gangs' GangError text (default: one line)
         self.batch_s = 0.0  # compute time of every micro-batch of the gangs made from now on
         self.report_busy = False  # their rank reports its busy seconds
+        self.report_steps = False  # ... and the layers it finished
         self.host = "fake-host"  # the host the gangs' ranks report
         self.gangs: list[FakeGang] = []
         self.models: list[str] = []
@@ -203,6 +213,7 @@ class FakeFactory:
             batch_s=self.batch_s,
             host=self.host,
             report_busy=self.report_busy,
+            report_steps=self.report_steps,
             models=tuple(models),
         )
         self.gangs.append(gang)

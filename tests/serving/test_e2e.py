@@ -114,6 +114,9 @@ def test_pp2_answers_equal_the_single_process_reference(live: TestClient) -> Non
         for a in body["answers"]:
             assert context[a["start"] : a["end"]] == a["text"]
     assert PAIRS[3][1] and responses[3].json()["windows"] > 1
+    # every rank counts the layers it finished in its heartbeats (progress inside a micro-batch)
+    gangs = [r.backend for r in live.app.state.manager.routable()]
+    wait_until(lambda: all(min(g.layer_steps()) > 0 for g in gangs), timeout=5, what="layer steps")
 
 
 @pytest.mark.parametrize(

@@ -1110,6 +1110,23 @@ def test_hung_replica_leaves_readiness_and_its_requests_are_retried_in_time() ->
         wait_until(lambda: manager.ready == 2, timeout=15, what="replacement gang")
 
 
+@pytest.mark.parametrize("reports_layers", [True, False])
+def test_a_micro_batch_slower_than_the_stall_timeout_is_progress_while_its_layers_finish(reports_layers):
+    """A large model's micro-batch may take longer than the stall timeout on a CPU rank: while its
+    ranks' heartbeats report layers finishing, the replica is computing, not hung, and answers; a
+    gang that reports nothing inside a batch is failed as stalled (as every gang was before)."""
+    factory = FakeFactory()
+    factory.batch_s, factory.report_steps = 2.5, reports_layers
+    with serving(factory, max_batch_size=1, stall_timeout_s=1.0, request_timeout_s=30.0) as (client, _):
+        manager = client.app.state.manager
+        (replica,) = manager.routable()
+        status = ask(client).status_code
+        if reports_layers:
+            assert status == 200 and replica.state is ReplicaState.READY and manager.restarts == 0
+        else:  # failed at 1 s, and so was the gang its window was retried on: 503
+            assert status == 503 and "stalled" in (replica.error or "")
+
+
 def test_stall_timeout_must_be_inside_the_request_deadline() -> None:
     assert ServeSettings().stall_after_s == pytest.approx(10.0)  # a third of the 30 s deadline
     with pytest.raises(ValueError, match=r"stall_timeout_s=30.0 must be below request_timeout_s=30.0"):

@@ -51,7 +51,8 @@ def packed_sdpa(
     if packed_sequences is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     lengths = packed_sequences.lengths
-    per_sequence = zip(*(t.split(lengths, dim=2) for t in (query, key, value)), packed_sequences.masks, strict=True)
+    splits = (t.split(lengths, dim=2) for t in (query, key, value))  # each (1, heads, L, D) per sequence
+    per_sequence = zip(*splits, packed_sequences.masks, strict=True)
     outs = [sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0] for q, k, v, mask in per_sequence]
     return torch.cat(outs, dim=1), None  # (1, T, heads, D)
 

@@ -153,7 +153,8 @@ class HFFamilyForQA(SpanModel):
         """Each attention kind's arguments to a layer: a padded batch's mask; for a packed batch no
         mask, and each sequence's own (``packed_sequences``, from ``masks`` of the sequence alone)."""
         if not isinstance(layout, PackedLayout):
-            return {kind: {"attention_mask": m} for kind, m in self.masks(x, attention_mask, positions).items()}
+            masks = self.masks(x, attention_mask, positions)
+            return {kind: {"attention_mask": m} for kind, m in masks.items()}
         alone = {}
         for n in set(layout.lengths):
             ones = torch.ones(1, n, dtype=torch.long, device=x.device)

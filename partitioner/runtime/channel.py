@@ -14,8 +14,8 @@ logits are small; activations never pass here (they go rank to rank over torch.d
 Threads: on the driver, any thread may ``send`` (a lock guards the ROUTER) and ONE thread at a
 time reads with ``recv``; a heartbeat thread beats. On a rank, a receiver thread owns the DEALER
 (driver messages go to ``get()``), any thread may ``send`` (a lock guards the PUSH), and a
-heartbeat thread beats with the rank's ``progress`` / ``busy_since`` / ``busy_s`` / ``steps`` and where it runs
-(host name, pid: the driver's ``where``, right even for a rank on another host).
+heartbeat thread beats with the rank's ``progress`` / ``busy_since`` / ``busy_s`` / ``steps`` and
+where it runs (host name, pid: the driver's ``where``, right even for a rank on another host).
 
 Health without process handles: both ends send a ``Heartbeat`` every ``heartbeat_s``. The driver
 keeps each rank's last sign of life (``silent_ranks``); a rank that hears nothing from its driver
@@ -269,8 +269,11 @@ class RankChannel:
     def _beat_loop(self) -> None:
         while not self._closing.wait(self.heartbeat_s):
             try:
-                beat = Heartbeat(self.rank, self.progress, self.busy_since, self.busy_s, *self._where, self.steps)
-                self.send(beat)
+                self.send(
+                    Heartbeat(
+                        self.rank, self.progress, self.busy_since, self.busy_s, *self._where, steps=self.steps
+                    )
+                )
             except zmq.ZMQError:
                 return  # closing
 

@@ -23,8 +23,6 @@ def test_only_padded_right_padded_inference_batches_on_the_cpu_are_packed() -> N
     assert isinstance(full, PaddedLayout) and full.mask is None  # no padding: the unmasked kernel
 
 
-
-
 def test_a_packed_batch_keeps_each_real_tokens_position_and_unpacks_zeros_at_padding() -> None:
     _, mask = right_padded([3, 1, 4], 4)
     layout = attention_layout(mask, training=False)

@@ -351,6 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-seq-len", type=int, default=384, help="window length, every part")
     p.add_argument(
+        "--context-cache-mb",
+        type=float,
+        default=0.0,
+        help="shardserve's tokenized-context cache (`--context-cache-mb`); 0 here by default: loadgen's samples "
+        "repeat, so a cache would skip tokenizing every context seen before, which unseen text never "
+        "does; the server's own default is 32 (default: %(default)s)",
+    )
+    p.add_argument(
         "--naive-dtype",
         default="float32",
         choices=("float32", "bfloat16"),
@@ -395,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     if "shardserve" not in args.skip:
         servers["shardserve"] = [sys.executable, "-m", "shardserve.cli", "--log-level", "WARNING", "serve",
                                  "--model", args.model, "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
-                                 "--max-queue-size", "1024", *args.serve_arg]  # fmt: skip
+                                 "--max-queue-size", "1024", "--context-cache-mb", str(args.context_cache_mb),
+                                 *args.serve_arg]  # fmt: skip
     if "naive" not in args.skip:
         servers[f"naive FastAPI {args.naive_dtype}"] = [
             sys.executable, str(HERE / "bench_serving.py"), "--model", args.model, "--cores", str(args.cores),

@@ -495,6 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--squad", type=Path, default=DEFAULT_SQUAD, help="SQuAD v1.1 JSON (default: %(default)s)")
     p.add_argument(
+        "--context-cache-mb",
+        type=float,
+        default=0.0,
+        help="shardserve's tokenized-context cache (`--context-cache-mb`); 0 here by default: the questions "
+        "repeat, so a cache would skip tokenizing every context seen before, which unseen text never "
+        "does; the server's own default is 32 (default: %(default)s)",
+    )
+    p.add_argument(
         "--cores",
         type=int,
         default=os.cpu_count() or 1,
@@ -760,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_server(cmd, port, pairs, args, name, note))
     base = [sys.executable, "-m", "shardserve.cli", "--log-level", "WARNING", "serve", "--model", args.model,
             "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
-            "--max-queue-size", str(max(256, 4 * args.clients)), "--device", args.device]  # fmt: skip
+            "--max-queue-size", str(max(256, 4 * args.clients)), "--device", args.device,
+            "--context-cache-mb", str(args.context_cache_mb)]  # fmt: skip
     if "default" not in skip:
         port = free_port()
         logger.info("(c) shardserve, default flags")

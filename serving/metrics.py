@@ -74,6 +74,7 @@ MODEL_METRICS = (
     "inferences",
     "last_inference",
     "request_phase",
+    "context_cache",
     "executions",
 )
 
@@ -216,6 +217,13 @@ class ServingMetrics:
             "window's dispatch until all its logits are back), compute_output (span decoding)",
             [*m, "phase"],
             buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.context_cache = Counter(
+            "shardserve_context_cache_lookups",
+            "contexts looked up in the tokenized-context cache (--context-cache-mb): hit (not tokenized "
+            "again) or miss; a context given twice in one request is looked up once",
+            [*m, "result"],
             registry=r,
         )
         self.executions = Summary(

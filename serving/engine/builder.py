@@ -104,6 +104,7 @@ def build_engine(
     autoscaling: AutoscalingConfig,
     metrics: ServingMetrics,
     window: WindowConfig | None = None,
+    context_cache_bytes: int = 0,
     null_threshold: float | None = None,
     max_request_timeout_s: float = 300.0,
     name: str | None = None,
@@ -117,7 +118,8 @@ def build_engine(
     (default: the loaded model's), fixed across reloads, and its ``model`` label in ``metrics``;
     ``pool``: a device pool shared with other models' engines (default: its own, from ``fleet``);
     ``gangs``: where its replica gangs come from instead (a placement's device groups, with ``roll``
-    its reloads: ``serving/engine/placement.py``)."""
+    its reloads: ``serving/engine/placement.py``); ``context_cache_bytes``: its tokenized contexts
+    kept (``models/context_cache.py``; 0: none)."""
     name = name or model.source.name
     model_metrics = metrics.for_model(name)
     if gangs is None:
@@ -149,6 +151,7 @@ def build_engine(
         fleet=fleet,
         name=name,
         window=window,
+        context_cache_bytes=context_cache_bytes,
         null_threshold=null_threshold,
         max_request_timeout_s=max_request_timeout_s,
         stall_timeout_s=fleet.stall_timeout_s,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -54,7 +55,7 @@ from partitioner.placement.latency import PlacementError
 from serving.config import AutoscalingConfig, FleetConfig
 from serving.engine.batcher import ReplicaView
 from serving.engine.dispatcher import Dispatcher
-from serving.engine.input_processor import AdmissionAsk, InputProcessor
+from serving.engine.input_processor import AdmissionAsk, InputProcessor, record_context_cache
 from serving.engine.output_processor import Job, OutputProcessor, await_answer
 from serving.engine.qa_types import EngineError, PairResult, QAPair
 from serving.engine.replica_detail import ReplicaDetail
@@ -96,6 +97,7 @@ class Engine:
         fleet: FleetConfig | None = None,
         name: str | None = None,
         window: WindowConfig | None = None,
+        context_cache_bytes: int = 0,
         null_threshold: float | None = None,
         max_request_timeout_s: float = 300.0,
         stall_timeout_s: float = 30.0,
@@ -118,7 +120,10 @@ class Engine:
         # when requests arrived (admitted or not): the observed workload auto placement re-plans for
         self.arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)
         self.inputs = InputProcessor(
-            tokenizer=lambda: manager.model.tokenizer, window=window or WindowConfig()
+            tokenizer=lambda: manager.model.tokenizer,
+            window=window or WindowConfig(),
+            context_cache_bytes=context_cache_bytes,
+            on_lookups=functools.partial(record_context_cache, metrics),
         )
         self.outputs = OutputProcessor(metrics=metrics, null_threshold=null_threshold)
         self.dispatcher = Dispatcher(

@@ -206,3 +206,6 @@ class MetricsRelay:
         self, model: str, *, answered: int | None, seconds: float, phases: dict[str, float]
     ) -> None:
         self.client.observe(["end", model, answered, seconds, phases])
+
+    def context_cache(self, model: str, hits: int, misses: int) -> None:
+        self.client.observe(["cache", model, hits, misses])

@@ -41,7 +41,7 @@ import zmq.asyncio
 from partitioner.runtime.wire import WireError, decode, encode, new_key
 from serving.engine import core_wire as cw
 from serving.engine.core import Engine, Ticket
-from serving.engine.input_processor import AdmissionAsk
+from serving.engine.input_processor import AdmissionAsk, record_context_cache
 from serving.engine.output_processor import record_end
 from serving.engine.qa_types import EngineError
 from serving.engine.repository import ModelRepository
@@ -225,6 +225,8 @@ class CoreServer:
             elif kind == "end" and model in served:  # an unloaded model's series are gone
                 answered, seconds, phases = rest
                 record_end(self.metrics.for_model(model), answered=answered, seconds=seconds, phases=phases)
+            elif kind == "cache" and model in served:
+                record_context_cache(self.metrics.for_model(model), *rest)
 
     async def _on_http(self, identity: bytes, msg: cw.HttpCall) -> None:
         status, headers, body = await call_asgi(self.app, msg)

@@ -125,8 +125,8 @@ class HttpReply:
 @dataclass(frozen=True)
 class Observed:
     """Metric events of an API process, oldest first: ``["request", model, endpoint, status, seconds]``
-    (an answered HTTP request) and ``["end", model, pairs answered or None, seconds, phases]`` (an
-    admitted request's end)."""
+    (an answered HTTP request), ``["end", model, pairs answered or None, seconds, phases]`` (an
+    admitted request's end) and ``["cache", model, hits, misses]`` (a request's context cache lookups)."""
 
     events: list[list[Any]] = field(default_factory=list)
 

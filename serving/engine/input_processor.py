@@ -4,10 +4,14 @@ Owns tokenization for serving: the windowing settings (``WindowConfig``) and the
 thread. ``encode`` runs on the calling thread; ``encode_async`` runs it on the tokenizer thread so
 that long contexts never stall the event loop, short text (``INLINE_CHARS``) right on the loop
 while the thread is idle (and says how long the tokenizing took: a request's ``compute_input``
-phase). Admission (queue places, limits) is not here: it
-belongs to the scheduler, and the engine asks for a place before it asks for tokens.
+phase). Contexts it has tokenized are kept in a bounded cache when ``context_cache_bytes`` allows
+(``models/context_cache.py``): a question about a text seen before skips tokenizing it, and
+``on_lookups(hits, misses)`` hears of each request's lookups (the ``shardserve_context_cache_lookups``
+counter). Admission (queue places, limits) is not here: it belongs to the scheduler, and the engine
+asks for a place before it asks for tokens.
 
-    inputs = InputProcessor(tokenizer=lambda: manager.model.tokenizer, window=WindowConfig())
+    inputs = InputProcessor(tokenizer=lambda: manager.model.tokenizer, window=WindowConfig(),
+                            context_cache_bytes=32 << 20)
     encoded, seconds = await inputs.encode_async([QAPair("Who?", "Ann met Bob.")])  # QAInputError / ValueError
     inputs.estimate_windows(pairs)   # before tokenizing: windows expected from the text length
     inputs.min_windows(pairs, above=128)  # and the fewest it can take (413 at once when over a limit)
@@ -31,8 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from models.context_cache import ContextCache
 from models.qa_windows import EncodedBatch, WindowConfig, encode_qa
 from serving.engine.qa_types import QAPair
+from serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +63,19 @@ class AdmissionAsk:
 class InputProcessor:
     """Tokenize and window QA pairs, off the event loop when asked (see module doc)."""
 
-    def __init__(self, *, tokenizer: Callable[[], Any], window: WindowConfig) -> None:
+    def __init__(
+        self,
+        *,
+        tokenizer: Callable[[], Any],
+        window: WindowConfig,
+        context_cache_bytes: int = 0,
+        on_lookups: Callable[[int, int], None] | None = None,
+    ) -> None:
         # a callable: the tokenizer of the model generation being served (a reload may swap it)
         self.tokenizer = tokenizer
         self.window = window
+        self.context_cache = ContextCache(max_bytes=context_cache_bytes) if context_cache_bytes else None
+        self.on_lookups = on_lookups
         # One thread: a fast tokenizer is not safe to call from several threads at once
         # ("Already borrowed"); one is enough to keep tokenization off the event loop. The lock is
         # held around every use of the tokenizer: short text tokenized on the loop takes it too.
@@ -75,16 +90,25 @@ class InputProcessor:
         """Tokenize ``pairs`` into windows on the calling thread; raises ``QAInputError`` /
         ``ValueError`` for text the tokenizer refuses."""
         t0 = time.perf_counter()
+        cache = self.context_cache
         with self._lock:
+            before = cache.counts() if cache is not None else (0, 0, 0)
             encoded = encode_qa(
                 self.tokenizer(),
                 [p.question for p in pairs],
                 [p.context for p in pairs],
                 window=self.window,
+                context_cache=cache,
             )
+            after = cache.counts() if cache is not None else (0, 0, 0)
+        hits, misses, hit_chars = (a - b for a, b in zip(after, before, strict=True))
         if tokens := _context_tokens(encoded):
             self._chars_per_token = _ewma(self._chars_per_token, sum(len(p.context) for p in pairs) / tokens)
-        self._chars_per_s = _ewma(self._chars_per_s, _chars(pairs) / max(time.perf_counter() - t0, 1e-6))
+        # the speed of the text really tokenized: a context found in the cache took no time
+        tokenized = _chars(pairs) - hit_chars
+        self._chars_per_s = _ewma(self._chars_per_s, tokenized / max(time.perf_counter() - t0, 1e-6))
+        if self.on_lookups is not None and hits + misses:
+            self.on_lookups(hits, misses)
         return encoded
 
     def encode_timed(self, pairs: list[QAPair]) -> tuple[EncodedBatch, float]:
@@ -156,6 +180,12 @@ class InputProcessor:
     def shutdown(self) -> None:
         """Stop the tokenizer thread; queued tokenizations are dropped."""
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def record_context_cache(metrics: ModelMetrics, hits: int, misses: int) -> None:
+    """A request's context cache lookups in ``metrics`` (the core's own, and API processes' relayed)."""
+    metrics.context_cache.labels(result="hit").inc(hits)
+    metrics.context_cache.labels(result="miss").inc(misses)
 
 
 def _context_tokens(encoded: EncodedBatch) -> int:

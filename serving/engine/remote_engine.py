@@ -23,6 +23,7 @@ Tests: ``pytest tests/serving/engine/test_core_server.py``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +48,7 @@ class RemoteLimits:
     """The core's numbers an API process needs (from the same settings)."""
 
     window: WindowConfig
+    context_cache_bytes: int
     null_threshold: float | None
     max_windows_per_request: int
     default_deadline_s: float
@@ -81,7 +83,12 @@ class RemoteEngine:
     ) -> None:
         self.name, self.generation, self.client = name, generation, client  # generation: the core's
         self.limits, self.metrics = limits, metrics
-        self.inputs = InputProcessor(tokenizer=lambda: tokenizer, window=limits.window)
+        self.inputs = InputProcessor(
+            tokenizer=lambda: tokenizer,
+            window=limits.window,
+            context_cache_bytes=limits.context_cache_bytes,
+            on_lookups=functools.partial(metrics.context_cache, name),
+        )
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-decode")
 
     async def submit_async(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> RemoteJob:

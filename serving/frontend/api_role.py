@@ -64,6 +64,7 @@ async def api_lifespan(app: FastAPI) -> AsyncIterator[None]:
     scheduler = settings.scheduler_config()
     limits = RemoteLimits(
         window=settings.window(),
+        context_cache_bytes=settings.context_cache_bytes,
         null_threshold=settings.null_threshold,
         max_windows_per_request=scheduler.max_windows_per_request,
         default_deadline_s=scheduler.default_deadline_s,

@@ -111,6 +111,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             autoscaling=autoscaling,
             metrics=app.state.metrics,
             window=settings.window(),
+            context_cache_bytes=settings.context_cache_bytes,
             null_threshold=settings.null_threshold,
             max_request_timeout_s=settings.max_request_timeout_s,
             name=name,

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from models.context_cache import ContextCache
 from models.qa_windows import (
     QAInputError,
     WindowConfig,
@@ -233,24 +234,63 @@ def _wrapper_windows(tok, question, context, window):
     return [(e.ids, e.type_ids if types else None, e.offsets, e.sequence_ids) for e in enc.encodings]
 
 
+def _assert_wrapper_windows(tok, windows, question, context, window):
+    want = _wrapper_windows(tok, question, context, window)
+    assert len(windows) == len(want) > 2
+    for w, (ids, types, offsets, seq_ids) in zip(windows, want, strict=True):
+        assert w.input_ids.tolist() == ids
+        assert w.token_type_ids.tolist() == (types or [0] * len(ids))
+        kept = [off if s == 1 and off[1] > off[0] else None for off, s in zip(offsets, seq_ids, strict=True)]
+        assert _offs(w) == kept
+
+
 @pytest.mark.parametrize(
-    "name", ["default", "tiny-roberta", "tiny-deberta-v2", "tiny-modernbert", "tiny-llama"]
+    "name",
+    ["default", "tiny-roberta", "tiny-xlm-roberta", "tiny-albert", "tiny-deberta-v2", "tiny-modernbert", "tiny-llama"],
 )
 def test_windows_are_the_ones_transformers_makes(name):
+    """Also when the context comes from the cache, or twice in one call: tokenized apart from its
+    question and joined, the windows are those of the pair tokenized whole (type ids included)."""
     from models.registry import resolve_model
 
     tok = resolve_model(name).tokenizer()
     window = WindowConfig(max_seq_len=48, doc_stride=12, max_question_len=12)
     question, context = "Which sentence mentions golf, and why?", _long_context(12)
     tok(question, truncation=True, max_length=4)  # the wrapper's own truncation state changed in between
-    enc = encode_qa(tok, [question], [context], window=window)
-    want = _wrapper_windows(tok, enc.questions[0], context, window)  # the question cut to 12 tokens
-    assert len(enc.windows) == len(want) > 2
-    for w, (ids, types, offsets, seq_ids) in zip(enc.windows, want, strict=True):
-        assert w.input_ids.tolist() == ids
-        assert w.token_type_ids.tolist() == (types or [0] * len(ids))
-        kept = [off if s == 1 and off[1] > off[0] else None for off, s in zip(offsets, seq_ids, strict=True)]
-        assert _offs(w) == kept
+    cache = ContextCache(max_bytes=1 << 20)
+    for cached in (None, cache, cache):  # without a cache, then a miss, then a hit
+        enc = encode_qa(tok, [question], [context], window=window, context_cache=cached)
+        # the question cut to 12 tokens
+        _assert_wrapper_windows(tok, enc.windows, enc.questions[0], context, window)
+    assert cache.counts() == (1, 1, len(context))
+    twice = encode_qa(tok, ["Who?", question], [context, context], window=window, context_cache=cache)
+    assert cache.counts()[:2] == (2, 1)  # one lookup for the two pairs
+    for ex, q in enumerate(twice.questions):
+        _assert_wrapper_windows(tok, [w for w in twice.windows if w.example_index == ex], q, context, window)
+
+
+def test_a_tokenizer_whose_parts_do_not_join_encodes_pairs_whole(tok):
+    """A post-processor that gives the second text type id 0 in the first window: the tokenizers
+    library's further windows keep the 1s the context was encoded with, a joined encoding could not
+    know that, so this tokenizer skips the cache and its windows stay the library's."""
+    from tokenizers import processors
+
+    from models.qa_windows import _rust_encoders
+
+    odd = transformers.AutoTokenizer.from_pretrained(tok.name_or_path)
+    cls, sep = odd.cls_token_id, odd.sep_token_id
+    odd.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:0 [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    window = WindowConfig(max_seq_len=48, doc_stride=12, max_question_len=12)
+    assert not _rust_encoders(odd, window).joins and _rust_encoders(tok, window).joins
+    question, context = "Which sentence mentions golf?", _long_context(12)
+    cache = ContextCache(max_bytes=1 << 20)
+    for _ in range(2):
+        enc = encode_qa(odd, [question], [context], window=window, context_cache=cache)
+        _assert_wrapper_windows(odd, enc.windows, question, context, window)
+    assert cache.counts() == (0, 0, 0) and len(cache) == 0
+    assert {w.token_type_ids[20].item() for w in enc.windows} == {0, 1}  # the library's own mix
 
 
 def test_threads_share_a_tokenizer(tok):

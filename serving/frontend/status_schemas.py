@@ -72,6 +72,10 @@ class WindowStats(BaseModel):
     windows_per_s: float = Field(description="context windows computed per second")
     batches_per_s: float = Field(description="micro-batches dispatched per second")
     mean_batch_windows: float | None = Field(description="windows per micro-batch; null: no batch")
+    context_cache_hits: float | None = Field(
+        description="share of the contexts looked up that the tokenized-context cache held "
+        "(shardserve_context_cache_lookups_total); null: none looked up"
+    )
     latency_ms: dict[str, float | None] = Field(
         description="request latency p50/p95/p99 (histogram_quantile of the buckets); null: no request"
     )

@@ -183,6 +183,7 @@ function renderTraffic(s) {
     percentiles(w.latency_ms),
     num(w.queue_wait_ms.p95, 1, " ms"),
     num(w.mean_batch_windows, 2),
+    pct(w.context_cache_hits),
     Object.entries(w.error_responses).map(([k, n]) => `${n}× ${k}`).join(", ") || "none",
   ]);
   chart("queue", s.series, (p) => p.queue_depth);

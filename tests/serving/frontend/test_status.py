@@ -62,6 +62,7 @@ def test_status_reads_the_metrics_registry_and_nulls_what_is_not_measured() -> N
         assert served is not None and w["requests"] == 5 and float(served.group(1)) == 4.0
         assert w["error_responses"] == {"422": 1}
         assert w["answered_per_s"] > 0 and w["windows_per_s"] > 0 and w["mean_batch_windows"] == 1.0
+        assert w["context_cache_hits"] == 0.75  # one context four times: tokenized once
         assert 0 < w["latency_ms"]["p50"] <= w["latency_ms"]["p95"] <= w["latency_ms"]["p99"]
         assert s["queue"]["depth_requests"] == 0 and s["queue"]["max_queue_size"] == 256
 

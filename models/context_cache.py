@@ -71,7 +71,7 @@ class ContextCache:
         self._entries[text] = (encoding, size)
         self.bytes += size
 
-    def counts(self) -> tuple[int, int, int]:
+    def counts(self) -> tuple[int, int]:
         """``(hits, misses)`` since it was made."""
         return self.hits, self.misses
 

@@ -183,8 +183,11 @@ def test_sigterm_drains_through_the_api_processes_and_leaves_nothing() -> None:
                 for _ in range(6)
             ]
             ongoing = 'shardserve_ongoing_requests{model="tiny-bert"}'
-            wait_until(lambda: (metric(base, ongoing) or 0) >= 2, timeout=20, what="admitted work")
-            admitted = metric(base, ongoing) or 0  # at least these were admitted before the signal
+            # at least these were admitted before the signal (read once: a second read may come after
+            # one of them was answered)
+            admitted = wait_until(
+                lambda: (n := metric(base, ongoing) or 0) >= 2 and n, timeout=20, what="admitted work"
+            )
             proc.send_signal(signal.SIGTERM)
             answers = [f.result(timeout=60) for f in held]
         ok = [r for r in answers if r.status_code == 200]

@@ -10,6 +10,11 @@ A batch of right-padded windows reaches the layers as (B, S, ...) with a (B, S) 
   a kernel launch each; ``torch.compile``; left padding; inside ``padded_inference``, which int8
   calibration uses), and ``PaddedLayout(None)`` for a batch without padding (the unmasked kernel).
 
+Unmasked attention is SDPA, except bf16 inference on a CPU with AVX512-BF16 and no AMX, from 64
+tokens on: there two oneDNN matmuls (``matmul_attention``) took 0.6-0.85x SDPA's time, whose CPU
+kernel runs its bf16 GEMMs through MKL (fp32 on AMD's Zen 4), and the server answered 3 % more
+questions per second (docs/benchmarks.md, "Attention in bf16 without AMX").
+
 On the server's micro-batches of the default model (7 % padding, AVX512 Zen 4) packing the Linear
 layers alone gained nothing, attention per sequence 3 %, both 6 %; the server answered 7-9 % more
 questions per second (docs/benchmarks.md, "Packed inference"). ``EncoderForQA`` runs its own layers
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -54,9 +60,12 @@ class PaddedLayout:
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, s, -1, head_dim).transpose(1, 2)  # (B, heads_local, S, D)
 
-        ctx = F.scaled_dot_product_attention(
-            heads(q), heads(k), heads(v), attn_mask=self.mask, dropout_p=dropout_p
-        )
+        if self.mask is None and not dropout_p and matmul_attention_wins(q):
+            ctx = matmul_attention(heads(q), heads(k), heads(v))
+        else:
+            ctx = F.scaled_dot_product_attention(
+                heads(q), heads(k), heads(v), attn_mask=self.mask, dropout_p=dropout_p
+            )
         return ctx.transpose(1, 2).reshape(b, s, -1)
 
 
@@ -96,6 +105,47 @@ class PackedLayout:
 
 
 AttentionLayout = PaddedLayout | PackedLayout
+
+# The scores of the (sequence, head) pairs one matmul call takes, at most. Larger calls turned slow
+# on an AVX512 Zen 4 (oneDNN's bf16 matmul: 1.3-1.6x SDPA's time for 12 heads of 32 dims from about
+# 1 MB of scores on); within it the two matmuls took 0.6-0.85x SDPA's time for 64-512 tokens.
+MATMUL_ATTENTION_SCORE_BYTES = 768 << 10
+MATMUL_ATTENTION_MIN_TOKENS = 64  # below it SDPA's kernel is as fast or faster
+
+
+@functools.cache
+def _bf16_without_amx() -> bool:
+    """AVX512-BF16 but no AMX tiles (where AMX exists, SDPA's kernel uses the tiles)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported()) and not torch.cpu._is_amx_tile_supported()
+    except Exception:  # a private probe missing or failing: keep SDPA
+        return False
+
+
+def matmul_attention_wins(q: torch.Tensor) -> bool:
+    """Whether unmasked attention over q (B, S, C) runs as ``matmul_attention``: bf16 inference on a
+    CPU with AVX512-BF16 and no AMX, S >= 64 (the module's docstring says why)."""
+    return (
+        q.dtype == torch.bfloat16
+        and q.device.type == "cpu"
+        and q.shape[-2] >= MATMUL_ATTENTION_MIN_TOKENS
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and _bf16_without_amx()
+    )
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked softmax(q k^T / sqrt(D)) v as two matmuls, in calls of whole (sequence, head) pairs
+    whose scores fit ``MATMUL_ATTENTION_SCORE_BYTES``. q, k, v: (B, heads, S, D) -> (B, heads, S, D)."""
+    b, h, s, d = q.shape
+    per_call = max(1, MATMUL_ATTENTION_SCORE_BYTES // (s * s * q.element_size()))
+    qs, ks, vs = (t.reshape(b * h, s, d) for t in (q * d**-0.5, k, v))  # (B*heads, S, D)
+    parts = [
+        (qs[i : i + per_call] @ ks[i : i + per_call].transpose(1, 2)).softmax(-1) @ vs[i : i + per_call]
+        for i in range(0, b * h, per_call)
+    ]  # each (pairs, S, S) scores -> (pairs, S, D)
+    return torch.cat(parts).view(b, h, s, d)
 
 
 def expand_mask(attention_mask: torch.Tensor) -> torch.Tensor:

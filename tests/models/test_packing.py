@@ -3,9 +3,19 @@ layout: tests/models/test_encoder.py and tests/models/test_hf_family.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from models.packing import PackedLayout, PaddedLayout, attention_layout, padded_inference
+import models.packing as packing
+from models.packing import (
+    PackedLayout,
+    PaddedLayout,
+    attention_layout,
+    matmul_attention,
+    matmul_attention_wins,
+    padded_inference,
+)
 from tests.models.qa_fixtures import right_padded
 
 
@@ -32,3 +42,38 @@ def test_a_packed_batch_keeps_each_real_tokens_position_and_unpacks_zeros_at_pad
     packed = layout.pack(x)  # (T, 1)
     assert packed.squeeze(1).tolist() == [1, 2, 3, 5, 9, 10, 11, 12]
     assert torch.equal(layout.unpack(packed), x * mask[..., None])
+
+
+@pytest.mark.parametrize("score_bytes", [1, 3 * 70 * 70 * 4, 1 << 30])  # one pair per call, 3, all
+def test_matmul_attention_equals_sdpa_in_calls_of_any_size(monkeypatch, score_bytes: int) -> None:
+    monkeypatch.setattr(packing, "MATMUL_ATTENTION_SCORE_BYTES", score_bytes)
+    q, k, v = (torch.randn(2, 5, 70, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v)  # (B, heads, S, D)
+    assert torch.allclose(matmul_attention(q, k, v), expected, atol=1e-5)
+
+
+def test_matmul_attention_runs_only_for_long_unmasked_bf16_inference_without_amx(monkeypatch) -> None:
+    monkeypatch.setattr(packing, "_bf16_without_amx", lambda: True)
+    q = torch.randn(1, 64, 32, dtype=torch.bfloat16)  # (B, S, heads * D)
+    with torch.inference_mode():
+        assert matmul_attention_wins(q)
+        assert not matmul_attention_wins(q[:, :63])  # short: SDPA
+        assert not matmul_attention_wins(q.float())  # fp32: SDPA
+    assert not matmul_attention_wins(q)  # gradients (training): SDPA
+    monkeypatch.setattr(packing, "_bf16_without_amx", lambda: False)
+    with torch.inference_mode():
+        assert not matmul_attention_wins(q)  # AMX, or no bf16 units: SDPA
+
+    calls = []
+    monkeypatch.setattr(packing, "_bf16_without_amx", lambda: True)
+    monkeypatch.setattr(packing, "matmul_attention", lambda *t: calls.append(1) or matmul_attention(*t))
+    q, k, v = (torch.randn(2, 80, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with torch.inference_mode():
+        sdpa = PaddedLayout(None).attend(q, k, v, 16, 0.0)  # fp32: SDPA
+        assert not calls
+        bf16 = PaddedLayout(None).attend(*(t.bfloat16() for t in (q, k, v)), 16, 0.0)
+        masked = PaddedLayout(torch.ones(2, 1, 1, 80, dtype=torch.bool)).attend(
+            *(t.bfloat16() for t in (q, k, v)), 16, 0.0
+        )
+    assert calls == [1]  # the unmasked bf16 batch alone
+    assert (bf16.float() - sdpa).abs().max() < 0.05 and (masked.float() - sdpa).abs().max() < 0.05

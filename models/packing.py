@@ -11,9 +11,9 @@ A batch of right-padded windows reaches the layers as (B, S, ...) with a (B, S) 
   calibration uses), and ``PaddedLayout(None)`` for a batch without padding (the unmasked kernel).
 
 Unmasked attention is SDPA, except bf16 inference on a CPU with AVX512-BF16 and no AMX, from 64
-tokens on: there two oneDNN matmuls (``matmul_attention``) took 0.6-0.85x SDPA's time, whose CPU
-kernel runs its bf16 GEMMs through MKL (fp32 on AMD's Zen 4), and the server answered 3 % more
-questions per second (docs/benchmarks.md, "Attention in bf16 without AMX").
+tokens on. SDPA's CPU kernel runs its bf16 GEMMs through MKL, which converts them to fp32 on AMD's
+Zen 4; there two oneDNN matmuls (``matmul_attention``) took 0.6-0.85x its time, and the server
+answered 3 % more questions per second (docs/benchmarks.md, "Attention in bf16 without AMX").
 
 On the server's micro-batches of the default model (7 % padding, AVX512 Zen 4) packing the Linear
 layers alone gained nothing, attention per sequence 3 %, both 6 %; the server answered 7-9 % more

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
 
+    from models.cpu import cpu_capabilities
     from models.registry import resolve_model
     from partitioner.plan import ParallelDims, make_plan
-    from partitioner.precision import cpu_capabilities
     from partitioner.stream.gang import StreamGang
     from partitioner.stream.program import stream_spec
 

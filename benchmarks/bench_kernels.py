@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> list[KernelResult]:
 
 
 def print_table(results: list[KernelResult], args: argparse.Namespace) -> None:
-    from partitioner.precision import cpu_capabilities
+    from models.cpu import cpu_capabilities
 
     caps = cpu_capabilities()
     print(

@@ -50,9 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.cpu import cpu_capabilities
 from models.qa_decoding import decode_spans
 from models.qa_windows import QAWindow, WindowConfig, encode_qa
-from partitioner.precision import cpu_capabilities
 
 logger = logging.getLogger("bench_long_context")
 

@@ -24,7 +24,7 @@ import httpx
 
 from loadtest.local_server import ServerNotReady, local_server
 from loadtest.overload import QUESTION, OverloadConfig, access_log_latencies, long_context, run_overload
-from partitioner.precision import cpu_capabilities
+from models.cpu import cpu_capabilities
 
 
 def main(argv: list[str] | None = None) -> int:

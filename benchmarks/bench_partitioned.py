@@ -25,9 +25,10 @@ import time
 import torch
 
 from models.build import build_model
+from models.cpu import cpu_capabilities
 from models.registry import MODEL_NAMES, resolve_model
 from partitioner.plan import ParallelDims, make_plan
-from partitioner.precision import DTYPE_CHOICES, cpu_capabilities, resolve_dtype
+from partitioner.precision import DTYPE_CHOICES, resolve_dtype
 from partitioner.stream.gang import StreamGang
 from partitioner.stream.program import stream_spec
 

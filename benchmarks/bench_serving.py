@@ -581,7 +581,8 @@ def machine_info(dtype: str, device: str = "cpu", *, model: str | None = None) -
     (for ``model``: auto picks int8 where it is calibrated, as the server does; printed with the table)."""
     import torch
 
-    from partitioner.precision import cpu_capabilities, resolve_dtype
+    from models.cpu import cpu_capabilities
+    from partitioner.precision import resolve_dtype
 
     caps = cpu_capabilities()
     calibrated = False

@@ -29,8 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from models.cpu import cpu_capabilities
 from models.qa_windows import WindowConfig
-from partitioner.precision import PRECISION_CHOICES, cpu_capabilities, resolve_dtype
+from partitioner.precision import PRECISION_CHOICES, resolve_dtype
 from training.config import TrainConfig
 from training.driver import train
 

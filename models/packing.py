@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from models.cpu import cpu_capabilities
 
 
 class PaddedLayout:
@@ -113,15 +114,6 @@ MATMUL_ATTENTION_SCORE_BYTES = 768 << 10
 MATMUL_ATTENTION_MIN_TOKENS = 64  # below it SDPA's kernel is as fast or faster
 
 
-@functools.cache
-def _bf16_without_amx() -> bool:
-    """AVX512-BF16 but no AMX tiles (where AMX exists, SDPA's kernel uses the tiles)."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported()) and not torch.cpu._is_amx_tile_supported()
-    except Exception:  # a private probe missing or failing: keep SDPA
-        return False
-
-
 def matmul_attention_wins(q: torch.Tensor) -> bool:
     """Whether unmasked attention over q (B, S, C) runs as ``matmul_attention``: bf16 inference on a
     CPU with AVX512-BF16 and no AMX, S >= 64 (the module's docstring says why)."""
@@ -133,6 +125,12 @@ def matmul_attention_wins(q: torch.Tensor) -> bool:
         and not torch.compiler.is_compiling()
         and _bf16_without_amx()
     )
+
+
+def _bf16_without_amx() -> bool:
+    """AVX512-BF16 but no AMX tiles (where AMX exists, SDPA's kernel uses the tiles)."""
+    caps = cpu_capabilities()
+    return caps.avx512_bf16 and not caps.amx
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

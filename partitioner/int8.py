@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.cpu import cpu_capabilities
 from models.packing import padded_inference
 from models.registry import MODEL_NAMES, ModelSource, cache_dir
 from partitioner.collectives import reduce_from_tp
-from partitioner.precision import cpu_capabilities
 from partitioner.shard_loading import ShardSlice
 from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
 

@@ -18,7 +18,7 @@ import bench_kernels
 import bench_serving
 
 from loadtest.overload import process_tree
-from partitioner.precision import cpu_capabilities
+from models.cpu import cpu_capabilities
 
 
 def _logits(n: int = 2, s: int = 8) -> torch.Tensor:

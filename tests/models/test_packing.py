@@ -3,11 +3,14 @@ layout: tests/models/test_encoder.py and tests/models/test_hf_family.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import models.packing as packing
+from models.cpu import cpu_capabilities
 from models.packing import (
     PackedLayout,
     PaddedLayout,
@@ -53,19 +56,21 @@ def test_matmul_attention_equals_sdpa_in_calls_of_any_size(monkeypatch, score_by
 
 
 def test_matmul_attention_runs_only_for_long_unmasked_bf16_inference_without_amx(monkeypatch) -> None:
-    monkeypatch.setattr(packing, "_bf16_without_amx", lambda: True)
+    zen4 = dataclasses.replace(cpu_capabilities(), avx512_bf16=True, amx=False)
+    monkeypatch.setattr(packing, "cpu_capabilities", lambda: zen4)
     q = torch.randn(1, 64, 32, dtype=torch.bfloat16)  # (B, S, heads * D)
     with torch.inference_mode():
         assert matmul_attention_wins(q)
         assert not matmul_attention_wins(q[:, :63])  # short: SDPA
         assert not matmul_attention_wins(q.float())  # fp32: SDPA
     assert not matmul_attention_wins(q)  # gradients (training): SDPA
-    monkeypatch.setattr(packing, "_bf16_without_amx", lambda: False)
-    with torch.inference_mode():
-        assert not matmul_attention_wins(q)  # AMX, or no bf16 units: SDPA
+    for other in (dataclasses.replace(zen4, amx=True), dataclasses.replace(zen4, avx512_bf16=False)):
+        monkeypatch.setattr(packing, "cpu_capabilities", lambda c=other: c)
+        with torch.inference_mode():
+            assert not matmul_attention_wins(q)  # AMX, or no bf16 units: SDPA
 
     calls = []
-    monkeypatch.setattr(packing, "_bf16_without_amx", lambda: True)
+    monkeypatch.setattr(packing, "cpu_capabilities", lambda: zen4)
     monkeypatch.setattr(packing, "matmul_attention", lambda *t: calls.append(1) or matmul_attention(*t))
     q, k, v = (torch.randn(2, 80, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
     with torch.inference_mode():

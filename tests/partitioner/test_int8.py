@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from models.build import build_model
+from models.cpu import cpu_capabilities
 from models.registry import resolve_model
 from partitioner.int8 import (
     CalibrationMissing,
@@ -23,7 +24,7 @@ from partitioner.int8 import (
     target_linears,
     weight_max,
 )
-from partitioner.precision import PrecisionError, cpu_capabilities, resolve_dtype
+from partitioner.precision import PrecisionError, resolve_dtype
 
 SQUAD = Path(__file__).resolve().parents[3] / "shared" / "data" / "squad"
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from models.build import build_model
+from models.cpu import CpuCapabilities
 from models.encoder import SelfAttention
 from models.packing import PaddedLayout, expand_mask
 from models.registry import resolve_model
@@ -28,7 +29,7 @@ from partitioner.plan import ParallelDims
 from partitioner.precision import DynamicLossScale, PrecisionError, resolve_dtype
 from partitioner.stream.verify import TOLERANCES, best_spans, verify_partitioned
 
-AMX = precision.CpuCapabilities(
+AMX = CpuCapabilities(
     model="Intel Xeon (test)", isa="AVX512", amx=True, avx512_bf16=True, vnni=True, fp16=False
 )
 AVX512_BF16 = dataclasses.replace(AMX, model="AMD EPYC (test)", amx=False)
@@ -37,7 +38,7 @@ NO_BF16 = dataclasses.replace(AMX, model="old CPU (test)", amx=False, avx512_bf1
 
 @pytest.fixture
 def caps(monkeypatch):
-    def use(c: precision.CpuCapabilities) -> None:
+    def use(c: CpuCapabilities) -> None:
         monkeypatch.setattr(precision, "cpu_capabilities", lambda: c)
 
     return use

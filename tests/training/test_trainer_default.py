@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 
 from models.build import build_model
+from models.cpu import cpu_capabilities
 from models.encoder import EncoderForQA
 from models.hf_weights import load_weights
 from models.registry import DEFAULT_OVERLAY_DIR, resolve_model
-from partitioner.precision import cpu_capabilities
 from training.evaluate import evaluate_model
 from training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES
 from training.squad_metrics import evaluate

@@ -124,9 +124,9 @@ def test_serve_int8_without_a_calibration_is_one_line_naming_the_command(
 def test_auto_serves_int8_only_where_every_model_is_calibrated_and_the_cpu_has_int8_kernels(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from models.cpu import cpu_capabilities
     from models.registry import resolve_model
     from partitioner.int8 import calibration_path, save_calibration
-    from partitioner.precision import cpu_capabilities
     from serving.frontend.layout import serve_precision
     from serving.frontend.settings import ServeSettings
 

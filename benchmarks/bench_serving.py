@@ -538,8 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--length-buckets",
-        default="64,96,128,160,192,256,320,384",
-        help="shardserve buckets (default: %(default)s)",
+        default="",
+        help="shardserve buckets of the explicit configs (default: the server's own choice)",
     )
     p.add_argument(
         "--extra-config",
@@ -786,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "best" not in skip:
         batching = ["--max-batch-size", str(bs), "--max-queue-delay-ms", str(args.max_queue_delay_ms),
-                    "--length-buckets", args.length_buckets, "--dtype", args.dtype]  # fmt: skip
+                    "--dtype", args.dtype]  # fmt: skip
+        batching += ["--length-buckets", args.length_buckets] if args.length_buckets else []
         for i, flags in enumerate(explicit_configs(args), start=1):
             port = free_port()
             cmd = [*base, "--port", str(port), *batching, *flags, *args.serve_arg]  # a config's --dtype wins

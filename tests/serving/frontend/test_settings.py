@@ -176,3 +176,17 @@ def test_pp_auto_is_chosen_at_start_and_the_chosen_layout_is_checked_then(cores)
         ServeSettings(tp="0")
     with pytest.raises(ValueError, match="max_memory_per_rank does not apply with placement"):
         ServeSettings(model=["a=tiny-bert"], placement="dedicated", max_memory_per_rank="1G")
+
+
+
+def test_length_buckets_default_to_the_padded_ones_below_max_seq_len_then_max_seq_len() -> None:
+    padded = (64, 96, 128, 160, 192, 256, 320, 384)
+    for flags, buckets in [
+        (dict(), padded),
+        (dict(max_seq_len=200, doc_stride=64), (*padded[:5], 200)),
+        (dict(max_seq_len=512), (*padded, 512)),  # no --length-buckets needed past 384
+        (dict(max_seq_len=512, length_buckets="128,512"), (128, 512)),
+    ]:
+        assert ServeSettings(**flags).scheduler_config().length_buckets == buckets, flags
+    with pytest.raises(ValidationError, match="largest length bucket 384 < max_seq_len=512"):
+        ServeSettings(max_seq_len=512, length_buckets="64,384")

@@ -44,6 +44,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.context import BaseContext
 from typing import Any
 
 import torch.distributed as dist
@@ -109,6 +110,22 @@ def bound_store(
         raise
 
 
+# What multiprocessing's fork server imports once, so that a rank forked from it does not: torch
+# and the rank's runtime (1.5 s of CPU each), and the serving program with the native encoders.
+FORKSERVER_PRELOAD = ("partitioner.runtime.rank", "partitioner.stream.program")
+
+
+def rank_context() -> BaseContext:
+    """How ranks start here: forked from multiprocessing's fork server, a clean process (started by
+    exec, as ``spawn`` starts a rank; it never initialises CUDA) that imported ``FORKSERVER_PRELOAD``
+    once. A 2 x 2 gang of a tiny model passed ``verify`` in 2.2 s instead of 4.7 s on 2 cores
+    (docs/benchmarks.md). The server leaves with this process; the ranks leave with the server
+    (``rank.py``)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts: the first gang
+    return ctx
+
+
 class GangError(RuntimeError):
     """A rank of the gang failed; ``rank`` names it (None when several or unknown)."""
 
@@ -145,7 +162,7 @@ class Gang:
         self.poll_s = poll_s
         self.stats = GangStats()
         self.error: GangError | None = None
-        self._ctx = mp.get_context("spawn")
+        self._ctx = rank_context()
         self._procs: dict[int, Any] = {}  # rank -> process, for the ranks spawned here
         self._started = False  # ranks spawned / awaited, until stop()
         self._stopping = False
@@ -194,10 +211,11 @@ class Gang:
         # A rank's OpenMP threads sleep when a parallel region ends instead of spinning: ranks share the
         # cores with the server's tokenizer and HTTP threads, and a spinning team whose thread was
         # descheduled ran 6-8x slower under a burst (the overload run in docs/benchmarks.md).
-        # OpenMP reads it when the rank loads torch, so it must be in the environment the spawned
-        # rank inherits (``base_env`` is applied later); a value the user set wins.
+        # OpenMP reads it when torch loads, in the fork server the first gang starts, so it must be in
+        # this process's environment by then (``base_env`` is applied later); a value the user set wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         base_env = {
+            **os.environ,  # the driver's environment now: the fork server kept the one it started with
             ENV_ENDPOINTS: self._channel.endpoints,
             ENV_KEY: key.hex(),
             "MASTER_ADDR": net.host,

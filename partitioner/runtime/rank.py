@@ -209,7 +209,8 @@ def hard_exit(code: int) -> NoReturn:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit when the driver process is gone (so no orphan ranks hold ports or memory)."""
+    """Exit when the rank's parent is gone (so no orphan ranks hold ports or memory): the driver's
+    fork server (``gang.rank_context``), which leaves when the driver does."""
     while True:
         if os.getppid() != parent_pid:
             hard_exit(4)
@@ -301,8 +302,8 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
         level=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
-    if "SHARDSERVE_PARENT_PID" in env:  # spawned by a local driver: leave with it at once
-        threading.Thread(target=_watch_parent, args=(int(env["SHARDSERVE_PARENT_PID"]),), daemon=True).start()
+    if "SHARDSERVE_PARENT_PID" in env:  # started by a local driver: leave with it at once
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     link = RankChannel.from_env(rank, on_driver_lost=lambda: hard_exit(4))  # heartbeats start now
     code = 0
     try:

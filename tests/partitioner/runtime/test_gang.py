@@ -325,6 +325,28 @@ def test_gang_joins_a_program_and_hands_over_its_messages():
     assert gang.stats.ready_info[1]["stage"] == 1
 
 
+def report_environment(ctx: RankContext, *, ready) -> None:
+    """A program that reports what its rank saw: a variable of the driver's, and its parent."""
+    ready({"mark": os.environ.get("SHARDSERVE_TEST_MARK"), "parent": os.getppid()})
+
+
+def test_ranks_fork_from_the_fork_server_and_see_the_drivers_environment_of_now(monkeypatch):
+    """Ranks fork from one fork server that imported torch once (``rank_context``), which keeps the
+    environment it started with: a variable the driver set since still reaches the ranks."""
+    with StreamGang(_spec(pp=1)):  # the fork server runs from here on
+        pass
+    monkeypatch.setenv("SHARDSERVE_TEST_MARK", "set after the fork server started")
+    gang = Gang(_spec(pp=2, program=report_environment), name="env").start()
+    try:
+        gang.join(timeout_s=60)
+    finally:
+        gang.stop()
+    info = gang.stats.ready_info
+    assert [info[r]["mark"] for r in (0, 1)] == ["set after the fork server started"] * 2
+    parents = {info[r]["parent"] for r in (0, 1)}
+    assert len(parents) == 1 and os.getpid() not in parents  # one fork server, not the driver
+
+
 def test_kill_ends_a_start_held_by_a_rank_hung_while_loading():
     """``kill()`` from another thread (the server's stop-now) ends a ``start()`` that a rank hung
     while loading would hold until ``start_timeout_s``, and leaves no rank behind."""

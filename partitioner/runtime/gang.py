@@ -110,19 +110,15 @@ def bound_store(
         raise
 
 
-# What multiprocessing's fork server imports once, so that a rank forked from it does not: torch
-# and the rank's runtime (1.5 s of CPU each), and the serving program with the native encoders.
-FORKSERVER_PRELOAD = ("partitioner.runtime.rank", "partitioner.stream.program")
-
-
-def rank_context() -> BaseContext:
+def rank_context(program_module: str) -> BaseContext:
     """How ranks start here: forked from multiprocessing's fork server, a clean process (started by
-    exec, as ``spawn`` starts a rank; it never initialises CUDA) that imported ``FORKSERVER_PRELOAD``
-    once. A 2 x 2 gang of a tiny model passed ``verify`` in 2.2 s instead of 4.7 s on 2 cores
-    (docs/benchmarks.md). The server leaves with this process; the ranks leave with the server
-    (``rank.py``)."""
+    exec, as ``spawn`` starts a rank; it never initialises CUDA) that imported torch, the rank's
+    runtime and ``program_module`` once (1.5 s of CPU that each spawned rank spent). A 2 x 2 gang of
+    a tiny model passed ``verify`` in 2.2 s instead of 4.7 s on 2 cores (docs/benchmarks.md). The
+    first gang's program is the one preloaded; the server leaves with this process, and the ranks
+    with the server (``rank.py``)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts: the first gang
+    ctx.set_forkserver_preload([worker_main.__module__, program_module])  # read when the server starts
     return ctx
 
 
@@ -162,7 +158,7 @@ class Gang:
         self.poll_s = poll_s
         self.stats = GangStats()
         self.error: GangError | None = None
-        self._ctx = rank_context()
+        self._ctx = rank_context(spec.program.__module__)
         self._procs: dict[int, Any] = {}  # rank -> process, for the ranks spawned here
         self._started = False  # ranks spawned / awaited, until stop()
         self._stopping = False

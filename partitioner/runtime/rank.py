@@ -1,17 +1,20 @@
 """One rank of a gang: join the process group, then run the gang's program.
 
-Started by ``partitioner/runtime/gang.py`` (one spawned process per rank) or by ``shardserve
-worker`` on another host (``remote.py``), with torchrun-style environment variables
-(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``). It talks to the
-driver through ``ctx.link`` (``channel.py``: ZeroMQ over TCP, named by ``SHARDSERVE_DRIVER`` and
-keyed by ``SHARDSERVE_GANG_KEY``). The program is ``spec.program(ctx, ready=...)``, a module-level
-function that spawn pickles by its qualified name: the forward stream
-(``partitioner/stream/program.py``) or training's ``train_rank``; the runtime knows neither.
+Started by ``partitioner/runtime/gang.py`` (one process per rank, forked from the driver's fork
+server) or by ``shardserve worker`` on another host (``remote.py``), with torchrun-style
+environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``). It talks to the driver through ``ctx.link`` (``channel.py``: ZeroMQ over TCP,
+named by ``SHARDSERVE_DRIVER`` and keyed by ``SHARDSERVE_GANG_KEY``). The program is
+``spec.program(ctx, ready=...)``, a module-level function that multiprocessing pickles by its
+qualified name: the forward stream (``partitioner/stream/program.py``) or training's
+``train_rank``; the runtime knows neither.
 
 Every rank reports ``RankReady`` / ``RankStopped``, or ``RankFailed`` with its traceback before
 the process exits, and beats every ``HEARTBEAT_S`` with its progress; a rank whose driver
-disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when spawned locally, its parent process
-gone) exits on its own, after the hooks given to ``before_hard_exit``.
+disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when started locally, its parent process
+gone) exits on its own, after the hooks given to ``before_hard_exit``. A rank raises its own
+``oom_score_adj`` (``prefer_for_oom_kill``): when memory runs out, the kernel kills a rank, whose
+replica restarts, before the driver or its fork server.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import torch
@@ -208,6 +212,27 @@ def hard_exit(code: int) -> NoReturn:
     os._exit(code)
 
 
+# A rank is the process to lose when memory runs out: its replica restarts (``serving/fleet``), where
+# the driver is the whole server and its fork server the status pipe of every local rank. Raising
+# one's own oom_score_adj needs no privilege; the value is relative, so a container's own setting
+# (Kubernetes' QoS class) keeps its standing against other containers.
+OOM_SCORE_RAISE = 500
+
+
+def prefer_for_oom_kill(proc: str = "/proc/self/oom_score_adj") -> int | None:
+    """Raise this process's ``oom_score_adj`` by ``OOM_SCORE_RAISE`` (at most 1000): the kernel's
+    OOM killer then picks a rank before its driver. The new value, or None where there is no such
+    file (not Linux) or it cannot be written."""
+    try:
+        now = int(Path(proc).read_text())
+        raised = min(1000, now + OOM_SCORE_RAISE)
+        Path(proc).write_text(str(raised))
+    except (OSError, ValueError) as err:
+        logger.debug("oom_score_adj left as it is: %s", err)
+        return None
+    return raised
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exit when the rank's parent is gone (so no orphan ranks hold ports or memory): the driver's
     fork server (``gang.rank_context``), which leaves when the driver does."""
@@ -302,6 +327,7 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
         level=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
+    prefer_for_oom_kill()
     if "SHARDSERVE_PARENT_PID" in env:  # started by a local driver: leave with it at once
         threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     link = RankChannel.from_env(rank, on_driver_lost=lambda: hard_exit(4))  # heartbeats start now

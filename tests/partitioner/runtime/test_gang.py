@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from models.encoder import EncoderForQA
 from models.registry import ModelSource, resolve_model
 from partitioner.plan import ParallelDims, make_plan
 from partitioner.runtime.gang import Gang, GangError, bound_store
-from partitioner.runtime.rank import FaultSpec, GangSpec, RankContext
+from partitioner.runtime.rank import OOM_SCORE_RAISE, FaultSpec, GangSpec, RankContext, prefer_for_oom_kill
 from partitioner.stream.gang import StreamGang
 from partitioner.stream.program import stream_rank, stream_spec
 from partitioner.stream.verify import compare, sample_batches, verify_partitioned
@@ -326,8 +327,16 @@ def test_gang_joins_a_program_and_hands_over_its_messages():
 
 
 def report_environment(ctx: RankContext, *, ready) -> None:
-    """A program that reports what its rank saw: a variable of the driver's, and its parent."""
-    ready({"mark": os.environ.get("SHARDSERVE_TEST_MARK"), "parent": os.getppid()})
+    """A program that reports what its rank saw: a variable of the driver's, its parent, and its
+    standing with the OOM killer."""
+    oom = Path("/proc/self/oom_score_adj")
+    ready(
+        {
+            "mark": os.environ.get("SHARDSERVE_TEST_MARK"),
+            "parent": os.getppid(),
+            "oom_score_adj": int(oom.read_text()) if oom.exists() else None,
+        }
+    )
 
 
 def test_ranks_fork_from_the_fork_server_and_see_the_drivers_environment_of_now(monkeypatch):
@@ -345,6 +354,21 @@ def test_ranks_fork_from_the_fork_server_and_see_the_drivers_environment_of_now(
     assert [info[r]["mark"] for r in (0, 1)] == ["set after the fork server started"] * 2
     parents = {info[r]["parent"] for r in (0, 1)}
     assert len(parents) == 1 and os.getpid() not in parents  # one fork server, not the driver
+    oom = Path("/proc/self/oom_score_adj")
+    if oom.exists():  # Linux: ranks go before the driver and the fork server when memory runs out
+        raised = min(1000, int(oom.read_text()) + OOM_SCORE_RAISE)
+        assert [info[r]["oom_score_adj"] for r in (0, 1)] == [raised] * 2
+
+
+def test_a_rank_raises_its_oom_score_relative_to_what_it_was(tmp_path):
+    adj = tmp_path / "oom_score_adj"
+    for before, after in ((0, OOM_SCORE_RAISE), (-997, -997 + OOM_SCORE_RAISE), (700, 1000)):
+        adj.write_text(f"{before}\n")
+        assert prefer_for_oom_kill(str(adj)) == after
+        assert int(adj.read_text()) == after
+    adj.write_text("not a number")
+    assert prefer_for_oom_kill(str(adj)) is None
+    assert prefer_for_oom_kill(str(tmp_path / "missing")) is None
 
 
 def test_kill_ends_a_start_held_by_a_rank_hung_while_loading():

@@ -12,8 +12,8 @@ bound to loopback for a gang on this machine). What the core reports (its ``erro
 per-rank progress and busy time from the heartbeats):
 
 - a rank that raises reports its traceback and exits;
-- a rank that dies (``kill -9``) is seen through its process sentinel (at once by a stream's
-  monitor, within ``poll_s`` elsewhere);
+- a rank that dies (``kill -9``) is seen through its process (``rank_process.py``: at once by a
+  stream's monitor, within ``poll_s`` elsewhere), whether or not its fork server still lives;
 - a rank that stops beating (killed, frozen by SIGSTOP, or cut off by the network) is seen after
   ``heartbeat_timeout_s``, the same rule for ranks spawned here and ranks on other hosts.
 
@@ -57,6 +57,7 @@ from partitioner.runtime.messages import (
     RankStopped,
 )
 from partitioner.runtime.rank import GangSpec, worker_main
+from partitioner.runtime.rank_process import RankProcess
 from partitioner.runtime.remote import SPEC_KEY, GangNetwork, publish_spec
 from partitioner.runtime.wire import new_key
 
@@ -115,8 +116,9 @@ def rank_context(program_module: str) -> BaseContext:
     exec, as ``spawn`` starts a rank; it never initialises CUDA) that imported torch, the rank's
     runtime and ``program_module`` once (1.5 s of CPU that each spawned rank spent). A 2 x 2 gang of
     a tiny model passed ``verify`` in 2.2 s instead of 4.7 s on 2 cores (docs/benchmarks.md). The
-    first gang's program is the one preloaded; the server leaves with this process, and the ranks
-    with the server (``rank.py``)."""
+    first gang's program is the one preloaded. The fork server leaves with this process, and so do
+    the ranks (``rank.py``: they watch it); where the fork server dies alone, running gangs go on
+    (``rank_process.py``) and the next gang starts a new one."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([worker_main.__module__, program_module])  # read when the server starts
     return ctx
@@ -159,7 +161,7 @@ class Gang:
         self.stats = GangStats()
         self.error: GangError | None = None
         self._ctx = rank_context(spec.program.__module__)
-        self._procs: dict[int, Any] = {}  # rank -> process, for the ranks spawned here
+        self._procs: dict[int, RankProcess] = {}  # rank -> process, for the ranks started here
         self._started = False  # ranks spawned / awaited, until stop()
         self._stopping = False
         self._killed = threading.Event()  # kill(): a start() in progress gives up
@@ -218,7 +220,7 @@ class Gang:
             "MASTER_PORT": str(self._store.port),
             "WORLD_SIZE": str(dims.world_size),
             "SHARDSERVE_DRIVER_STORE": "1",
-            "SHARDSERVE_PARENT_PID": str(os.getpid()),
+            "SHARDSERVE_DRIVER_PID": str(os.getpid()),
             "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
         } | ({"GLOO_SOCKET_IFNAME": ifname} if ifname else {})
         for rank in range(dims.world_size):
@@ -232,7 +234,7 @@ class Gang:
                 daemon=True,
             )
             proc.start()
-            self._procs[rank] = proc
+            self._procs[rank] = RankProcess(proc)
         self._started = True
         _LIVE.add(self)
         try:
@@ -499,7 +501,10 @@ class Gang:
             proc.join(timeout=5)
 
     def _release(self) -> None:
-        """Kill what is left and close the channel (no thread may be reading it any more)."""
+        """Kill what is left, close the channel (no thread may be reading it any more) and the
+        processes' pidfds."""
         self._kill_all()
+        for proc in self._procs.values():
+            proc.close()
         if self._channel is not None:
             self._channel.close()

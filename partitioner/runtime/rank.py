@@ -11,7 +11,7 @@ qualified name: the forward stream (``partitioner/stream/program.py``) or traini
 
 Every rank reports ``RankReady`` / ``RankStopped``, or ``RankFailed`` with its traceback before
 the process exits, and beats every ``HEARTBEAT_S`` with its progress; a rank whose driver
-disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when started locally, its parent process
+disappears (no heartbeat for ``DRIVER_TIMEOUT_S``, or, when started locally, the driver's process
 gone) exits on its own, after the hooks given to ``before_hard_exit``. A rank raises its own
 ``oom_score_adj`` (``prefer_for_oom_kill``): when memory runs out, the kernel kills a rank, whose
 replica restarts, before the driver or its fork server.
@@ -41,6 +41,7 @@ from partitioner.p2p import P2PCommunicator
 from partitioner.plan import PartitionPlan
 from partitioner.runtime.channel import ENV_ENDPOINTS, RankChannel
 from partitioner.runtime.messages import RankFailed, RankReady, RankStopped
+from partitioner.runtime.rank_process import has_exited, pidfd_of
 from partitioner.schedules import InputsFn, LogitsFn, LossFn, StageExecutor
 
 logger = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ def hard_exit(code: int) -> NoReturn:
 
 
 # A rank is the process to lose when memory runs out: its replica restarts (``serving/fleet``), where
-# the driver is the whole server and its fork server the status pipe of every local rank. Raising
+# the driver is the whole server and its fork server starts every next rank. Raising
 # one's own oom_score_adj needs no privilege; the value is relative, so a container's own setting
 # (Kubernetes' QoS class) keeps its standing against other containers.
 OOM_SCORE_RAISE = 500
@@ -233,13 +234,19 @@ def prefer_for_oom_kill(proc: str = "/proc/self/oom_score_adj") -> int | None:
     return raised
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the rank's parent is gone (so no orphan ranks hold ports or memory): the driver's
-    fork server (``gang.rank_context``), which leaves when the driver does."""
-    while True:
-        if os.getppid() != parent_pid:
-            hard_exit(4)
+def _watch_driver(driver_pid: int, parent_pid: int) -> None:
+    """Exit when the driver is gone (so no orphan ranks hold ports or memory), at once: the rank
+    watches a pidfd on the driver, taken while its parent, the fork server (``gang.rank_context``),
+    runs (so the driver did: no pid reuse); a fork server that dies alone leaves the rank running.
+    Without pidfds it watches its parent, which outlives the driver until the ranks are gone (they
+    hold multiprocessing's "alive" pipe of the fork server): then the heartbeat timeout ends it."""
+    pidfd = pidfd_of(driver_pid)
+    if pidfd is not None and os.getppid() == parent_pid:
+        has_exited(pidfd, None)
+        hard_exit(4)
+    while os.getppid() == parent_pid:
         time.sleep(0.5)
+    hard_exit(4)
 
 
 def init_distributed(spec: GangSpec, rank: int, world_size: int) -> str:
@@ -328,8 +335,9 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
     prefer_for_oom_kill()
-    if "SHARDSERVE_PARENT_PID" in env:  # started by a local driver: leave with it at once
-        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    if "SHARDSERVE_DRIVER_PID" in env:  # started by a local driver: leave with it at once
+        driver = int(env["SHARDSERVE_DRIVER_PID"])
+        threading.Thread(target=_watch_driver, args=(driver, os.getppid()), daemon=True).start()
     link = RankChannel.from_env(rank, on_driver_lost=lambda: hard_exit(4))  # heartbeats start now
     code = 0
     try:

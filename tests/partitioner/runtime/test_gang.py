@@ -31,6 +31,7 @@ from partitioner.runtime.rank import OOM_SCORE_RAISE, FaultSpec, GangSpec, RankC
 from partitioner.stream.gang import StreamGang
 from partitioner.stream.program import stream_rank, stream_spec
 from partitioner.stream.verify import compare, sample_batches, verify_partitioned
+from tests.procs import gone, parent_of
 from training.messages import CheckpointSaved
 
 TOLERANCE = 1e-4
@@ -266,6 +267,56 @@ def test_a_gang_never_outlives_its_driver():
     for pid in pids:
         with pytest.raises(ProcessLookupError):  # reaped by the driver: no zombie either
             os.kill(pid, 0)
+
+
+DRIVER_THAT_IS_KILLED = DRIVER_THAT_FORGETS_TO_STOP + "import time; time.sleep(300)\n"
+
+
+def test_ranks_leave_at_once_when_their_driver_is_killed():
+    """SIGKILL runs no exit hook: the ranks see their driver's process end (not only its silence,
+    DRIVER_TIMEOUT_S = 15 s) and leave within seconds."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER_THAT_IS_KILLED],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(gone(pid) for pid in pids)
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+
+
+def test_a_gang_outlives_its_fork_server():
+    """Once their fork server dies multiprocessing reads every rank as exited, but they run on: the
+    gang watches them through pidfds, keeps answering, stops them cleanly, and the next gang starts
+    a new fork server."""
+    with StreamGang(_spec(pp=2)) as gang:
+        gang.run([_batch()], timeout_s=60)
+        server = parent_of(gang.pids()[0])
+        assert server != os.getpid()
+        os.kill(server, signal.SIGKILL)
+        while not gone(server):
+            time.sleep(0.05)
+        time.sleep(1.0)  # the ranks' and the gang's watchers had their chance
+        (out,) = gang.run([_batch(n=3, s=10)], timeout_s=60)
+        assert gang.healthy and tuple(out.shape) == (3, 10, 2)
+        pids = gang.pids()
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(gone(pid) for pid in pids)
+    with StreamGang(_spec(pp=1)) as again:
+        assert parent_of(again.pids()[0]) != server
+        again.run([_batch()], timeout_s=60)
 
 
 def _listen_addresses(port: int) -> set[str]:

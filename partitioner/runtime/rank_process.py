@@ -20,6 +20,7 @@ Tests: ``pytest tests/partitioner/runtime/test_rank_process.py``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import signal
@@ -38,8 +39,11 @@ def pidfd_of(pid: int) -> int | None:
 
 
 def has_exited(pidfd: int, timeout_s: float | None = 0.0) -> bool:
-    """Whether the process of ``pidfd`` has exited, waiting up to ``timeout_s`` (None: for ever)."""
-    return bool(select.select([pidfd], [], [], timeout_s)[0])
+    """Whether the process of ``pidfd`` has exited, waiting up to ``timeout_s`` (None: for ever).
+    ``poll``, not ``select``: a busy server's descriptors pass select's limit of 1024."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else math.ceil(1000 * timeout_s)))
 
 
 class RankProcess:
@@ -88,8 +92,14 @@ class RankProcess:
         if self._pidfd is None:
             self.proc.kill()
             return
-        with contextlib.suppress(ProcessLookupError, OSError):
+        try:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:  # exited
+            pass
+        except OSError:  # refused (a seccomp profile that allows pidfd_open only): by pid, if it runs
+            if self.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Release the pidfd (the process was killed and joined); multiprocessing's view from here on."""

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import subprocess
 import sys
 import time
 
@@ -76,3 +78,20 @@ def test_a_rank_outlives_its_fork_server_and_is_still_watched():
     again.join(timeout=60)
     assert again.exitcode == 3
     again.close()
+
+
+@needs_pidfd
+def test_an_exit_is_seen_on_a_descriptor_past_selects_limit():
+    """A busy server's descriptors pass 1024, where ``select`` stops working: the pidfd is polled."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 1100:
+        pytest.skip("needs more than 1100 open files")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    fd = pidfd_of(child.pid)
+    assert fd is not None
+    high = os.dup2(fd, 1100)
+    os.close(fd)
+    try:
+        assert has_exited(high, 30)
+    finally:
+        os.close(high)
+        child.wait()

@@ -178,7 +178,6 @@ def test_pp_auto_is_chosen_at_start_and_the_chosen_layout_is_checked_then(cores)
         ServeSettings(model=["a=tiny-bert"], placement="dedicated", max_memory_per_rank="1G")
 
 
-
 def test_length_buckets_default_to_the_padded_ones_below_max_seq_len_then_max_seq_len() -> None:
     padded = (64, 96, 128, 160, 192, 256, 320, 384)
     for flags, buckets in [

@@ -35,8 +35,15 @@ def start(target) -> RankProcess:
     return RankProcess(proc)
 
 
-def test_a_rank_process_tells_how_it_ended():
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "without-pidfd"])
+def test_a_rank_process_tells_how_it_ended(pidfds, monkeypatch):
+    """Through its pidfd, or where there is none (not Linux) through multiprocessing's own view."""
+    if not pidfds:
+        monkeypatch.setattr("partitioner.runtime.rank_process.pidfd_of", lambda pid: None)
+    elif pidfd_of(os.getpid()) is None:
+        pytest.skip("needs pidfds (Linux 5.3+)")
     sleeper, exiting = start(sleep_long), start(exit_with_3)
+    assert (sleeper.sentinel == sleeper.proc.sentinel) is not pidfds
     try:
         exiting.join(timeout=60)
         assert exiting.exitcode == 3

@@ -52,7 +52,6 @@ class RankProcess:
     def __init__(self, proc: BaseProcess) -> None:
         self.proc = proc
         self.pid: int = proc.pid  # type: ignore[assignment]  # started
-        self.name = proc.name
         self._pidfd = pidfd_of(self.pid)
         self._code: int | None = None
 

@@ -1,9 +1,11 @@
 """Processes as tests see them through Linux /proc: a process's parent, and whether it is gone.
 
-    from tests.procs import gone, parent_of
+    from tests.procs import all_gone, gone, parent_of
 """
 
 from __future__ import annotations
+
+import time
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -22,3 +24,13 @@ def gone(pid: int) -> bool:
         return _stat_fields(pid)[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def all_gone(pids: list[int], *, within_s: float) -> bool:
+    """Whether every process of ``pids`` is gone within ``within_s`` seconds (polled)."""
+    deadline = time.monotonic() + within_s
+    while not all(gone(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -71,7 +71,7 @@ class RankProcess:
     def _status(self) -> int:
         """The exit status of a rank that exited: its own reaping where this process became its
         parent, else the fork server's report, else ``UNKNOWN_STATUS``."""
-        with contextlib.suppress(ChildProcessError, OSError):
+        with contextlib.suppress(OSError):  # not this process's child (ChildProcessError)
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid == self.pid:
                 return os.waitstatus_to_exitcode(status)

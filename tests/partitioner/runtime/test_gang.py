@@ -31,7 +31,7 @@ from partitioner.runtime.rank import OOM_SCORE_RAISE, FaultSpec, GangSpec, RankC
 from partitioner.stream.gang import StreamGang
 from partitioner.stream.program import stream_rank, stream_spec
 from partitioner.stream.verify import compare, sample_batches, verify_partitioned
-from tests.procs import gone, parent_of
+from tests.procs import all_gone, parent_of
 from training.messages import CheckpointSaved
 
 TOLERANCE = 1e-4
@@ -286,10 +286,7 @@ def test_ranks_leave_at_once_when_their_driver_is_killed():
         assert len(pids) == 2
         driver.kill()
         driver.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(gone(pid) for pid in pids)
+        assert all_gone(pids, within_s=5)
     finally:
         driver.kill()
         driver.wait(timeout=30)
@@ -304,16 +301,12 @@ def test_a_gang_outlives_its_fork_server():
         server = parent_of(gang.pids()[0])
         assert server != os.getpid()
         os.kill(server, signal.SIGKILL)
-        while not gone(server):
-            time.sleep(0.05)
+        assert all_gone([server], within_s=30)
         time.sleep(1.0)  # the ranks' and the gang's watchers had their chance
         (out,) = gang.run([_batch(n=3, s=10)], timeout_s=60)
         assert gang.healthy and tuple(out.shape) == (3, 10, 2)
         pids = gang.pids()
-    deadline = time.monotonic() + 10
-    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(gone(pid) for pid in pids)
+    assert all_gone(pids, within_s=10)
     with StreamGang(_spec(pp=1)) as again:
         assert parent_of(again.pids()[0]) != server
         again.run([_batch()], timeout_s=60)

@@ -376,7 +376,7 @@ def bench_server(
     try:
         # shardserve turns ready with its first gang: wait for every replica (none starting)
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
-        api = _api_pids(port)  # --api-workers: its API processes (HTTP, tokenizing, decoding)
+        api = api_pids(port)  # --api-workers: its API processes (HTTP, tokenizing, decoding)
         marks: list[tuple[float, float, float]] = []  # CPU seconds: server process, API processes, workers
         # at the measured window's two ends, as the answers counted are those that end inside it (not
         # after drive returns: the answers still in flight at the end are not counted)
@@ -398,7 +398,7 @@ def bench_server(
                 result.note += f", its {len(api)} API processes {(api1 - api0) * per_q:.1f} ms"
             if kids1 > kids0:
                 result.note += f", workers {(kids1 - kids0) * per_q:.1f} ms"
-        stats = _batch_stats(port)
+        stats = batch_stats(port)
         if stats:
             result.note += f"; {stats}"
         return result
@@ -422,7 +422,7 @@ def cpu_seconds(pid: int, *, api: Sequence[int] = ()) -> tuple[float, float, flo
     return used(own), sum(used(p) for p in api), sum(used(p) for p in descendants if p not in api)
 
 
-def _api_pids(port: int) -> list[int]:
+def api_pids(port: int) -> list[int]:
     """The API processes of a shardserve server (its status JSON; [] for other servers or none)."""
     import httpx
 
@@ -433,7 +433,7 @@ def _api_pids(port: int) -> list[int]:
     return [w["pid"] for w in workers if w.get("pid")]
 
 
-def _batch_stats(port: int) -> str:
+def batch_stats(port: int) -> str:
     """Mean micro-batch size and padding ratio from shardserve's /metrics ('' for other servers)."""
     import httpx
 

@@ -4,9 +4,11 @@
 socket (``serving/engine/core_server.py``), read by one task on the API process's event loop. Each
 request id starts with the identity; a call is a future keyed by it: ``reserve`` (-> ``Reserved`` or
 an ``EngineError``), ``submit`` (-> ``Answer``), ``http`` (a whole forwarded HTTP request ->
-``HttpReply``). ``State`` messages update ``state`` and call ``on_state``; when none came for
-``CORE_TIMEOUT_S`` (or this process's parent changed) the core is gone: every open call fails 503
-and ``on_core_lost`` runs (the API process exits).
+``HttpReply``). What one event-loop turn sends leaves as one bundle (``wire.encode_many``) at the
+turn's end; a bundle that cannot be sent fails its calls with 503. ``State`` messages update
+``state`` and call ``on_state``; when none came for ``CORE_TIMEOUT_S`` (or this process's parent
+changed) the core is gone: every open call fails 503 and ``on_core_lost`` runs (the API process
+exits).
 
 ``MetricsRelay`` stands where the app's ``ServingMetrics`` stands in one process: it queues the
 requests counted (``count_request``) and the ends of admitted requests (``record_end``) and sends
@@ -34,7 +36,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from partitioner.runtime.wire import WireError, decode, encode
+from partitioner.runtime.wire import WireError, decode_many, encode_many
 from serving.engine import core_wire as cw
 from serving.engine.qa_types import EngineError
 
@@ -77,6 +79,7 @@ class CoreClient:
         self._state_at = time.monotonic()
         self._first_state = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._outbox: list[Any] = []  # the messages of this loop turn
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
         """Connect, say hello, wait for the core's first ``State``."""
@@ -88,6 +91,7 @@ class CoreClient:
 
     async def stop(self) -> None:
         self.flush()
+        self._send_outbox()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -101,7 +105,32 @@ class CoreClient:
     def _send(self, msg: Any) -> None:
         if self.lost:
             raise CoreLost()
-        self._sock.send_multipart(encode(msg, self.key), flags=zmq.NOBLOCK)
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._send_outbox)
+        self._outbox.append(msg)
+
+    def _send_outbox(self) -> None:
+        msgs, self._outbox = self._outbox, []
+        if not msgs or self.lost:
+            return
+        try:
+            sent = self._sock.send_multipart(encode_many(msgs, self.key), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as err:  # the socket is closed
+            self._not_sent(msgs, err)
+            return
+        sent.add_done_callback(lambda fut: fut.cancelled() or self._not_sent(msgs, fut.exception()))
+
+    def _not_sent(self, msgs: list[Any], err: BaseException | None) -> None:
+        """A bundle the socket refused (its queue to the core full): its calls fail with 503."""
+        if err is None:
+            return
+        logger.warning("%d message(s) not sent to the engine core: %s", len(msgs), err)
+        for msg in msgs:
+            fut = self._calls.pop(_call_key(msg), None)
+            if fut is not None and not fut.done():
+                fut.set_exception(
+                    EngineError(503, "core_unreachable", f"the engine core is unreachable: {err}")
+                )
 
     def _call(self, key: str | int, msg: Any) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -148,27 +177,28 @@ class CoreClient:
         while True:
             frames = await self._sock.recv_multipart(copy=True)
             try:
-                msg = decode(frames, self.key)
+                msgs = decode_many(frames, self.key)
             except WireError as err:
                 logger.warning("dropped a message that is not the core's: %s", err)
                 continue
-            if isinstance(msg, cw.State):
-                self._state_at = time.monotonic()
-                self.state = msg.digest
-                if self.on_state is not None:
-                    self.on_state(msg.digest)
-                self._first_state.set()
-                continue
-            key = msg.cid if isinstance(msg, cw.HttpReply) else msg.rid
-            fut = self._calls.pop(key, None)
-            if fut is None or fut.done():
-                continue  # cancelled meanwhile
-            if isinstance(msg, cw.Failed):
-                fut.set_exception(
-                    EngineError(msg.status, msg.code, msg.detail, retry_after_s=msg.retry_after_s)
-                )
-            else:
-                fut.set_result(msg)
+            for msg in msgs:
+                self._on(msg)
+
+    def _on(self, msg: Any) -> None:
+        if isinstance(msg, cw.State):
+            self._state_at = time.monotonic()
+            self.state = msg.digest
+            if self.on_state is not None:
+                self.on_state(msg.digest)
+            self._first_state.set()
+            return
+        fut = self._calls.pop(_call_key(msg), None)
+        if fut is None or fut.done():
+            return  # cancelled meanwhile
+        if isinstance(msg, cw.Failed):
+            fut.set_exception(EngineError(msg.status, msg.code, msg.detail, retry_after_s=msg.retry_after_s))
+        else:
+            fut.set_result(msg)
 
     async def _watch(self) -> None:
         """Flush metric events; notice a core that is gone (no State, or a new parent process)."""
@@ -191,6 +221,11 @@ class CoreClient:
                 if self.on_core_lost is not None:
                     self.on_core_lost()
                 return
+
+
+def _call_key(msg: Any) -> str | int | None:
+    """The call a message belongs to: an HTTP call's number, else its request id (None: no call)."""
+    return msg.cid if isinstance(msg, cw.HttpCall | cw.HttpReply) else getattr(msg, "rid", None)
 
 
 class MetricsRelay:

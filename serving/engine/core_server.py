@@ -3,7 +3,9 @@
 One ZeroMQ ROUTER on ``ipc://`` in a private (0700) directory, read by one task on the server's
 event loop (the engines' loop: no locks). Each API process is a DEALER whose identity names it
 (``w<index>.<incarnation>``); its request ids start with that identity, so a dead process's requests
-are found and given back (``forget_worker``). What it does for each message (``core_wire.py``):
+are found and given back (``forget_worker``). Messages travel in bundles (``wire.encode_many``):
+what is sent to one API process in one event-loop turn goes out as one signed send, at the turn's
+end. What it does for each message (``core_wire.py``):
 
 - ``Reserve``: ``Engine.reserve`` (429 / 413 / 503 / 404 before tokenizing) -> ``Reserved`` / ``Failed``;
 - ``Submit``: ``Engine.admit_encoded(remote=True)``; the job's future (its logits, or an
@@ -26,6 +28,7 @@ Tests: ``pytest tests/serving/engine/test_core_server.py``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import tempfile
@@ -38,7 +41,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from partitioner.runtime.wire import WireError, decode, encode, new_key
+from partitioner.runtime.wire import WireError, decode_many, encode_many, new_key
 from serving.engine import core_wire as cw
 from serving.engine.core import Engine, Ticket
 from serving.engine.input_processor import AdmissionAsk, record_context_cache
@@ -74,10 +77,12 @@ class CoreServer:
         self._tokenizers: dict[tuple[str, int], str] = {}  # (model, generation) -> saved directory
         self._digest: dict[str, Any] | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._outbox: dict[bytes, list[Any]] = {}  # identity -> messages of this loop turn
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         self._sock.bind(self.endpoint)
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         for coro in (self._read(), self._publish()):
             self._spawn(loop, coro)
 
@@ -114,10 +119,22 @@ class CoreServer:
         return len(rids)
 
     def _send(self, identity: bytes, msg: Any) -> None:
-        try:
-            self._sock.send_multipart([identity, *encode(msg, self.key)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as err:  # gone (ROUTER_MANDATORY) or stopping: its pool forgets it
-            logger.debug("to %s: %s not sent: %s", identity, type(msg).__name__, err)
+        """Queue ``msg`` for ``identity``: this loop turn's messages to it leave as one bundle."""
+        if not self._outbox:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+        self._outbox.setdefault(identity, []).append(msg)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for identity, msgs in outbox.items():
+            try:
+                sent = self._sock.send_multipart([identity, *encode_many(msgs, self.key)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as err:  # the socket is closed: stopping
+                logger.debug("to %s: %d message(s) not sent: %s", identity, len(msgs), err)
+                continue
+            # a future, done unless earlier sends wait: a refused send's error is set on it, not raised
+            sent.add_done_callback(functools.partial(_not_sent, identity, len(msgs)))
 
     def _fail(self, identity: bytes, rid: str, err: EngineError) -> None:
         self._workers.get(identity, set()).discard(rid)
@@ -129,14 +146,15 @@ class CoreServer:
             frames = await self._sock.recv_multipart(copy=True)
             identity, body = frames[0], frames[1:]
             try:
-                msg = decode(body, self.key)
+                msgs = decode_many(body, self.key)
             except WireError as err:
                 logger.warning("dropped a message that is not an API process's: %s", err)
                 continue
-            try:
-                self._on(identity, msg)
-            except Exception:  # a bug must not stop the reader (and every API process with it)
-                logger.exception("core: handling %s failed", type(msg).__name__)
+            for msg in msgs:
+                try:
+                    self._on(identity, msg)
+                except Exception:  # a bug must not stop the reader (and every API process with it)
+                    logger.exception("core: handling %s failed", type(msg).__name__)
 
     def _on(self, identity: bytes, msg: Any) -> None:
         if isinstance(msg, cw.Reserve):
@@ -279,6 +297,12 @@ class CoreServer:
             await asyncio.to_thread(engine.model.tokenizer.save_pretrained, path)
             self._tokenizers[key] = path
         return path
+
+
+def _not_sent(identity: bytes, n: int, sent: asyncio.Future) -> None:
+    if not sent.cancelled() and (err := sent.exception()) is not None:
+        # gone (ROUTER_MANDATORY) or full: its pool forgets it, or its calls time out there
+        logger.debug("to %s: %d message(s) not sent: %s", identity, n, err)
 
 
 async def call_asgi(app: Any, msg: cw.HttpCall) -> tuple[int, list[list[str]], bytes]:

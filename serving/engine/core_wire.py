@@ -7,6 +7,8 @@ engines (admission, batching, the gangs). They talk over one ZeroMQ ``ipc://`` s
     API -> core   Hello | Reserve | Submit | Cancel | HttpCall | Observed
     core -> API   State | Reserved | Answer | Failed | HttpReply
 
+(each way, the messages of one event-loop turn travel as one bundle: ``wire.encode_many``)
+
 A request is two round trips: ``Reserve`` (a queue place BEFORE tokenizing: a full server answers
 429 at once, as in one process) -> ``Reserved`` / ``Failed``; then ``Submit`` (its windows) ->
 ``Answer`` (its windows' logits; the API process decodes the spans) / ``Failed``. ``Cancel`` gives a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -14,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import bench_api_workers
 import bench_kernels
 import bench_serving
 
@@ -124,6 +126,26 @@ def test_cpu_seconds_counts_a_process_and_its_children():
         os.killpg(parent.pid, signal.SIGKILL)  # the parent and its child
         parent.wait()
     assert bench_serving.cpu_seconds(parent.pid) == (0.0, 0.0, 0.0)  # gone: nothing to count
+
+
+def test_api_workers_configs_name_their_checkout_and_the_load_is_the_asked_size(tmp_path):
+    here = bench_api_workers.parse_config("--api-workers 2 --max-batch-size 8")
+    assert here.tree == bench_api_workers.REPO and here.flags == [
+        "--api-workers",
+        "2",
+        "--max-batch-size",
+        "8",
+    ]
+    assert here.label == "--api-workers 2 --max-batch-size 8"
+    other = bench_api_workers.parse_config(f"@{tmp_path} --api-workers 2")
+    assert other.tree == tmp_path and other.flags == ["--api-workers", "2"]
+    assert other.label == f"@{tmp_path} --api-workers 2"
+    assert bench_api_workers.parse_config("").label == "(no flags)"
+    load = [json.loads(b) for b in bench_api_workers.bodies(5, context_chars=40)]
+    assert len({d["question"] for d in load}) == 5 and all(len(d["context"]) == 40 for d in load)
+    assert (
+        bench_api_workers.cpu_s("/proc/no-such-process") == 0.0 and bench_api_workers.cpu_s("/proc/self") > 0
+    )
 
 
 def test_explicit_configs_expand_cores_and_drop_duplicates():

@@ -16,7 +16,16 @@ import pytest
 
 from partitioner.runtime.channel import ChannelError, DriverChannel, RankChannel
 from partitioner.runtime.messages import Heartbeat, RankFailed, RankReady
-from partitioner.runtime.wire import MESSAGE_TYPES, WireError, decode, encode, new_key, register_messages
+from partitioner.runtime.wire import (
+    MESSAGE_TYPES,
+    WireError,
+    decode,
+    decode_many,
+    encode,
+    encode_many,
+    new_key,
+    register_messages,
+)
 from partitioner.stream.program import Batch, Result, Stop  # programs' own messages, registered
 from training.messages import EvalLogits, StepReport
 
@@ -62,6 +71,27 @@ def test_foreign_tampered_or_unknown_frames_are_refused() -> None:
         decode([b"{}"], key)
     with pytest.raises(WireError, match="not a wire message"):
         encode(object(), key)
+
+
+def test_a_bundle_carries_several_messages_under_one_signature() -> None:
+    key = new_key()
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    msgs = [Batch(1, ids, ids + 1, None), Stop(), Result(1, np.ones((2, 3, 2), dtype=np.float32)), Stop()]
+    frames = encode_many(msgs, key)
+    assert len(frames) == 1 + 3 + 1  # one header, the three arrays, one signature
+    got = decode_many(frames, key)
+    assert [type(m) for m in got] == [type(m) for m in msgs]
+    assert np.array_equal(got[0].attention_mask, ids + 1) and got[0].token_type_ids is None
+    assert np.array_equal(got[2].logits, msgs[2].logits)
+    assert decode_many(encode(Stop(), key), key) == [Stop()]  # one message is a bundle of one
+    with pytest.raises(WireError, match="one message expected, 4"):
+        decode(frames, key)
+    with pytest.raises(WireError, match="signature"):
+        decode_many([*frames[:2], *frames[3:]], key)  # an array left out
+    with pytest.raises(WireError, match="nothing"):
+        encode_many([], key)
+    with pytest.raises(WireError, match="not a wire message"):
+        encode_many([Stop(), object()], key)
 
 
 @dataclasses.dataclass(frozen=True)

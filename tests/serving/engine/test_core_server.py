@@ -30,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 import serving.engine.core_client as cc
 from models.qa_windows import WindowConfig, encode_qa
 from models.registry import resolve_model
-from partitioner.runtime.wire import WireError, decode, encode, new_key
+from partitioner.runtime.wire import WireError, decode, decode_many, encode, encode_many, new_key
 from serving.engine import core_wire as cw
 from serving.engine.core_client import CoreClient
 from serving.frontend.api_role import CoreLink
@@ -227,6 +227,60 @@ def test_a_gone_api_process_gives_back_its_places_and_queued_work() -> None:
 
 async def _forget(server: Any, identity: str) -> int:
     return server.forget_worker(identity)
+
+
+def test_the_core_reads_a_bundle_and_answers_it_with_one() -> None:
+    """What an API process sends in one loop turn arrives as one bundle, and what the core answers in
+    its turn goes back as one."""
+    with core_and_api() as (core, _, _):
+        engine, server = core.app.state.engine, core.app.state.core_server
+
+        async def exchange() -> list[Any]:
+            ctx = zmq.asyncio.Context()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, b"w8.0")
+            sock.connect(server.endpoint)
+            try:
+                bundle = [
+                    cw.Hello(1),
+                    cw.Reserve("w8.0-1", "tiny-bert", 1, 1, 0.0, None),
+                    cw.Reserve("w8.0-2", "nope", 1, 1, 0.0, None),
+                    cw.Reserve("w8.0-3", "tiny-bert", 1, 1, 0.0, None),
+                ]
+                await sock.send_multipart(encode_many(bundle, server.key))
+                return decode_many(await asyncio.wait_for(sock.recv_multipart(), 5.0), server.key)
+            finally:
+                sock.close(linger=0)
+                ctx.term()
+
+        got = core.portal.call(exchange)
+        assert cw.State in {type(m) for m in got}  # the answer to Hello, in the same bundle
+        got = [m for m in got if not isinstance(m, cw.State)]
+        assert [type(m) for m in got] == [cw.Reserved, cw.Failed, cw.Reserved]
+        assert (got[1].rid, got[1].status, got[1].code) == ("w8.0-2", 404, "model_not_found")
+        assert engine.scheduler.reserved == 2
+        assert core.portal.call(_forget, server, "w8.0") == 2 and engine.scheduler.reserved == 0
+
+
+def test_a_bundle_the_socket_refuses_fails_its_calls_with_503() -> None:
+    """The core's queue is full (ZeroMQ's high-water mark): the calls of the bundle end at once."""
+
+    async def run() -> tuple[int, str]:
+        client = CoreClient(endpoint="ipc:///nowhere", key=new_key(), identity="w0.0")
+        refused = asyncio.get_running_loop().create_future()
+        refused.set_exception(zmq.Again())
+        client._sock.send_multipart = lambda frames, flags=0: refused
+        call = asyncio.ensure_future(client.reserve(cw.Reserve("w0.0-1", "m", 1, 1, 0.0, None)))
+        try:
+            await asyncio.wait_for(call, 2.0)
+        except cc.EngineError as err:
+            return err.status, err.code
+        finally:
+            client._sock.close(linger=0)
+            client._ctx.term()
+        return 0, ""
+
+    assert asyncio.run(run()) == (503, "core_unreachable")
 
 
 def test_a_draining_core_stops_its_api_processes_taking_new_work() -> None:

@@ -1,6 +1,6 @@
 """Processes as tests see them through Linux /proc: a process's parent, and whether it is gone.
 
-    from tests.procs import all_gone, gone, parent_of
+from tests.procs import alive, all_gone, gone, parent_of
 """
 
 from __future__ import annotations
@@ -19,11 +19,16 @@ def parent_of(pid: int) -> int:
 
 
 def gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie its parent has not reaped yet."""
+    """Exited: no such process, or a zombie (dead) its parent has not reaped yet."""
     try:
-        return _stat_fields(pid)[0] == "Z"
-    except FileNotFoundError:
+        return _stat_fields(pid)[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
         return True
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` not ``gone``."""
+    return [pid for pid in pids if not gone(pid)]
 
 
 def all_gone(pids: list[int], *, within_s: float) -> bool:

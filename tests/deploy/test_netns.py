@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from tests.netns import netns_available, virtual_hosts
+from tests.procs import all_gone, gone
 
 PREFIX = "ssnt-smoke-"  # distinct from the default prefix, so the leftover checks only see these tests
 PORT = 7000  # every port is free in a fresh namespace
@@ -109,14 +108,6 @@ def test_loopback_is_per_host() -> None:
     assert _leftovers() == []
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")  # a zombie waiting for a reaper that is not ours
-
-
 def test_cleanup_on_exception_kills_processes_and_removes_everything() -> None:
     # A grandchild in its own session escapes the process-group kill; the `ip netns pids` sweep gets it.
     escape = (
@@ -128,14 +119,11 @@ def test_cleanup_on_exception_kills_processes_and_removes_everything() -> None:
         sleeper = a.popen([sys.executable, "-c", "import time; time.sleep(600)"])
         out = b.run([sys.executable, "-c", escape], capture_output=True, text=True, timeout=30)
         escaped = int(out.stdout.split()[0])
-        assert not _gone(escaped)
+        assert not gone(escaped)
         assert len(_leftovers()) == 3  # two hosts + the hub
         raise KeyboardInterrupt  # like Ctrl-C in the middle of a test
     assert sleeper.returncode is not None
-    deadline = time.monotonic() + 5
-    while not _gone(escaped) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(escaped)
+    assert all_gone([escaped], within_s=5)
     assert _leftovers() == []
 
 

@@ -4,6 +4,7 @@ SIGTERM (exit 143) stop a run in one line, its ranks killed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from shardserve.cli import main
+from tests.procs import alive, all_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -412,21 +414,12 @@ def _stop_a_pipelined_run(tmp_path: Path, stop: Callable[[int], None]) -> tuple[
 
 def _alive_after_a_while(pids: list[int]) -> list[str]:
     """The command lines of the processes in ``pids`` still alive 5 s on (or as soon as none is)."""
-    import time
-
-    def alive() -> list[str]:
-        out = []
-        for pid in pids:  # the driver and its ranks (its process group)
-            try:
-                out.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:120])
-            except OSError:
-                pass
-        return out
-
-    deadline = time.monotonic() + 5
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive()
+    all_gone(pids, within_s=5)  # the driver and its ranks (its process group)
+    out = []
+    for pid in alive(pids):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            out.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:120])
+    return out
 
 
 def test_ctrl_c_stops_a_pipelined_run_at_once_with_one_line(tmp_path: Path) -> None:

@@ -23,11 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,10 +36,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench_serving import api_pids, batch_stats, machine_info  # noqa: E402
+from bench_serving import api_pids, batch_stats, machine_info, process_cpu_s  # noqa: E402
 from http_load import closed_loop  # noqa: E402
 
-from loadtest.local_server import ServerNotReady, free_port, stop, wait_ready  # noqa: E402
+from loadtest.local_server import ServerNotReady, local_server  # noqa: E402
 from loadtest.overload import process_tree  # noqa: E402
 
 logger = logging.getLogger("bench_api_workers")
@@ -80,65 +78,48 @@ def bodies(n: int, *, context_chars: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def cpu_s(path: str) -> float:
-    """user + system CPU seconds of a process or thread (``/proc/<pid>[/task/<tid>]/stat``); 0 if gone."""
-    try:
-        fields = Path(path, "stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(config: Config, args: argparse.Namespace, load: list[bytes]) -> dict[str, float | str]:
     """One server of ``config``, ready; warm-up, then the measured closed loop; its figures."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": str(config.tree),
-    }
-    cmd = [sys.executable, "-m", "shardserve", "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-queue-size", str(max(256, 8 * args.clients)), "--log-level", "warning",
-           *config.flags]  # fmt: skip
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, cwd=config.tree, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    serve_args = ["--model", args.model, "--max-queue-size", str(max(256, 8 * args.clients)),
+                  "--log-level", "warning", *config.flags]  # fmt: skip
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(config.tree)}
+    with tempfile.TemporaryFile() as log:
         try:
-            wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
-        except ServerNotReady:
+            with local_server(serve_args, all_replicas=True, log=log, env=env, cwd=config.tree) as srv:
+                return _drive(srv.pid, srv.port, args, load)
+        except ServerNotReady as err:
             log.seek(0)
-            sys.exit(f"{config.label}: {log.read().decode(errors='replace')[-2000:]}")
-        api = api_pids(port)
-        closed_loop(port, load, clients=args.clients, warmup_s=0.0, duration_s=args.warmup_s)
-        ranks = [p for p in process_tree(proc.pid)[1:] if p not in api]
+            sys.exit(f"{config.label}: {err}\n{log.read().decode(errors='replace')[-2000:]}")
 
-        def snap() -> tuple[float, float, float, float]:
-            return (
-                cpu_s(f"/proc/{proc.pid}"),
-                cpu_s(f"/proc/{proc.pid}/task/{proc.pid}"),
-                sum(cpu_s(f"/proc/{p}") for p in api),
-                sum(cpu_s(f"/proc/{p}") for p in ranks),
-            )
 
-        before = snap()
-        out = closed_loop(port, load, clients=args.clients, warmup_s=0.0, duration_s=args.duration_s)
-        after = snap()
-        answered = sorted(lat for lat, status in out if status == 200)
-        per = [1000 * (b - a) / max(len(answered), 1) for a, b in zip(before, after, strict=True)]
-        return {
-            "qps": len(answered) / args.duration_s,
-            "p50_ms": 1000 * statistics.median(answered) if answered else float("nan"),
-            "errors": len(out) - len(answered),
-            "core_ms": per[0],
-            "loop_ms": per[1],
-            "api_ms": per[2],
-            "ranks_ms": per[3],
-            "batch": batch_stats(port),
-        }
-    finally:
-        stop(proc)
-        log.close()
+def _drive(pid: int, port: int, args: argparse.Namespace, load: list[bytes]) -> dict[str, float | str]:
+    api = api_pids(port)
+    closed_loop(port, load, clients=args.clients, warmup_s=0.0, duration_s=args.warmup_s)
+    ranks = [p for p in process_tree(pid)[1:] if p not in api]
+
+    def snap() -> tuple[float, float, float, float]:
+        return (
+            process_cpu_s(f"/proc/{pid}"),
+            process_cpu_s(f"/proc/{pid}/task/{pid}"),  # the event-loop thread
+            sum(process_cpu_s(f"/proc/{p}") for p in api),
+            sum(process_cpu_s(f"/proc/{p}") for p in ranks),
+        )
+
+    before = snap()
+    out = closed_loop(port, load, clients=args.clients, warmup_s=0.0, duration_s=args.duration_s)
+    after = snap()
+    answered = sorted(lat for lat, status in out if status == 200)
+    per = [1000 * (b - a) / max(len(answered), 1) for a, b in zip(before, after, strict=True)]
+    return {
+        "qps": len(answered) / args.duration_s,
+        "p50_ms": 1000 * statistics.median(answered) if answered else float("nan"),
+        "errors": len(out) - len(answered),
+        "core_ms": per[0],
+        "loop_ms": per[1],
+        "api_ms": per[2],
+        "ranks_ms": per[3],
+        "batch": batch_stats(port),
+    }
 
 
 def main() -> None:

@@ -406,17 +406,22 @@ def bench_server(
         stop(proc)
 
 
+def process_cpu_s(path: str) -> float:
+    """CPU seconds (user + system) of a process or thread, ``/proc/<pid>`` or ``/proc/<pid>/task/<tid>``
+    (Linux; 0 where it is gone or there is no /proc)."""
+    try:
+        fields = Path(path, "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def cpu_seconds(pid: int, *, api: Sequence[int] = ()) -> tuple[float, float, float]:
     """CPU seconds (user + system) of process ``pid``, of its ``api`` processes and of its other live
     descendants (Linux /proc; zeros elsewhere): what the HTTP front end and the workers spend per answer."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def used(p: int) -> float:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        return process_cpu_s(f"/proc/{p}")
 
     own, *descendants = process_tree(pid)
     return used(own), sum(used(p) for p in api), sum(used(p) for p in descendants if p not in api)

@@ -4,7 +4,7 @@ One home for what every benchmark and end-to-end test needs (a free loopback por
 server, polling ``/readyz`` while watching that the child is alive, a draining stop):
 
     with local_server(["--model", "tiny-bert", "--replicas", "1"], ready_timeout_s=120) as srv:
-        httpx.post(f"{srv.url}/v1/qa", json=...)        # srv.proc: the Popen, srv.pid
+        httpx.post(f"{srv.url}/v1/qa", json=...)        # srv.proc: the Popen, srv.pid, srv.port
     wait_ready("http://127.0.0.1:8000", timeout_s=60)  # a server started elsewhere
 
 The child runs with ``HF_HUB_OFFLINE=1`` and binds 127.0.0.1 only; on exit it gets SIGTERM (it
@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 
@@ -81,6 +82,10 @@ class LocalServer:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
 
 @contextlib.contextmanager
 def local_server(
@@ -92,16 +97,18 @@ def local_server(
     env: Mapping[str, str] | None = None,
     global_args: Sequence[str] = (),
     stop_timeout_s: float = 60.0,
+    cwd: str | Path | None = None,
 ) -> Iterator[LocalServer]:
     """``python -m shardserve [global_args] serve --host 127.0.0.1 --port FREE [serve_args]`` as a
     child process, yielded once ready; stopped (drained) on exit. ``log``: where its stdout and
-    stderr go (a file, ``None`` to inherit); ``env``: extra environment variables."""
+    stderr go (a file, ``None`` to inherit); ``env``: extra environment variables; ``cwd``: where it
+    runs (``python -m`` finds ``shardserve`` there first: another checkout's server)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardserve", *global_args, "serve",
            "--host", "127.0.0.1", "--port", str(port), *serve_args]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT if log is not None else None,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, cwd=cwd,
     )  # fmt: skip
     server = LocalServer(f"http://127.0.0.1:{port}", proc)
     try:

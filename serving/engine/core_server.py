@@ -78,11 +78,10 @@ class CoreServer:
         self._digest: dict[str, Any] | None = None
         self._tasks: set[asyncio.Task] = set()
         self._outbox: dict[bytes, list[Any]] = {}  # identity -> messages of this loop turn
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         self._sock.bind(self.endpoint)
-        self._loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         for coro in (self._read(), self._publish()):
             self._spawn(loop, coro)
 
@@ -121,8 +120,7 @@ class CoreServer:
     def _send(self, identity: bytes, msg: Any) -> None:
         """Queue ``msg`` for ``identity``: this loop turn's messages to it leave as one bundle."""
         if not self._outbox:
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self._flush)
         self._outbox.setdefault(identity, []).append(msg)
 
     def _flush(self) -> None:

@@ -72,7 +72,7 @@ class DecoderForQA(HFFamilyForQA):
         Returns (B, S, 2) fp32 span logits when ``qa_outputs`` is present, else (B, S, H)."""
         if self.embeddings is not None:
             x = self.embeddings(x)  # (B, S, H)
-        layout = attention_layout(attention_mask, training=self.training)
+        layout = attention_layout(attention_mask, training=self.training, dtype=x.dtype)
         x, positions = self.pack(x, layout)  # (B, S, H), (1, S) or packed (1, T, H), (1, T)
         attention = self.attention_by_kind(x, attention_mask, positions, layout)
         angles = self.rotary(x, positions)  # (cos, sin), each (1, S|T, D)

@@ -176,7 +176,7 @@ class EncoderForQA(SpanModel):
         """
         if self.embeddings is not None:
             x = self.embeddings(x, token_type_ids)  # (B, S, H)
-        layout = attention_layout(attention_mask, training=self.training)
+        layout = attention_layout(attention_mask, training=self.training, dtype=x.dtype)
         return layout.unpack(self._layers_and_head(layout.pack(x), layout))  # (B, S, H|2)
 
     def _layers_and_head(self, x: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:

@@ -44,17 +44,20 @@ def packed_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, once per sequence of a packed batch.
 
-    query: (B, heads, S, D); key, value: (B, kv_heads, S, D); B = 1 and S = T when packed.
+    query: (B, heads, S, D); key, value: (B, kv_heads, S, D); B = 1 and S = R (the real tokens, then
+    spare rows) when packed.
     Returns ((B, S, heads, D), None), as transformers' kernels do."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_sequences is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     lengths = packed_sequences.lengths
-    splits = (t.split(lengths, dim=2) for t in (query, key, value))  # each (1, heads, L, D) per sequence
+    tokens = sum(lengths)  # the rows after them are spare (``models.packing.packed_rows``): zeros out
+    splits = (t[:, :, :tokens].split(lengths, dim=2) for t in (query, key, value))  # (1, heads, L, D) each
     per_sequence = zip(*splits, packed_sequences.masks, strict=True)
     outs = [sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0] for q, k, v, mask in per_sequence]
-    return torch.cat(outs, dim=1), None  # (1, T, heads, D)
+    spare = query.new_zeros(1, query.shape[2] - tokens, *outs[0].shape[2:])
+    return torch.cat([*outs, spare], dim=1), None  # (1, R, heads, D)
 
 
 def register() -> None:

@@ -61,7 +61,7 @@ class ModernBertForQA(HFFamilyForQA):
         Returns (B, S, 2) fp32 span logits when ``qa_outputs`` is present, else (B, S, H)."""
         if self.embeddings is not None:
             x = self.embeddings(input_ids=x)  # (B, S, H)
-        layout = attention_layout(attention_mask, training=self.training)
+        layout = attention_layout(attention_mask, training=self.training, dtype=x.dtype)
         x, positions = self.pack(x, layout)  # (B, S, H), (1, S) or packed (1, T, H), (1, T)
         attention = self.attention_by_kind(x, attention_mask, positions, layout)
         angles = {kind: self.rotary(x, positions, kind) for kind in attention}  # (cos, sin), each (1, S|T, D)

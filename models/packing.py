@@ -21,7 +21,7 @@ questions per second (docs/benchmarks.md, "Packed inference"). ``EncoderForQA`` 
 in either layout (``attend``); the families on transformers' modules pass ``lengths`` to their
 attention kernel (``models/hf_family.py``).
 
-    layout = attention_layout(attention_mask, training=model.training)
+    layout = attention_layout(attention_mask, training=model.training, dtype=x.dtype)
     y = layout.unpack(layers(layout.pack(x), layout))       # (B, S, C) -> (T, C) -> (B, S, C)
 
 Tests: ``pytest tests/models/test_packing.py tests/models/test_encoder.py``.
@@ -74,38 +74,61 @@ class PackedLayout:
     """Right-padded sequences packed without their padding: tensors (T, ...), T the real tokens of
     the batch; each sequence attends to itself alone (one unmasked attention call per sequence)."""
 
-    def __init__(self, attention_mask: torch.Tensor, lengths: list[int]) -> None:
+    def __init__(self, attention_mask: torch.Tensor, lengths: list[int], *, dtype: torch.dtype) -> None:
         self.shape = attention_mask.shape  # (B, S)
         self.keep = attention_mask.reshape(-1).nonzero().squeeze(1)  # (T,) real tokens of the flat batch
         self.lengths = lengths
+        self.tokens = len(self.keep)  # T
+        # rows R >= T the layers run: spare rows of zeros after the real tokens where oneDNN computes
+        self.spare = packed_rows(self.tokens) - self.tokens if dtype in ONEDNN_DTYPES else 0
 
     def positions(self) -> torch.Tensor:
-        """(T,) each real token's position in its sequence (right padding: its column)."""
-        return self.keep.remainder(self.shape[1])
+        """(R,) each row's position in its sequence (right padding: its column); 0 for spare rows."""
+        return F.pad(self.keep.remainder(self.shape[1]), (0, self.spare))
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1]).index_select(0, self.keep)  # (B, S, C) -> (T, C)
+        # (B, S, C) -> (R, C): the T real tokens, then the spare rows (zeros)
+        return F.pad(x.reshape(-1, x.shape[-1]).index_select(0, self.keep), (0, 0, 0, self.spare))
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        # (T, C) -> (B, S, C), zeros at padding positions
-        full = x.new_zeros(self.shape.numel(), x.shape[-1]).index_copy_(0, self.keep, x)
+        # (R, C) -> (B, S, C), zeros at padding positions
+        full = x.new_zeros(self.shape.numel(), x.shape[-1]).index_copy_(0, self.keep, x[: self.tokens])
         return full.view(*self.shape, -1)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, dropout_p: float
     ) -> torch.Tensor:
-        # q, k, v: (T, heads_local * D) -> (T, heads_local * D); each sequence a padded batch of one
+        # q, k, v: (R, heads_local * D) -> (R, heads_local * D); each sequence a padded batch of one,
+        # the spare rows attend to nothing (zeros)
         unmasked = PaddedLayout(None)
-        per_sequence = zip(*(t.split(self.lengths) for t in (q, k, v)), strict=True)
+        per_sequence = zip(*(t[: self.tokens].split(self.lengths) for t in (q, k, v)), strict=True)
         return torch.cat(
             [
                 unmasked.attend(qs[None], ks[None], vs[None], head_dim, dropout_p)[0]
                 for qs, ks, vs in per_sequence
             ]
+            + [q.new_zeros(self.spare, q.shape[-1])]
         )
 
 
 AttentionLayout = PaddedLayout | PackedLayout
+
+# Float dtypes whose Linear layers run in oneDNN on the CPU (fp32 runs in MKL). oneDNN compiles a
+# kernel for every new shape (its primitive cache keeps 1,024): on an AMX Xeon a new row count cost
+# 2-15 ms per bf16 Linear layer, about 11 ms per micro-batch of the default model, where every
+# micro-batch of the server's brings a new count (docs/benchmarks.md, "A packed batch's rows on a grid").
+ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
+ROW_GRID_STEPS = 16  # row counts per doubling: at most 1/16 of the rows spare
+
+
+def packed_rows(tokens: int) -> int:
+    """The row count a packed batch of ``tokens`` real tokens runs as where oneDNN computes: rounded
+    up to a multiple of 2^floor(log2 tokens) / ROW_GRID_STEPS, so the counts between two powers of two
+    land on 16 sizes and oneDNN's cached kernels serve them: 168 sizes up to 32 windows of 384 tokens,
+    fewer spare rows than 1/16 of the tokens (2.3 % on average from 256 tokens on)."""
+    grain = max(1, (1 << max(0, tokens.bit_length() - 1)) // ROW_GRID_STEPS)
+    return -(-tokens // grain) * grain
+
 
 # The scores of the (sequence, head) pairs one matmul call takes, at most. Larger calls turned slow
 # on an AVX512 Zen 4 (oneDNN's bf16 matmul: 1.3-1.6x SDPA's time for 12 heads of 32 dims from about
@@ -166,7 +189,7 @@ def padded_inference() -> Iterator[None]:
         _PACKING.reset(token)
 
 
-def attention_layout(attention_mask: torch.Tensor, *, training: bool) -> AttentionLayout:
+def attention_layout(attention_mask: torch.Tensor, *, training: bool, dtype: torch.dtype) -> AttentionLayout:
     """How a batch with this (B, S) 1/0 mask runs: packed for inference on the CPU when it has
     padding and every sequence is right-padded (one attention call per sequence costs little there),
     unmasked when it has no padding; else (training, CUDA, ``torch.compile``, left padding,
@@ -180,4 +203,4 @@ def attention_layout(attention_mask: torch.Tensor, *, training: bool) -> Attenti
     lengths = real.sum(dim=1)  # (B,)
     if not torch.equal(real, torch.arange(real.shape[1]) < lengths[:, None]):  # not right-padded
         return PaddedLayout(expand_mask(attention_mask))
-    return PackedLayout(attention_mask, lengths.tolist())
+    return PackedLayout(attention_mask, lengths.tolist(), dtype=dtype)

@@ -65,11 +65,13 @@ def test_modernbert_reads_a_long_window_in_one_piece():
 def test_a_packed_batch_gives_the_padded_batchs_logits(name, monkeypatch):
     """Inference packs a padded batch: attention runs once per sequence and layer, and each
     sequence's logits are the padded forward's (fp32) and those of the sequence alone, past the
-    presets' 32-token sliding windows too; padding positions are zeros. DeBERTa runs padded (its
+    presets' 32-token sliding windows too; padding positions are zeros; spare rows after the real
+    tokens (oneDNN's row grid, forced here in fp32) change nothing. DeBERTa runs padded (its
     attention module projects the relative-position table on every call: packed was slower)."""
     import transformers.integrations.sdpa_attention as sdpa
     from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
 
+    import models.packing as packing
     from models.build import build_model
     from models.packing import padded_inference
     from models.registry import resolve_model
@@ -91,6 +93,13 @@ def test_a_packed_batch_gives_the_padded_batchs_logits(name, monkeypatch):
         with padded_inference():
             padded = model(ids, mask)
         alone = [model(ids[i : i + 1, :n], mask[i : i + 1, :n])[0] for i, n in enumerate(lengths)]
+        with monkeypatch.context() as grid:  # spare rows after the real tokens (oneDNN's row grid)
+            grid.setattr(packing, "ONEDNN_DTYPES", (torch.float32,))
+            grid.setattr(packing, "packed_rows", lambda tokens: tokens + 3)
+            calls.clear()
+            spared = model(ids, mask)
+        assert len(calls) == (len(lengths) if packs else 1) * len(model.layers)  # spare rows: no call
+    assert torch.allclose(spared, packed, atol=1e-5, rtol=0)
     real = mask.bool()
     assert padded[real].std() > 0.05  # logits carry signal, so the comparison bites
     assert (packed - padded)[real].abs().max().item() < 1e-5

@@ -17,34 +17,61 @@ from models.packing import (
     attention_layout,
     matmul_attention,
     matmul_attention_wins,
+    packed_rows,
     padded_inference,
 )
 from tests.models.qa_fixtures import right_padded
 
+FP32 = torch.float32  # Linear layers in MKL: no spare rows
+
 
 def test_only_padded_right_padded_inference_batches_on_the_cpu_are_packed() -> None:
     _, mask = right_padded([7, 3, 10], 10)
-    layout = attention_layout(mask, training=False)
+    layout = attention_layout(mask, training=False, dtype=FP32)
     assert isinstance(layout, PackedLayout) and layout.lengths == [7, 3, 10]
-    assert isinstance(attention_layout(mask, training=True), PaddedLayout)  # training: as ever
+    assert isinstance(attention_layout(mask, training=True, dtype=FP32), PaddedLayout)  # training: as ever
     with padded_inference():  # int8 calibration
-        assert isinstance(attention_layout(mask, training=False), PaddedLayout)
-    assert isinstance(attention_layout(mask, training=False), PackedLayout)
-    left = attention_layout(mask.flip(1), training=False)  # a sequence's tokens are not a prefix
+        assert isinstance(attention_layout(mask, training=False, dtype=FP32), PaddedLayout)
+    assert isinstance(attention_layout(mask, training=False, dtype=FP32), PackedLayout)
+    left = attention_layout(mask.flip(1), training=False, dtype=FP32)  # a sequence's tokens are not a prefix
     assert isinstance(left, PaddedLayout) and left.mask is not None
-    full = attention_layout(torch.ones(2, 10, dtype=torch.long), training=False)
+    full = attention_layout(torch.ones(2, 10, dtype=torch.long), training=False, dtype=FP32)
     assert isinstance(full, PaddedLayout) and full.mask is None  # no padding: the unmasked kernel
 
 
 def test_a_packed_batch_keeps_each_real_tokens_position_and_unpacks_zeros_at_padding() -> None:
     _, mask = right_padded([3, 1, 4], 4)
-    layout = attention_layout(mask, training=False)
+    layout = attention_layout(mask, training=False, dtype=FP32)
     assert isinstance(layout, PackedLayout)
     assert layout.positions().tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
-    x = torch.arange(12, dtype=torch.float32).view(3, 4, 1) + 1  # (B, S, 1), no zeros
+    x = torch.arange(12, dtype=FP32).view(3, 4, 1) + 1  # (B, S, 1), no zeros
     packed = layout.pack(x)  # (T, 1)
     assert packed.squeeze(1).tolist() == [1, 2, 3, 5, 9, 10, 11, 12]
     assert torch.equal(layout.unpack(packed), x * mask[..., None])
+
+
+def test_packed_rows_land_on_16_sizes_per_doubling_with_under_a_sixteenth_spare() -> None:
+    rows = {t: packed_rows(t) for t in range(1, 32 * 384 + 1)}
+    assert all(t <= r < t * 17 / 16 for t, r in rows.items())
+    assert [rows[t] for t in (1, 31, 33, 256, 257, 1000, 5000)] == [1, 31, 34, 256, 272, 1024, 5120]
+    assert len({r for t, r in rows.items() if 1024 < t <= 2048}) == 16
+    assert len(set(rows.values())) == 168  # oneDNN's primitive cache holds 1,024 kernels
+
+
+def test_a_bf16_packed_batch_runs_on_the_row_grid_with_zero_spare_rows_that_attend_to_nothing() -> None:
+    _, mask = right_padded([20, 13], 20)  # 33 real tokens -> 34 rows in bf16
+    layout = attention_layout(mask, training=False, dtype=torch.bfloat16)
+    assert isinstance(layout, PackedLayout) and (layout.tokens, layout.spare) == (33, 1)
+    assert layout.positions().tolist() == [*range(20), *range(13), 0]
+    x = torch.randn(2, 20, 8) + 3  # (B, S, C), no zeros
+    packed = layout.pack(x)  # (R, C)
+    assert packed.shape == (34, 8) and not packed[-1].any() and packed[:33].all()
+    assert torch.equal(layout.unpack(packed), x * mask[..., None])  # the spare row is dropped
+    q, k, v = (torch.randn(34, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out = layout.attend(q, k, v, 4, 0.0)  # (R, C)
+    fp32 = attention_layout(mask, training=False, dtype=FP32)  # fp32 (MKL): no spare rows
+    assert fp32.spare == 0 and torch.equal(out[:33], fp32.attend(q[:33], k[:33], v[:33], 4, 0.0))
+    assert not out[33].any()
 
 
 @pytest.mark.parametrize("score_bytes", [1, 3 * 70 * 70 * 4, 1 << 30])  # one pair per call, 3, all

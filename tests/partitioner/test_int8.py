@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+import partitioner.int8 as int8
 from models.build import build_model
 from models.cpu import cpu_capabilities
+from models.packing import packed_rows
 from models.registry import resolve_model
 from partitioner.int8 import (
     CalibrationMissing,
@@ -61,6 +63,24 @@ def test_int8_linear_matches_the_float_layer_within_its_quantization_step(dtype)
     err = (got.float() - ref).abs().max().item()
     assert err < 0.03 * ref.abs().max().item(), err  # 8-bit steps: about 1 % of the range
     assert err > 0  # it is int8 arithmetic, not the float layer
+
+
+def test_int8_linear_runs_its_rows_on_onednns_row_grid_and_returns_only_the_real_ones(monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8).requires_grad_(False)
+    q = Int8Linear(lin.weight, lin.bias, smooth=torch.ones(16), amax=3.0)
+    rows = []
+    monkeypatch.setattr(int8, "packed_rows", lambda n: rows.append(n) or packed_rows(n))
+    x = torch.randn(34, 16)
+    before = x.clone()
+    with torch.inference_mode():
+        whole = q(x)  # 34 rows: on the grid
+        part = q(x[:33])  # 33 rows: one spare row to oneDNN
+        three_d = q(x[:33].view(3, 11, 16))
+    assert rows == [34, 33, 33] and packed_rows(33) == 34
+    assert part.shape == (33, 8) and torch.equal(part, whole[:33])
+    assert torch.equal(three_d, part.view(3, 11, 8))
+    assert torch.equal(x, before)  # quantizing works on a copy
 
 
 def test_int8_linear_is_exact_integer_arithmetic_at_the_extremes():

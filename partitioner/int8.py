@@ -221,8 +221,9 @@ class Int8Linear(nn.Module):
         # The rows go to oneDNN on its row grid (``packed_rows``: a kernel per new row count costs ~1 ms):
         # a packed bf16 batch is on it already, an fp32 one (CPUs without bf16 units) gets spare rows.
         rows = x.shape[:-1].numel()
-        y = x.new_zeros(packed_rows(rows), x.shape[-1], dtype=torch.float32)  # (R, in), a copy of x
+        y = x.new_empty(packed_rows(rows), x.shape[-1], dtype=torch.float32)  # (R, in), a copy of x
         y[:rows] = x.reshape(rows, -1)
+        y[rows:] = 0  # the spare rows (none for a packed bf16 batch)
         y.mul_(self.in_mul).round_().clamp_(-128, 127)
         q = y.to(torch.int8).view(torch.uint8).bitwise_xor_(ZERO_POINT)  # (R, in) uint8
         bias = self.bias if self.reduce is None else None

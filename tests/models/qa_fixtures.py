@@ -1,10 +1,13 @@
 """Helpers the model tests share: text for the QA windowing and decoding tests (their tokenizer
-fixture: conftest.py), and right-padded batches for the packing tests."""
+fixture: conftest.py), and right-padded batches (and forced spare rows) for the packing tests."""
 
 from __future__ import annotations
 
+import contextlib
 import unicodedata
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 from models.qa_windows import QAWindow
@@ -33,3 +36,15 @@ def right_padded(lengths: list[int], seq_len: int) -> tuple[torch.Tensor, torch.
     ids = torch.randint(5, 100, (len(lengths), seq_len))
     mask = (torch.arange(seq_len) < torch.tensor(lengths)[:, None]).long()
     return ids.masked_fill(mask.eq(0), 0), mask
+
+
+@contextlib.contextmanager
+def spare_rows(monkeypatch: pytest.MonkeyPatch, extra: int = 3) -> Iterator[None]:
+    """Packed fp32 batches run with ``extra`` spare rows after their real tokens inside this block, as
+    oneDNN's row grid gives bf16 ones (``models.packing.packed_rows``), so fp32 logits can check them."""
+    import models.packing as packing
+
+    with monkeypatch.context() as grid:
+        grid.setattr(packing, "ONEDNN_DTYPES", (torch.float32,))
+        grid.setattr(packing, "packed_rows", lambda tokens: tokens + extra)
+        yield

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import models.packing as packing
 from models.build import build_model
 from models.packing import PaddedLayout, expand_mask
 from models.registry import resolve_model
-from tests.models.qa_fixtures import right_padded
+from tests.models.qa_fixtures import right_padded, spare_rows
 
 
 def test_a_one_type_model_ignores_the_segment_ids_of_a_bert_tokenizer() -> None:
@@ -36,9 +35,7 @@ def test_a_packed_batch_gives_the_padded_batchs_logits(name: str, monkeypatch) -
     ids, mask = right_padded([12, 5, 9, 1], 12)
     with torch.inference_mode():
         packed = model(ids, mask)  # (B, S, 2)
-        with monkeypatch.context() as grid:
-            grid.setattr(packing, "ONEDNN_DTYPES", (torch.float32,))
-            grid.setattr(packing, "packed_rows", lambda tokens: tokens + 3)
+        with spare_rows(monkeypatch):
             spared = model(ids, mask)
         assert torch.allclose(spared, packed, atol=1e-5, rtol=0)
         padded = model._layers_and_head(model.embeddings(ids), PaddedLayout(expand_mask(mask)))

@@ -71,11 +71,10 @@ def test_a_packed_batch_gives_the_padded_batchs_logits(name, monkeypatch):
     import transformers.integrations.sdpa_attention as sdpa
     from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
 
-    import models.packing as packing
     from models.build import build_model
     from models.packing import padded_inference
     from models.registry import resolve_model
-    from tests.models.qa_fixtures import right_padded
+    from tests.models.qa_fixtures import right_padded, spare_rows
 
     calls = []
     real_sdpa = sdpa.sdpa_attention_forward
@@ -93,9 +92,7 @@ def test_a_packed_batch_gives_the_padded_batchs_logits(name, monkeypatch):
         with padded_inference():
             padded = model(ids, mask)
         alone = [model(ids[i : i + 1, :n], mask[i : i + 1, :n])[0] for i, n in enumerate(lengths)]
-        with monkeypatch.context() as grid:  # spare rows after the real tokens (oneDNN's row grid)
-            grid.setattr(packing, "ONEDNN_DTYPES", (torch.float32,))
-            grid.setattr(packing, "packed_rows", lambda tokens: tokens + 3)
+        with spare_rows(monkeypatch):
             calls.clear()
             spared = model(ids, mask)
         assert len(calls) == (len(lengths) if packs else 1) * len(model.layers)  # spare rows: no call

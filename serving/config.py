@@ -31,7 +31,10 @@ class SchedulerConfig:
     max_queue_size: int = 256  # requests with windows still waiting for dispatch
     max_batch_size: int = 32  # windows per micro-batch
     max_batch_tokens: int = 8192  # padded tokens per micro-batch: batch_size * longest window
-    max_queue_delay_ms: float = 5.0  # oldest window may wait this long for a fuller batch
+    max_queue_delay_ms: float = 5.0  # oldest window may wait this long for a fuller batch (replicas busy)
+    # an idle replica (nothing in flight) waits max_queue_delay_ms too, as Triton's dynamic batcher
+    # does; by default it takes what is queued at once (work-conserving)
+    wait_when_idle: bool = False
     length_buckets: tuple[int, ...] = (64, 128, 256, 384)  # sorted bucket upper bounds (tokens)
     max_inflight_per_replica: int = 2  # micro-batches in flight per replica
     default_deadline_s: float = 30.0  # request deadline when submit() gets none

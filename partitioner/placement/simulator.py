@@ -21,7 +21,9 @@ same-named attributes) with one window per request:
   micro-batch by at most that many of its own), to the least-loaded one with room (fewest of its
   micro-batches in flight, then the lowest index); a batch goes at once unless
   ``max_queue_delay_s`` > 0 (then a partial batch waits until its oldest request has waited that
-  long); requests whose deadline passed while queued expire (never computed);
+  long, unless a group holding the model has none of its batches in flight, as the server's batcher
+  releases to an idle replica; ``wait_when_idle``: it waits then too); requests whose deadline
+  passed while queued expire (never computed);
 - a micro-batch runs stage by stage: each stage computes one micro-batch at a time in the order
   they were sent (whatever their model), so latency = sum of stages on an idle pipeline and
   throughput is bounded by the slowest stage.
@@ -65,6 +67,7 @@ class SimConfig:
     max_batch_size: int = 32
     max_inflight: int = 2
     max_queue_delay_s: float = 0.0
+    wait_when_idle: bool = False
     admission: bool = True
     overhead_s: float = 0.0  # a request's time in the front (HTTP, tokenizing, decoding), in and out
     admission_margin: float = 1.0  # the share of its SLO the work ahead of a request must fit in
@@ -88,6 +91,7 @@ class SimConfig:
             max_batch_size=scheduler.max_batch_size,
             max_inflight=scheduler.max_inflight_per_replica,
             max_queue_delay_s=scheduler.max_queue_delay_ms / 1000.0,
+            wait_when_idle=scheduler.wait_when_idle,
             admission=admission,
             overhead_s=overhead_s,
             admission_margin=scheduler.admission_margin,
@@ -220,7 +224,8 @@ def simulate(
             if not q:
                 return
             ready_at = q[0][0] + delay
-            if len(q) < max_b and ready_at > now:  # a partial batch waits for more
+            idle = not cfg.wait_when_idle and any(groups[k].inflight[m] == 0 for k in holders[m])
+            if len(q) < max_b and ready_at > now and not idle:  # a partial batch waits for more
                 if ready_at < timer_at[m]:
                     timer_at[m] = ready_at
                     heapq.heappush(events, (ready_at, seq, _TIMER, -1, m, ()))

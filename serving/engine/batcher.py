@@ -16,7 +16,10 @@ most about one batch of it.
 Release rule for a bucket's candidate batch (its first windows in fair order, greedily up to
 ``max_batch_size`` windows and ``max_batch_tokens`` padded tokens = size * longest window):
 ``full`` (a limit stopped it) > ``deadline`` (earliest request deadline in it is within
-``deadline_margin_ms``) > ``timeout`` (its oldest window waited ``max_queue_delay_ms``).
+``deadline_margin_ms``) > ``timeout`` (its oldest window waited ``max_queue_delay_ms``) > ``idle``
+(the replica it would go to has nothing in flight: waiting for a fuller batch would leave it idle;
+``wait_when_idle`` turns this off, as Triton's dynamic batcher waits). The delay is for busy
+replicas: a batch sent to one that is still computing waits there anyway, so it may as well grow.
 Among releasable buckets the one whose first window comes first in fair order goes first (a busy
 bucket cannot starve a quiet one). A micro-batch goes to the least-loaded accepting replica that
 has fewer than ``max_inflight_per_replica`` batches in flight.
@@ -38,7 +41,7 @@ from serving.engine.ledger import Ledger, Request, Window
 
 logger = logging.getLogger(__name__)
 
-ReleaseReason = Literal["full", "deadline", "timeout"]
+ReleaseReason = Literal["full", "deadline", "timeout", "idle"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class Batcher:
         self._seq = itertools.count()
         self.queued_requests = 0
         self.queued_windows = 0
-        self.batches_by_reason = {"full": 0, "deadline": 0, "timeout": 0}
+        self.batches_by_reason = {"full": 0, "deadline": 0, "timeout": 0, "idle": 0}
         self.padded_tokens = 0
         self.real_tokens = 0
 
@@ -157,9 +160,10 @@ class Batcher:
         replica = self._pick_replica(replicas)
         if replica is None:
             return None
+        idle = not self.config.wait_when_idle and self.ledger.inflight(replica.replica_id) == 0
         best: _Candidate | None = None
         for b in range(len(self._buckets)):
-            cand = self._candidate(b, now)
+            cand = self._candidate(b, now, idle=idle)
             if cand is not None and cand.reason is not None and (best is None or cand.first < best.first):
                 best = cand
         if best is None or best.reason is None:
@@ -226,8 +230,9 @@ class Batcher:
                 best, best_load = r, load
         return best
 
-    def _candidate(self, b: int, now: float) -> _Candidate | None:
-        """The batch bucket b would release now (fair order, greedy under both limits), and when."""
+    def _candidate(self, b: int, now: float, *, idle: bool = False) -> _Candidate | None:
+        """The batch bucket b would release now (fair order, greedy under both limits), and when;
+        ``idle``: the replica it would go to has nothing in flight."""
         cfg = self.config
         lanes = self._buckets[b]
         if not lanes:
@@ -260,6 +265,8 @@ class Batcher:
             reason = "deadline"
         elif now >= timeout_at:
             reason = "timeout"
+        elif idle:
+            reason = "idle"
         return _Candidate(b, taken, longest, oldest, taken[0].key, reason, min(deadline_at, timeout_at))
 
     @property

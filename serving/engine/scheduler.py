@@ -64,7 +64,7 @@ class SchedulerStats:
     queued_requests: int
     queued_windows: int
     inflight_batches: dict[str, int]  # replica_id -> batches in flight (replicas with > 0)
-    batches_by_reason: dict[str, int]  # full / deadline / timeout
+    batches_by_reason: dict[str, int]  # full / deadline / timeout / idle
     padding_ratio: float  # padding tokens / padded tokens over all dispatched batches
     service_rate: float | None  # EWMA of completed windows per busy second; None before any
     completed: int

@@ -71,10 +71,40 @@ def test_queue_delay_waits_for_a_fuller_batch() -> None:
     trace = Trace(((0.0, "a"), (0.001, "a")), duration_s=1.0)
     eager = simulate(one_group("a"), [profile()], trace, slo_s=1.0, config=SimConfig(max_inflight=1))
     assert eager.per_model["a"].p99_s == pytest.approx(0.019, abs=1e-4)  # 2nd waits for the 1st batch
-    patient = SimConfig(max_inflight=1, max_queue_delay_s=0.002)
+    patient = SimConfig(max_inflight=1, max_queue_delay_s=0.002, wait_when_idle=True)
     res = simulate(one_group("a"), [profile()], trace, slo_s=1.0, config=patient)
     # released at 2 ms as one batch of 2 (20 ms): latencies 22 and 21 ms
     assert res.per_model["a"].p50_s == pytest.approx(0.0215, abs=1e-4)
+    # as the server batches by default: the idle group takes the first request at once, the second
+    # waits for it either way (one in flight), so the delay changes nothing
+    idle_first = simulate(
+        one_group("a"),
+        [profile()],
+        trace,
+        slo_s=1.0,
+        config=SimConfig(max_inflight=1, max_queue_delay_s=0.002),
+    )
+    assert idle_first.per_model["a"].p99_s == pytest.approx(eager.per_model["a"].p99_s)
+
+
+def test_the_delay_holds_a_batch_only_while_every_holding_group_is_busy() -> None:
+    """Two in flight per group: the first request goes at once to the idle group; the second arrives
+    while it computes and waits the delay (2 ms) for company; the third joins it."""
+    trace = Trace(((0.0, "a"), (0.001, "a"), (0.0015, "a")), duration_s=1.0)
+    cfg = SimConfig(max_inflight=2, max_queue_delay_s=0.002)
+    res = simulate(one_group("a"), [profile()], trace, slo_s=0.015, config=cfg)
+    # batch 1 (1 request, 10 ms) from 0 to 10 ms; batch 2 (2 requests, 20 ms) sent at 3 ms, runs 10-30:
+    # latencies 10, 28.5 and 29 ms
+    stats = res.per_model["a"]
+    assert (stats.good, stats.late, stats.p50_s) == (1, 2, pytest.approx(0.0285, abs=1e-4))
+    waiting = simulate(
+        one_group("a"),
+        [profile()],
+        trace,
+        slo_s=0.015,
+        config=SimConfig(max_inflight=2, max_queue_delay_s=0.002, wait_when_idle=True),
+    )
+    assert waiting.per_model["a"].good == 0  # the first request waited 2 ms for company: 22 ms
 
 
 def test_overload_is_refused_at_admission_and_throughput_is_the_slowest_stage() -> None:
@@ -167,7 +197,13 @@ def test_sim_config_reads_the_servers_scheduler_knobs() -> None:
     from serving.config import SchedulerConfig
 
     cfg = SimConfig.from_scheduler(SchedulerConfig(max_batch_size=16, max_inflight_per_replica=3))
-    assert (cfg.max_batch_size, cfg.max_inflight, cfg.max_queue_delay_s) == (16, 3, 0.005)
+    assert (cfg.max_batch_size, cfg.max_inflight, cfg.max_queue_delay_s, cfg.wait_when_idle) == (
+        16,
+        3,
+        0.005,
+        False,
+    )
+    assert SimConfig.from_scheduler(SchedulerConfig(wait_when_idle=True)).wait_when_idle
     server = SimConfig.from_scheduler(SchedulerConfig())
     assert (server.max_batch_size, server.max_inflight) == (
         SimConfig().max_batch_size,

@@ -300,7 +300,10 @@ def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGener
 
     async def main() -> None:
         metrics = ServingMetrics().for_model("m")
-        scheduler = Scheduler(SchedulerConfig(max_queue_delay_ms=15.0, default_deadline_s=30.0))
+        # the idle replica waits for the delay: the timer is what this test is about
+        scheduler = Scheduler(
+            SchedulerConfig(max_queue_delay_ms=15.0, default_deadline_s=30.0, wait_when_idle=True)
+        )
         manager = ReplicaManager(
             gangs=OwnGangs(DevicePool(["cpu"]), FakeFactory()), model=model, metrics=metrics, ledger=scheduler
         )

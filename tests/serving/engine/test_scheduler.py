@@ -15,8 +15,11 @@ R0 = ReplicaView("r0")
 
 
 def make(**overrides: object) -> Scheduler:
-    """Small limits; dyadic delays so the fake-clock arithmetic is exact."""
+    """Small limits; dyadic delays so the fake-clock arithmetic is exact. An idle replica waits for
+    the delay here (``wait_when_idle``), so the release rules are seen one at a time; the default,
+    an idle replica taking what is queued at once, has its own tests below."""
     kw: dict[str, object] = {
+        "wait_when_idle": True,
         "max_queue_size": 8,
         "max_batch_size": 4,
         "max_batch_tokens": 1024,
@@ -79,7 +82,39 @@ def test_partial_batch_released_after_max_queue_delay() -> None:
     assert d is not None
     assert (d.items, d.padded_len, d.reason) == ([("a", 0), ("b", 0)], 20, "timeout")
     assert s.next_wakeup(1.25) is None  # nothing queued
-    assert s.stats().batches_by_reason == {"full": 0, "deadline": 0, "timeout": 1}
+    assert s.stats().batches_by_reason == {"full": 0, "deadline": 0, "timeout": 1, "idle": 0}
+
+
+def test_an_idle_replica_takes_a_partial_batch_at_once_a_busy_one_waits_for_the_delay() -> None:
+    s = make(wait_when_idle=False)
+    submit_all(s, {"a": [10], "b": [20]}, now=1.0)
+    d = s.next_batch(1.0, [R0])  # r0 has nothing in flight: waiting would leave it idle
+    assert d is not None
+    assert (d.items, d.reason) == ([("a", 0), ("b", 0)], "idle")
+    submit_all(s, {"c": [30]}, now=1.0)
+    assert s.next_batch(1.0, [R0]) is None  # r0 is computing: "c" may wait for company
+    assert s.next_wakeup(1.0) == 1.25
+    d2 = s.next_batch(1.25, [R0])
+    assert d2 is not None
+    assert (d2.items, d2.reason) == ([("c", 0)], "timeout")
+    s.batch_done(d.batch_id, now=1.5, ok=True)
+    s.batch_done(d2.batch_id, now=1.5, ok=True)
+    submit_all(s, {"d": [40]}, now=1.5)
+    d3 = s.next_batch(1.5, [R0])  # idle again
+    assert d3 is not None and d3.reason == "idle"
+    assert s.stats().batches_by_reason == {"full": 0, "deadline": 0, "timeout": 1, "idle": 2}
+
+
+def test_idle_replicas_each_take_a_bucket_of_one_request_at_once() -> None:
+    """A request's long and short windows (two buckets) start together on two idle replicas."""
+    s = make(wait_when_idle=False)
+    r1 = ReplicaView("r1")
+    submit_all(s, {"q": [250, 40]}, now=0.0)
+    d1 = s.next_batch(0.0, [R0, r1])
+    d2 = s.next_batch(0.0, [R0, r1])
+    assert d1 is not None and d2 is not None
+    assert {(d1.replica_id, *d1.items), (d2.replica_id, *d2.items)} == {("r0", ("q", 0)), ("r1", ("q", 1))}
+    assert s.next_batch(0.0, [R0, r1]) is None  # nothing left
 
 
 def test_partial_batch_released_when_deadline_near() -> None:

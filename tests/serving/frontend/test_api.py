@@ -496,7 +496,8 @@ def test_killed_replica_in_flight_work_is_retried_on_another() -> None:
 
 
 def test_last_replica_killed_answers_503_then_recovers() -> None:
-    # one batch holds all three (a 200 ms batching delay), so none is left queued for the restart
+    # the first goes at once to the idle replica, the other two as its second batch (the 200 ms
+    # batching delay gathers them): all three in flight, none left queued for the restart
     with serving(restart_backoff_s=0.5, max_queue_delay_ms=200.0) as (client, factory):
         manager = client.app.state.manager
         engine = client.app.state.engine

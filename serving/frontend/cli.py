@@ -37,6 +37,7 @@ from partitioner.runtime.gang_flags import GANG_FIELDS
 from serving.frontend.http_protocol import uvicorn_config
 from serving.frontend.layout import fit_serve_layout
 from serving.frontend.placement_flags import PLACEMENT_FIELDS
+from serving.frontend.scheduler_flags import SCHEDULER_FIELDS
 from serving.frontend.settings import ServeSettings
 from serving.redact import one_line
 
@@ -344,6 +345,7 @@ SERVE = Command(
     settings=ServeSettings,
     run=cmd_serve,
     groups={
+        'batching, the queue, admission and deadlines (README "Batching")': SCHEDULER_FIELDS,
         'a gang across hosts (README "Gangs across hosts")': GANG_FIELDS,
         'many models on shared devices (README "Many models")': ("placement", *PLACEMENT_FIELDS),
     },

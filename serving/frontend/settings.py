@@ -38,10 +38,8 @@ from serving.config import (
     repository_models,
 )
 from serving.frontend.placement_flags import PlacementFlags
+from serving.frontend.scheduler_flags import SchedulerFlags
 
-# windows of similar length batched together: a micro-batch's padding stays near 7 % on SQuAD, and
-# short questions do not wait on long windows (docs/benchmarks.md)
-DEFAULT_LENGTH_BUCKETS = (64, 96, 128, 160, 192, 256, 320, 384)
 MAX_AUTO_API_WORKERS = 8  # the engine core's own loop caps what more API processes could add
 
 
@@ -62,10 +60,11 @@ def auto_replicas(*, device: str, world_size: int, ranks_per_gpu: int = 1) -> in
     return max(1, available_cores() // world_size)
 
 
-class ServeSettings(GangFlags, PlacementFlags):
+class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
     """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars); the
     flags of a gang across hosts (``external_ranks``, ``gang_*``) are ``GangFlags``', shared with
-    training; those of a placement of several models (``placement``, ...) are ``PlacementFlags``'."""
+    training; those of a placement of several models (``placement``, ...) are ``PlacementFlags``';
+    those of batching, the queue, admission and deadlines ``SchedulerFlags``'."""
 
     model_config = SettingsConfigDict(
         env_prefix="SHARDSERVE_", extra="ignore", frozen=True, allow_inf_nan=False
@@ -175,48 +174,6 @@ class ServeSettings(GangFlags, PlacementFlags):
     )
     look_back_period_s: float = Field(30.0, gt=0, description="autoscaler: load averaging window")
     autoscale_interval_s: float = Field(0.5, gt=0, description="autoscaler: seconds between decisions")
-
-    # ---- scheduler (Triton names)
-    max_queue_size: int = Field(256, ge=1, description="requests waiting for dispatch; beyond: 429")
-    max_batch_size: int = Field(32, ge=1, description="windows per micro-batch")
-    max_batch_tokens: int = Field(8192, ge=1, description="padded tokens per micro-batch")
-    max_queue_delay_ms: float = Field(
-        5.0,
-        ge=0,
-        description="while the replicas are busy, the oldest queued window may wait this long for a fuller "
-        "batch; a replica with nothing in flight takes what is queued at once (see --wait-when-idle)",
-    )
-    wait_when_idle: bool = Field(
-        False,
-        description="a replica with nothing in flight also waits max_queue_delay_ms for a fuller batch, as "
-        "Triton's dynamic batcher does (default: it takes what is queued at once; waiting added 7 ms to a single "
-        "request's median and 22 % to the p99 at 45 questions/s on a 2-core CPU: docs/benchmarks.md)",
-    )
-    length_buckets: Annotated[list[int], NoDecode] = Field(
-        default_factory=list,
-        description="comma-separated window length buckets (tokens): a micro-batch holds windows of one bucket; "
-        "the last must be >= max_seq_len. Unset: "
-        + ",".join(map(str, DEFAULT_LENGTH_BUCKETS))
-        + " below max_seq_len, then max_seq_len. One bucket of max_seq_len served 7 % more questions/s "
-        "to 32 clients on a 2-core CPU but raised the p99 latency by 20-40 % under Poisson arrivals "
-        "(docs/benchmarks.md)",
-    )
-    max_inflight_per_replica: int = Field(
-        0, ge=0, description="micro-batches in flight per replica (0: pp + 1, one per stage plus one queued)"
-    )
-    admission_margin: float = Field(
-        0.35,
-        gt=0,
-        le=1,
-        description="admission before tokenizing: a request is refused (429) unless the windows queued "
-        "ahead of it, at the measured rate, fit this share of its time to the deadline (the rest "
-        "absorbs the estimates moving while it waits for the tokenizer; raise it toward 1 for deadlines "
-        "of a few single-request latencies, where 0.35 refuses work that would finish in time)",
-    )
-    request_timeout_s: float = Field(
-        30.0, gt=0, description="default request deadline; a request not computed by then gets 504"
-    )
-    max_request_timeout_s: float = Field(300.0, gt=0, description="largest deadline a request may ask for")
 
     # ---- question answering
     max_seq_len: int = Field(384, ge=16, description="tokens per window (special tokens included)")
@@ -331,11 +288,7 @@ class ServeSettings(GangFlags, PlacementFlags):
                 f"replicas={self.replicas} cannot be combined with min_replicas={self.min_replicas} / "
                 f"max_replicas={self.max_replicas}"
             )
-        if self.length_buckets and self.length_buckets[-1] < self.max_seq_len:
-            problems.append(
-                f"largest length bucket {self.length_buckets[-1]} < max_seq_len={self.max_seq_len}: "
-                "full windows could never be scheduled"
-            )
+        problems += self.scheduler_problems(max_seq_len=self.max_seq_len)
         if self.doc_stride + self.max_question_len + 4 >= self.max_seq_len:
             problems.append(
                 f"doc_stride={self.doc_stride} + max_question_len={self.max_question_len} leaves no room in "
@@ -345,10 +298,6 @@ class ServeSettings(GangFlags, PlacementFlags):
             problems.append(
                 f"stall_timeout_s={self.stall_timeout_s} must be below request_timeout_s="
                 f"{self.request_timeout_s}: a stalled replica's requests must be retried before their deadline"
-            )
-        if self.request_timeout_s > self.max_request_timeout_s:
-            problems.append(
-                f"request_timeout_s={self.request_timeout_s} > max_request_timeout_s={self.max_request_timeout_s}"
             )
         if self.api_workers not in (AUTO, 1) and not hasattr(socket, "SO_REUSEPORT"):
             problems.append(f"api_workers={self.api_workers} needs SO_REUSEPORT (Linux); use 1 here")
@@ -510,27 +459,9 @@ class ServeSettings(GangFlags, PlacementFlags):
         """Models served at start (they share the device pool and the cores)."""
         return max(1, len(self.models()))
 
-    @property
-    def inflight_per_replica(self) -> int:
-        return self.max_inflight_per_replica or self.pp + 1
-
-    def default_length_buckets(self) -> list[int]:
-        """``--length-buckets`` left empty: ``DEFAULT_LENGTH_BUCKETS`` below ``max_seq_len``, then
-        ``max_seq_len``."""
-        return [b for b in DEFAULT_LENGTH_BUCKETS if b < self.max_seq_len] + [self.max_seq_len]
-
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_queue_size=self.max_queue_size,
-            max_batch_size=self.max_batch_size,
-            max_batch_tokens=self.max_batch_tokens,
-            max_queue_delay_ms=self.max_queue_delay_ms,
-            wait_when_idle=self.wait_when_idle,
-            length_buckets=tuple(self.length_buckets or self.default_length_buckets()),
-            max_inflight_per_replica=self.inflight_per_replica,
-            default_deadline_s=self.request_timeout_s,
-            max_windows_per_request=self.max_windows_per_request,
-            admission_margin=self.admission_margin,
+        return self.scheduler_settings(
+            pp=self.pp, max_seq_len=self.max_seq_len, max_windows_per_request=self.max_windows_per_request
         )
 
     @property

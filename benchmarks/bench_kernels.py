@@ -212,21 +212,23 @@ def make_forward(variant: str, source, *, onnx_dir: Path) -> tuple[Forward | Non
 def export_onnx(source, path: Path) -> Path:
     """The plain fp32 model as ONNX (dynamic batch and sequence axes)."""
     from models.build import build_model
+    from models.packing import padded_inference
 
     model = build_model(source)
     ids = torch.full((2, 16), 1000, dtype=torch.long)
     mask = torch.ones_like(ids)
     names = ["input_ids", "attention_mask", "token_type_ids"]
-    torch.onnx.export(
-        model,
-        (ids, mask, torch.zeros_like(ids)),
-        str(path),
-        input_names=names,
-        output_names=["logits"],
-        dynamic_axes={**{k: {0: "batch", 1: "seq"} for k in names}, "logits": {0: "batch", 1: "seq"}},
-        opset_version=17,
-        dynamo=False,
-    )
+    with padded_inference():  # traced packed, an all-ones mask would be dropped from the graph's inputs
+        torch.onnx.export(
+            model,
+            (ids, mask, torch.zeros_like(ids)),
+            str(path),
+            input_names=names,
+            output_names=["logits"],
+            dynamic_axes={**{k: {0: "batch", 1: "seq"} for k in names}, "logits": {0: "batch", 1: "seq"}},
+            opset_version=17,
+            dynamo=False,
+        )
     return path
 
 

@@ -175,6 +175,26 @@ def test_machine_info_says_when_onnxruntime_is_absent(monkeypatch):
     )
 
 
+def test_onnx_export_keeps_the_mask_and_matches_torch_on_a_padded_batch(tmp_path):
+    """Traced on an all-ones mask, a packed forward would drop ``attention_mask`` from the graph
+    (ONNX Runtime then refuses the feed) and ignore padding."""
+    pytest.importorskip("onnxruntime")
+    from models.build import build_model
+    from models.registry import resolve_model
+
+    source = resolve_model("tiny-bert")
+    session = bench_kernels.ort_session(source, tmp_path, int8=False, threads=1)
+    assert {i.name for i in session.get_inputs()} >= {"input_ids", "attention_mask"}
+    ids = torch.randint(1000, 2000, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # (2, 12): the second row padded after 7 tokens
+    with torch.no_grad():
+        want = build_model(source)(ids, mask, torch.zeros_like(ids))
+    got = bench_kernels.ort_forward(session, ids, mask, None)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+
+
 def test_big_model_checkpoint_is_sharded_and_loads_as_transformers_wrote_it(tmp_path, monkeypatch):
     """bench_big_model's writer (tensor by tensor, 1 GB shards + index), at a tiny shape and shard
     size: shardserve loads it, and its forward equals transformers' on the same files."""

@@ -306,8 +306,15 @@ def test_a_frozen_rank_is_failed_within_2s_and_its_requests_retried(live: TestCl
     affected = sorted(t1 - t0 for t0, t1, _ in done if t0 < frozen_at < t1)
     assert affected and {st for *_, st in done} == {200}, sorted({st for *_, st in done})
     p99 = affected[math.ceil(0.99 * len(affected)) - 1]
-    print(f"frozen rank: failed after {failed_after_s:.2f} s; {len(affected)} requests held, p99 {p99:.2f} s")
-    assert p99 < 3.0, f"p99 of the {len(affected)} requests in flight at the freeze: {p99:.2f} s"
+    # where a slow p99 went: waiting before the freeze, the detection, or the retry after it
+    after = max(t1 for t0, t1, _ in done if t0 < frozen_at < t1) - frozen_at - failed_after_s
+    breakdown = (
+        f"failed after {failed_after_s:.2f} s, the last retried answer {after:.2f} s after the failure"
+    )
+    print(f"frozen rank: {len(affected)} requests held, p99 {p99:.2f} s; {breakdown}")
+    assert p99 < 3.0, (
+        f"p99 of the {len(affected)} requests in flight at the freeze: {p99:.2f} s ({breakdown})"
+    )
     wait_until(lambda: manager.ready == 2, timeout=120, what="the gang replaced")
 
 

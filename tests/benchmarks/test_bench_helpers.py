@@ -292,6 +292,28 @@ def test_mlperf_qps_search_finds_the_highest_passing_target():
     assert bench_mlperf.find_server_qps(probe(0.5), low=0.0, high=100.0, steps=4)[0] is None
 
 
+def test_mlperf_server_ratio_names_the_server_that_met_the_slo_at_no_rate():
+    import bench_mlperf
+
+    def figures(
+        name: str, qps: float | None, probes: list[tuple[float, float]]
+    ) -> bench_mlperf.ServerFigures:
+        return bench_mlperf.ServerFigures(
+            name, server_qps=qps, probes=[{"target_qps": t, "p99_ms": p99} for t, p99 in probes]
+        )
+
+    ours = figures("shardserve", 47.4, [(50.6, 130.0), (25.3, 83.0), (47.4, 99.0)])
+    naive = figures("naive FastAPI float32", 11.8, [(13.0, 219.0), (11.8, 240.0)])
+    assert bench_mlperf.server_ratio(ours, naive, slo_ms=250.0).endswith("shardserve / naive: 4.02x")
+    naive = figures("naive FastAPI float32", None, [(13.0, 219.0), (0.8, 108.0), (1.6, 127.0)])
+    line = bench_mlperf.server_ratio(ours, naive, slo_ms=107.0)
+    assert "no ratio" in line and "shardserve met" not in line
+    assert (
+        "naive FastAPI float32 met the 107-ms SLO at no probed rate (its slowest probe, 0.8 QPS: p99 108 ms)"
+        in line
+    )
+
+
 def test_open_loop_client_answers_every_query_when_the_server_drops_kept_alive_connections():
     """The MLPerf client reuses connections; one the server has closed meanwhile is retried on a fresh one."""
     import asyncio

@@ -220,8 +220,8 @@ class ServerFigures:
 def server_ratio(ours: ServerFigures, naive: ServerFigures, *, slo_ms: float) -> str:
     """The Server scenario's verdict, shardserve against the naive server: the ratio of their QPS
     within the SLO, or, where one met it at no probed rate, that server's slowest probe (its p99 there
-    says by how much: the SLO is 5x the faster server's single-request median, which the slower
-    server's tail can exceed even one query at a time)."""
+    says by how much: by default the SLO is 5x the faster server's single-request median, which the
+    slower server's tail can exceed even one query at a time)."""
     if ours.server_qps and naive.server_qps:
         return f"Server QPS within the SLO, shardserve / naive: {ours.server_qps / naive.server_qps:.2f}x"
     parts = []

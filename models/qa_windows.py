@@ -37,6 +37,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Literal
 
 import numpy as np
@@ -445,11 +446,13 @@ def _window_data(e: Any, *, has_types: bool, context_type: int | None) -> np.nda
     """One window's rows, (n, 4) int32: token id, type id, and the token's (start, end) characters
     in the context, (-1, -1) off it. ``context_type``: the type id of every context token (a joined
     encoding's further windows keep the context's own zeros; see `_pair_encodings`)."""
-    # the Rust encodings' lists straight into numpy: half the time of torch.tensor on each list
-    data = np.empty((len(e.ids), 4), dtype=np.int32)  # (n, 4)
+    # the Rust encodings' lists straight into numpy: half the time of torch.tensor on each list; the
+    # offsets (a list of tuples) flattened first: 26 us a window against 59 for numpy's own conversion
+    n = len(e.ids)
+    data = np.empty((n, 4), dtype=np.int32)  # (n, 4)
     data[:, 0] = e.ids
     data[:, 1] = e.type_ids if has_types else 0
-    data[:, 2:] = e.offsets  # (n, 2)
+    data[:, 2:] = np.fromiter(chain.from_iterable(e.offsets), dtype=np.int32, count=2 * n).reshape(n, 2)
     in_context = np.array(e.sequence_ids, dtype=np.float32) == 1  # (n,) None (a special token) -> nan
     if context_type is not None:
         data[in_context, 1] = context_type

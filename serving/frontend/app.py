@@ -166,7 +166,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             app.state.grpc_port = grpc_front.port if core is None else settings.grpc_port
         yield
     finally:
-        gc.unfreeze()  # what start-up kept alive may be collected again (tests build many apps)
+        release_startup_heap()
         app.state.shutting_down = True
         # gRPC refuses new calls at once; those in flight are admitted requests the models' drain answers
         grpc_stopped = (
@@ -204,6 +204,9 @@ async def start_api_core(app: FastAPI) -> tuple[CoreServer, Any]:
     return core, pool
 
 
+_frozen_apps = 0  # apps of this process whose start-up heap is frozen (tests run several at once)
+
+
 def freeze_startup_heap() -> None:
     """Move every object alive after start-up (modules, tokenizer, FastAPI, torch: ~250k objects) to
     the garbage collector's permanent generation, so full collections scan only what serving made.
@@ -212,10 +215,22 @@ def freeze_startup_heap() -> None:
     the event loop; the first burst of requests after start triggers one (its allocations promote
     objects into generation 2), and every request in flight then waited for it: the 429 tail of the
     overload test (docs/benchmarks.md). After ``gc.freeze()`` a full collection takes milliseconds.
-    The lifespan unfreezes at shutdown.
+    ``release_startup_heap`` undoes it when the process's last app stops.
     """
+    global _frozen_apps
+    _frozen_apps += 1
     gc.freeze()  # O(1); no gc.collect() first: it costs the same ~300 ms and start-up leaves little garbage
     logger.debug("gc: %d start-up objects frozen", gc.get_freeze_count())
+
+
+def release_startup_heap() -> None:
+    """An app stopped: once no other app of this process runs, what start-up kept alive may be
+    collected again (tests build many apps). Unfreezing while another app serves would hand its whole
+    heap back to full collections: a 0.5-1.4 s pause under load in a test process late in the suite."""
+    global _frozen_apps
+    _frozen_apps = max(0, _frozen_apps - 1)
+    if _frozen_apps == 0:
+        gc.unfreeze()
 
 
 _BINARY_HEADER = v2_binary.HEADER.lower().encode()

@@ -39,6 +39,7 @@ import functools
 import gc
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -205,6 +206,7 @@ async def start_api_core(app: FastAPI) -> tuple[CoreServer, Any]:
 
 
 _frozen_apps = 0  # apps of this process whose start-up heap is frozen (tests run several at once)
+_frozen_lock = threading.Lock()  # each TestClient runs its app's lifespan on a thread of its own
 
 
 def freeze_startup_heap() -> None:
@@ -218,8 +220,9 @@ def freeze_startup_heap() -> None:
     ``release_startup_heap`` undoes it when the process's last app stops.
     """
     global _frozen_apps
-    _frozen_apps += 1
-    gc.freeze()  # O(1); no gc.collect() first: it costs the same ~300 ms and start-up leaves little garbage
+    with _frozen_lock:
+        _frozen_apps += 1
+        gc.freeze()  # O(1); no gc.collect() first: it costs the same ~300 ms and start-up leaves little garbage
     logger.debug("gc: %d start-up objects frozen", gc.get_freeze_count())
 
 
@@ -228,9 +231,10 @@ def release_startup_heap() -> None:
     collected again (tests build many apps). Unfreezing while another app serves would hand its whole
     heap back to full collections: a 0.5-1.4 s pause under load in a test process late in the suite."""
     global _frozen_apps
-    _frozen_apps = max(0, _frozen_apps - 1)
-    if _frozen_apps == 0:
-        gc.unfreeze()
+    with _frozen_lock:
+        _frozen_apps = max(0, _frozen_apps - 1)
+        if _frozen_apps == 0:
+            gc.unfreeze()
 
 
 _BINARY_HEADER = v2_binary.HEADER.lower().encode()

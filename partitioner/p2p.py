@@ -3,7 +3,8 @@
 A message is a fixed-size int64 header (kind, micro-batch id, tensor count, then dtype code,
 rank and shape of each tensor) followed by the tensors themselves, so the receiver allocates
 exactly what arrives: activations of any batch/sequence shape travel together with their
-attention mask. ``kind`` marks data, a stop signal (the stream is over), or a gradient.
+attention mask. ``kind`` marks data, a stop signal (the stream is over), a gradient, or a
+keep-alive (an idle stream: a waiting receive would otherwise end at the process group's timeout).
 
 Sends are asynchronous (``isend``) with at most ``max_pending`` outstanding, which lets stage i
 start micro-batch j+1 while stage i+1 is still receiving j; receives are blocking. NCCL sends
@@ -27,6 +28,7 @@ from partitioner.host_copy import to_host
 KIND_DATA = 1
 KIND_STOP = 2
 KIND_GRAD = 3
+KIND_KEEPALIVE = 4
 
 HEADER_LEN = 32
 MAX_DIMS = 4

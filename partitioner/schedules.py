@@ -7,7 +7,8 @@ a micro-batch moves through a stage:
   driver's queue when serving, the features when training), the other stages receive
   ``(hidden (B, S, H), attention_mask (B, S))`` from the previous stage (``KIND_DATA``). ``mb``
   is the micro-batch a counted schedule expects (anything else is a ``ScheduleError``); ``None``
-  in a stream, where a stop message (``KIND_STOP``, or ``None`` from ``get_inputs``) ends it.
+  in a stream, where a stop message (``KIND_STOP``, or ``None`` from ``get_inputs``) ends it,
+  and ``IDLE`` (``KIND_KEEPALIVE``, or ``IDLE`` from ``get_inputs``) says nothing came for a while.
 - ``forward_step(inputs)``: the stage's forward, then: the last stage hands its (B, S, 2) fp32
   span logits to ``on_logits(mb, logits)`` (``forward_only``) or turns them into a loss with
   ``compute_loss(mb, logits, mask)`` (already scaled by 1/n_micro); the others send their output
@@ -26,6 +27,8 @@ Schedules (``n`` micro-batches, ``p`` stages, this is stage ``s``):
 - ``run_stream``: forward-only streaming (serving): micro-batches as they arrive until a stop,
   which is then passed down the pipeline behind the last micro-batch, so every rank drains and
   exits in order. Sends are asynchronous: stage i computes micro-batch j while i+1 computes j-1.
+  An idle stage 0 sends keep-alives down the pipeline: the later stages wait for their next
+  micro-batch in a receive that the process group's timeout would otherwise end.
 - ``run_gpipe``: all ``n`` forwards, then all ``n`` backwards (activations of every micro-batch
   are alive at once). With ``forward_only``: evaluation of ``n`` micro-batches.
 - ``run_1f1b``: Megatron's one-forward-one-backward: ``min(p - s - 1, n)`` warm-up forwards, then
@@ -52,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_STOP, Message, P2PCommunicator
+from partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_KEEPALIVE, KIND_STOP, Message, P2PCommunicator
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
@@ -67,8 +70,14 @@ class MicroBatch:
     types: torch.Tensor | None = None  # token_type_ids (B, S), stage 0 only
 
 
-# (mb expected, or None in a stream) -> stage 0's inputs, or None: the stream is over
-InputsFn = Callable[[int | None], MicroBatch | None]
+class Idle:
+    """In a stream: nothing arrived for a while (``IDLE``, the one instance)."""
+
+
+IDLE = Idle()
+
+# (mb expected, or None in a stream) -> stage 0's inputs, None: the stream is over, or IDLE
+InputsFn = Callable[[int | None], MicroBatch | Idle | None]
 # (mb, logits (B, S, 2), attention_mask (B, S)) -> scalar loss already divided by n_micro
 LossFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # (mb, logits (B, S, 2) float32) -> None
@@ -104,12 +113,14 @@ class StageExecutor:
         return self.backward_needed and not self.forward_only
 
     def _recv(self, src: int | None, kind: int, mb: int | None) -> Message | None:
-        """The next message from ``src``: of ``kind`` and (unless None) micro-batch ``mb``; None
-        when a stop arrives in a stream (``mb is None``)."""
+        """The next message from ``src``: of ``kind`` and (unless None) micro-batch ``mb``; in a
+        stream (``mb is None``) also a keep-alive, and None when a stop arrives."""
         assert self.comm is not None and src is not None
         msg = self.comm.recv(src)
-        if msg.kind == KIND_STOP and mb is None:
+        if mb is None and msg.kind == KIND_STOP:
             return None
+        if mb is None and msg.kind == KIND_KEEPALIVE:
+            return msg
         if msg.kind != kind or (mb is not None and msg.mb_id != mb):
             raise ScheduleError(
                 f"expected kind={kind} mb={'any' if mb is None else mb} from rank {src}, "
@@ -117,14 +128,17 @@ class StageExecutor:
             )
         return msg
 
-    def recv_forward(self, mb: int | None = None) -> MicroBatch | None:
-        """This stage's inputs for micro-batch ``mb`` (the next one when None; None: stream over)."""
+    def recv_forward(self, mb: int | None = None) -> MicroBatch | Idle | None:
+        """This stage's inputs for micro-batch ``mb`` (the next one when None; None: stream over;
+        ``IDLE``: a stream's keep-alive)."""
         if self.is_first:
             assert self.get_inputs is not None
             return self.get_inputs(mb)
         msg = self._recv(self.prev_rank, KIND_DATA, mb)
         if msg is None:
             return None
+        if msg.kind == KIND_KEEPALIVE:
+            return IDLE
         x, mask = msg.tensors  # (B, S, H), (B, S)
         if self.send_input_grad and not self.forward_only:
             x.requires_grad_(True)
@@ -154,7 +168,7 @@ class StageExecutor:
     def forward(self, mb: int) -> None:
         """Receive and forward micro-batch ``mb`` (keeping what its backward needs)."""
         inputs = self.recv_forward(mb)
-        if inputs is None:
+        if not isinstance(inputs, MicroBatch):
             raise ScheduleError(f"expected micro-batch {mb}, the input stream ended")
         self.forward_step(inputs)
 
@@ -177,9 +191,16 @@ class StageExecutor:
 
     def send_stop(self) -> None:
         """Tell the next stage the stream is over."""
+        self._signal_next(KIND_STOP)
+
+    def send_keepalive(self) -> None:
+        """Tell the next stage the stream is idle (it passes it on)."""
+        self._signal_next(KIND_KEEPALIVE)
+
+    def _signal_next(self, kind: int) -> None:
         if not self.is_last:
             assert self.comm is not None and self.next_rank is not None
-            self.comm.send(self.next_rank, Message(KIND_STOP, -1, []))
+            self.comm.send(self.next_rank, Message(kind, -1, []))
 
 
 def run_stream(
@@ -194,6 +215,9 @@ def run_stream(
     the rank's busy/progress bookkeeping and fault injection."""
     done = 0
     while (inputs := ex.recv_forward()) is not None:
+        if isinstance(inputs, Idle):
+            ex.send_keepalive()
+            continue
         with around_step(done) if around_step is not None else contextlib.nullcontext():
             ex.forward_step(inputs)
         done += 1

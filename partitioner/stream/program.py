@@ -21,6 +21,7 @@ included, cross as JSON).
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from partitioner.precision import compute_dtype
 from partitioner.runtime.rank import GangSpec, RankContext
 from partitioner.runtime.remote import RemoteProgram
 from partitioner.runtime.wire import register_messages
-from partitioner.schedules import MicroBatch, run_stream
+from partitioner.schedules import IDLE, Idle, MicroBatch, run_stream
 from partitioner.stages import build_stage
 from partitioner.stream.multiplex import (
     MultiplexedExecutor,
@@ -81,6 +82,10 @@ class Result:
 register_messages(Batch, Stop, Result)
 
 DEFAULT_WARMUP = (128,)  # lengths a compiled stage runs at batch 1 and 2 before it is ready
+# An idle stage 0 sends a keep-alive down the pipeline this often, in parts of the process group's
+# timeout: the later stages wait for their next micro-batch in a receive that the timeout would end
+# (a server idle that long would lose its pipelined replicas).
+KEEPALIVE_PER_TIMEOUT = 4
 
 
 def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) -> None:
@@ -120,8 +125,13 @@ def stream_rank(ctx: RankContext, *, ready: Callable[[dict[str, Any]], None]) ->
     models = {"models": held} if len(table) > 1 else {}
     ready({**info, **totals, "layers": held[table[0].name]["layers"], **models})
 
-    def from_driver(_mb: int | None) -> MicroBatch | None:
-        item: Batch | Stop = ctx.link.get()
+    keepalive_s = ctx.spec.collective_timeout_s / KEEPALIVE_PER_TIMEOUT
+
+    def from_driver(_mb: int | None) -> MicroBatch | Idle | None:
+        try:
+            item: Batch | Stop = ctx.link.get(keepalive_s)
+        except queue.Empty:
+            return IDLE
         if isinstance(item, Stop):
             return None
         index = 0 if item.model is None else index_of.get(item.model)

@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_STOP, Message
+from partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_KEEPALIVE, KIND_STOP, Message
 from partitioner.schedules import (
+    IDLE,
     MicroBatch,
     ScheduleError,
     StageExecutor,
@@ -173,6 +174,27 @@ def test_stream_stage0_reads_the_driver_until_stop_and_passes_the_stop_on():
     assert steps == [0, 1, 2]
     sent = [(m.kind, m.mb_id) for _, m in comm.sent]
     assert sent == [(KIND_DATA, 7), (KIND_DATA, 8), (KIND_DATA, 9), (KIND_STOP, -1)]
+
+
+def test_an_idle_stream_passes_keepalives_down_without_counting_them():
+    """Stage 0 idle (``IDLE`` from the driver) sends a keep-alive; a middle stage passes on the one
+    it receives; neither is a micro-batch, and a counted schedule refuses one."""
+    mb = MicroBatch(3, torch.randn(1, 5, 4), torch.ones(1, 5, dtype=torch.long))
+    feed = [IDLE, mb, IDLE, IDLE, None]
+    first = StageExecutor(
+        module=Middle(), comm=FakeComm([]), is_first=True, is_last=False, prev_rank=None, next_rank=1,
+        get_inputs=lambda _: feed.pop(0), forward_only=True,
+    )  # fmt: skip
+    assert run_stream(first) == 1
+    sent = [(m.kind, m.mb_id) for _, m in first.comm.sent]
+    assert sent == [(KIND_KEEPALIVE, -1), (KIND_DATA, 3), (KIND_KEEPALIVE, -1), (KIND_KEEPALIVE, -1), (KIND_STOP, -1)]
+    middle, comm = _middle_stage([m for _, m in first.comm.sent])
+    middle.forward_only = True
+    assert run_stream(middle) == 1
+    assert [(m.kind, m.mb_id) for _, m in comm.sent] == sent
+    counted, _ = _middle_stage([Message(KIND_KEEPALIVE, -1, [])])
+    with pytest.raises(ScheduleError, match="expected kind=1 mb=0"):
+        counted.forward(0)
 
 
 def test_stream_last_stage_hands_fp32_logits_until_stop():

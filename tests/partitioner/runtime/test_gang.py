@@ -129,6 +129,18 @@ def test_streams_many_micro_batches_in_order():
     assert [tuple(o.shape) for o in outs] == [(b[0].shape[0], b[0].shape[1], 2) for b in batches]
 
 
+def test_an_idle_pipeline_outlives_its_collective_timeout():
+    """A serving gang waits for traffic as long as there is none: the later stages wait for their
+    next micro-batch in a gloo receive, which once failed the gang (and the replica) after the
+    process group's timeout of idleness; stage 0 now sends a keep-alive down the pipeline."""
+    with StreamGang(_spec(pp=3, collective_timeout_s=2.5)) as gang:
+        gang.run([_batch()], timeout_s=30)
+        time.sleep(6.0)  # over two timeouts of idleness
+        assert gang.healthy, gang.error
+        (out,) = gang.run([_batch(n=3, s=9)], timeout_s=30)
+    assert tuple(out.shape) == (3, 9, 2)
+
+
 def test_killed_rank_fails_fast_and_is_named():
     with StreamGang(_spec(pp=2, tp=2)) as gang:
         gang.run([_batch()], timeout_s=60)

@@ -217,12 +217,15 @@ def freeze_startup_heap() -> None:
     the event loop; the first burst of requests after start triggers one (its allocations promote
     objects into generation 2), and every request in flight then waited for it: the 429 tail of the
     overload test (docs/benchmarks.md). After ``gc.freeze()`` a full collection takes milliseconds.
-    ``release_startup_heap`` undoes it when the process's last app stops.
+    Only the process's first app freezes (a test process starts apps inside a serving one): freezing
+    again would also freeze the garbage the inner apps left, which is never collected while any app
+    serves. ``release_startup_heap`` undoes it when the process's last app stops.
     """
     global _frozen_apps
     with _frozen_lock:
         _frozen_apps += 1
-        gc.freeze()  # O(1); no gc.collect() first: it costs the same ~300 ms and start-up leaves little garbage
+        if _frozen_apps == 1:
+            gc.freeze()  # O(1); no gc.collect() first: it costs the same ~300 ms and start-up leaves little garbage
     logger.debug("gc: %d start-up objects frozen", gc.get_freeze_count())
 
 

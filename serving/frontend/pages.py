@@ -57,20 +57,24 @@ def status_app(server: FastAPI) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
+    ui.state.server = server
     router = APIRouter(tags=["status"])
-
-    @router.get("/status", response_model=StatusResponse)
-    async def status() -> StatusResponse:
-        """Model, precision and partition plan; replica gangs; queue, throughput and latency
-        percentiles over the last minute and five minutes; per-stage busy time and pipeline bubble;
-        the autoscaler's target and last decisions; recent errors."""
-        return collect_status(server)
-
+    router.add_api_route("/status", _status, methods=["GET"], response_model=StatusResponse)
     ui.include_router(router)
     ui.mount("/static", StaticFiles(directory=UI_DIR), name="static")
     ui.mount("/vendor", StaticFiles(directory=VENDOR_DIR), name="vendor")
     ui.exception_handlers.update(server.exception_handlers)  # the same JSON errors as the server
     return ui
+
+
+# The endpoints are module-level functions that find their app on the request: FastAPI caches what it
+# learns of each endpoint in module-level LRU caches (4096 entries), so an endpoint that closed over
+# its app would keep every app built in the process alive (35 MB each: a test process grew to 7 GB).
+async def _status(request: Request) -> StatusResponse:
+    """Model, precision and partition plan; replica gangs; queue, throughput and latency
+    percentiles over the last minute and five minutes; per-stage busy time and pipeline bubble;
+    the autoscaler's target and last decisions; recent errors."""
+    return collect_status(request.app.state.server)
 
 
 def _root(request: Request) -> str:
@@ -80,43 +84,48 @@ def _root(request: Request) -> str:
 def install_pages(app: FastAPI) -> None:
     """Add the page at /, the /ui application, and the offline /docs and /redoc."""
     app.mount("/ui", status_app(app), name="ui")
-    index = UI_DIR / "index.html"
+    app.add_api_route("/", _page, include_in_schema=False)
+    app.add_api_route("/docs", _swagger, include_in_schema=False)
+    app.add_api_route("/docs/oauth2-redirect", _swagger_redirect, include_in_schema=False)
+    app.add_api_route("/redoc", _redoc, include_in_schema=False)
 
-    @app.get("/", include_in_schema=False)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(
-            index.read_text(encoding="utf-8"),
-            headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"},
-        )
 
-    openapi_url = app.openapi_url or "/openapi.json"
+async def _page() -> HTMLResponse:
+    return HTMLResponse(
+        (UI_DIR / "index.html").read_text(encoding="utf-8"),
+        headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"},
+    )
 
-    @app.get("/docs", include_in_schema=False)
-    async def swagger(request: Request) -> HTMLResponse:
-        root = _root(request)
-        return get_swagger_ui_html(
-            openapi_url=root + openapi_url,
-            title=f"{app.title} - Swagger UI",
-            swagger_js_url=f"{root}/ui/vendor/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}/ui/vendor/swagger-ui.css",
-            swagger_favicon_url=f"{root}/ui/vendor/favicon.png",
-            oauth2_redirect_url=f"{root}/docs/oauth2-redirect",
-            swagger_ui_parameters={"validatorUrl": None},  # no call to the public validator
-        )
 
-    @app.get("/docs/oauth2-redirect", include_in_schema=False)
-    async def swagger_redirect() -> HTMLResponse:
-        return get_swagger_ui_oauth2_redirect_html()
+def _openapi_url(request: Request) -> str:
+    return _root(request) + (request.app.openapi_url or "/openapi.json")
 
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc(request: Request) -> HTMLResponse:
-        root = _root(request)
-        response = get_redoc_html(
-            openapi_url=root + openapi_url,
-            title=f"{app.title} - ReDoc",
-            redoc_js_url=f"{root}/ui/vendor/redoc.standalone.js",
-            redoc_favicon_url=f"{root}/ui/vendor/favicon.png",
-            with_google_fonts=False,
-        )
-        response.headers["Content-Security-Policy"] = REDOC_CSP
-        return response
+
+async def _swagger(request: Request) -> HTMLResponse:
+    root = _root(request)
+    return get_swagger_ui_html(
+        openapi_url=_openapi_url(request),
+        title=f"{request.app.title} - Swagger UI",
+        swagger_js_url=f"{root}/ui/vendor/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}/ui/vendor/swagger-ui.css",
+        swagger_favicon_url=f"{root}/ui/vendor/favicon.png",
+        oauth2_redirect_url=f"{root}/docs/oauth2-redirect",
+        swagger_ui_parameters={"validatorUrl": None},  # no call to the public validator
+    )
+
+
+async def _swagger_redirect() -> HTMLResponse:
+    return get_swagger_ui_oauth2_redirect_html()
+
+
+async def _redoc(request: Request) -> HTMLResponse:
+    root = _root(request)
+    response = get_redoc_html(
+        openapi_url=_openapi_url(request),
+        title=f"{request.app.title} - ReDoc",
+        redoc_js_url=f"{root}/ui/vendor/redoc.standalone.js",
+        redoc_favicon_url=f"{root}/ui/vendor/favicon.png",
+        with_google_fonts=False,
+    )
+    response.headers["Content-Security-Policy"] = REDOC_CSP
+    return response

@@ -20,6 +20,7 @@ replica restarts, before the driver or its fork server.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -324,6 +325,11 @@ def shared_layer_group_for(plan: PartitionPlan, rank: int) -> dist.ProcessGroup 
 
 def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
     """Process entry point of one rank (``env``: the rendezvous and the driver's channel)."""
+    # The garbage collector skips the heap the fork server handed over (torch, this runtime: ~170k
+    # objects) and, once the rank is ready, what its start-up built. Full collections of a starting
+    # rank's 350-470k objects took 100-440 ms on 2 quiet cores with the GIL held, the heartbeat
+    # thread silent meanwhile; after the first freeze at most 100 ms (docs/benchmarks.md).
+    gc.freeze()
     os.environ.update(env)
     # Ctrl-C in a terminal (or `timeout`, or `kill -- -PGID`) signals the whole process group: let
     # the driver drain and stop the gang rather than every rank dying mid-micro-batch. Ranks still
@@ -373,6 +379,7 @@ def worker_main(rank: int, spec: GangSpec, env: dict[str, str]) -> None:
 
         def ready(info: dict[str, Any]) -> None:
             info = {**info, "setup_s": time.perf_counter() - t0, "host": socket.gethostname()}
+            gc.freeze()  # the stage, its modules and imports (see above)
             link.send(RankReady(rank, info))
 
         spec.program(ctx, ready=ready)

@@ -45,9 +45,13 @@ def live_server(
 
     ``before_exit`` runs before the server is told to stop (e.g. open a fake backend's gate so
     that no request holds the shutdown); ``config``: more ``uvicorn.Config`` settings (``http=``)."""
-    port = free_port()
+    # bound here and handed over: uvicorn binds only after the app's start-up (gangs, seconds of
+    # ports being taken), so a port chosen free beforehand could be gone by then
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
 
@@ -57,14 +61,22 @@ def live_server(
         except httpx.TransportError:
             return False
 
+    def detail() -> str:
+        try:
+            why = httpx.get(f"{base}/readyz").text
+        except httpx.TransportError as err:
+            why = f"/readyz unreachable ({err!r})"
+        return f"{why} (server thread {'alive' if thread.is_alive() else 'ended'})"
+
     try:
-        wait_until(ready, timeout=ready_timeout_s, what="a ready server")
+        wait_until(ready, timeout=ready_timeout_s, what="a ready server", detail=detail)
         yield base
     finally:
         if before_exit is not None:
             before_exit()
         server.should_exit = True
         thread.join(timeout=join_timeout_s)
+        sock.close()
 
 
 @contextlib.contextmanager

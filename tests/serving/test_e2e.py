@@ -151,7 +151,12 @@ def test_each_family_answers_as_its_single_process_model_with_exact_offsets(name
         dtype="float32",  # the reference is fp32; the bf16 bound is verify's (tests/partitioner/test_precision.py)
     )
     with TestClient(build_app(settings)) as client:
-        wait_until(lambda: client.app.state.manager.ready == 1, timeout=120, what=f"a {name} gang ready")
+        wait_until(
+            lambda: client.app.state.manager.ready == 1,
+            timeout=120,
+            what=f"a {name} gang ready",
+            detail=lambda: client.get("/readyz").text,
+        )
         for question, context in PAIRS:
             r = client.post("/v1/qa", json={"question": question, "context": context, "top_k": 3})
             assert r.status_code == 200, r.text

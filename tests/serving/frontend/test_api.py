@@ -42,14 +42,23 @@ TOKEN = "s3cret-token"
 logger = logging.getLogger(__name__)
 
 
-def wait_until(cond: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
+def wait_until(
+    cond: Callable[[], Any],
+    *,
+    timeout: float = 10.0,
+    what: str = "condition",
+    detail: Callable[[], object] | None = None,
+) -> Any:
+    """``cond()`` once it is truthy; an AssertionError after ``timeout`` s (with ``detail()``: the
+    state that explains why, e.g. a server's /readyz body)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
         if value:
             return value
         time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    why = f": {detail()}" if detail is not None else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}{why}")
 
 
 @contextlib.contextmanager

@@ -20,6 +20,9 @@ Release rule for a bucket's candidate batch (its first windows in fair order, gr
 (the replica it would go to has nothing in flight: waiting for a fuller batch would leave it idle;
 ``wait_when_idle`` turns this off, as Triton's dynamic batcher waits). The delay is for busy
 replicas: a batch sent to one that is still computing waits there anyway, so it may as well grow.
+A batch for an idle replica takes at most an equal share of its bucket's queue per idle replica
+(a 4-window request and two idle replicas: 2 + 2), so a long context computes on every idle
+replica instead of one; batches for busy replicas are not split.
 Among releasable buckets the one whose first window comes first in fair order goes first (a busy
 bucket cannot starve a quiet one). A micro-batch goes to the least-loaded accepting replica that
 has fewer than ``max_inflight_per_replica`` batches in flight.
@@ -33,7 +36,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from serving.config import SchedulerConfig
@@ -73,6 +76,19 @@ class _Candidate:
     first: tuple[int, float, int]  # fair-order key of its first window (buckets compete on it)
     reason: ReleaseReason | None  # None: not releasable yet
     release_at: float  # when it becomes releasable by timeout or deadline
+
+    def share(self, keep: int) -> _Candidate:
+        """Its first ``keep`` windows (itself when it has no more), released for an idle replica."""
+        if keep >= len(self.windows):
+            return self
+        windows = self.windows[:keep]
+        return replace(
+            self,
+            reason="idle",
+            windows=windows,
+            padded_len=max(w.n_tokens for w in windows),
+            oldest=min(w.enqueued_at for w in windows),
+        )
 
 
 def _advance_vtime(vtime: int, tags: Sequence[int]) -> int:
@@ -168,6 +184,12 @@ class Batcher:
                 best = cand
         if best is None or best.reason is None:
             return None
+        if idle:  # the bucket's queue is shared with the other idle replicas
+            idle_replicas = sum(
+                1 for r in replicas if r.accepting and self.ledger.inflight(r.replica_id) == 0
+            )
+            queued = sum(len(lane) for lane in self._buckets[best.bucket].values())
+            best = best.share(-(-queued // idle_replicas))
         # pop the candidate's windows: each is at the front of its request's lane
         lanes = self._buckets[best.bucket]
         for w in best.windows:

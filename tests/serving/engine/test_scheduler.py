@@ -117,6 +117,29 @@ def test_idle_replicas_each_take_a_bucket_of_one_request_at_once() -> None:
     assert s.next_batch(0.0, [R0, r1]) is None  # nothing left
 
 
+def test_idle_replicas_share_what_is_queued_busy_ones_do_not() -> None:
+    """Four windows of one bucket and two idle replicas: two each, so the request computes on both;
+    with one replica busy the idle one takes all four, and a busy replica's timeout batch is whole."""
+    s = make(wait_when_idle=False)
+    r1 = ReplicaView("r1")
+    submit_all(s, {"q": [250, 250, 250, 200]}, now=0.0)
+    d1 = s.next_batch(0.0, [R0, r1])
+    d2 = s.next_batch(0.0, [R0, r1])
+    assert d1 is not None and d2 is not None
+    assert (d1.replica_id, d1.items, d1.padded_len, d1.reason) == ("r0", [("q", 0), ("q", 1)], 250, "idle")
+    assert (d2.replica_id, d2.items, d2.padded_len, d2.reason) == ("r1", [("q", 2), ("q", 3)], 250, "idle")
+    s.batch_done(d1.batch_id, now=0.5, ok=True)  # r1 still computes
+    submit_all(s, {"p": [250, 250, 250]}, now=0.5)
+    d3 = s.next_batch(0.5, [R0, r1])
+    assert d3 is not None
+    assert (d3.replica_id, len(d3.items), d3.reason) == ("r0", 3, "idle")
+    submit_all(s, {"o": [250, 250, 100]}, now=0.5)  # both busy: it waits for the delay, then goes whole
+    assert s.next_batch(0.5, [R0, r1]) is None
+    d4 = s.next_batch(0.75, [R0, r1])
+    assert d4 is not None
+    assert (d4.replica_id, d4.items, d4.reason) == ("r0", [("o", 0), ("o", 1)], "timeout")
+
+
 def test_partial_batch_released_when_deadline_near() -> None:
     s = make(max_queue_delay_ms=10_000.0)
     submit_all(s, {"other": [10]}, now=0.0)

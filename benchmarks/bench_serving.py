@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "int8"],
         help="precision of (a) and of shardserve's explicit-flag rows; auto resolves as `shardserve serve` "
-        "does (int8 for a model calibrated with `shardserve quantize` on x86 CPUs with AVX2 or better, else bf16 on "
+        "does (int8 for a model calibrated with `shardserve quantize` on x86 CPUs with AVX2 or better and no AMX, else bf16 on "
         "CPUs with AMX / AVX512-BF16, else fp32); int8 needs that calibration (default: %(default)s)",
     )
     p.add_argument(

@@ -55,7 +55,7 @@ class EvalSettings(WindowSettings):
     dtype: Literal[DTYPE_CHOICES] = Field(  # type: ignore[valid-type]
         "auto",
         description="compute dtype: auto picks int8 for a model calibrated with `shardserve quantize` on CPUs "
-        "with AVX2 or better, else bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
+        "with AVX2 or better and no AMX, else bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
         "float32; logits and span decoding stay float32",
     )
     max_answer_length: int = Field(30, description="longest answer span in tokens (1..512)")

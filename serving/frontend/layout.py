@@ -30,7 +30,7 @@ def _sources(settings: ServeSettings) -> dict[str, ModelSource]:
 
 def serve_precision(settings: ServeSettings) -> DtypeChoice:
     """``--dtype`` resolved for the device and the models served at start: ``auto`` picks int8 where
-    every one of them has an int8 calibration (``shardserve quantize``) and the CPU has oneDNN's int8 kernels;
+    every one of them has an int8 calibration (``shardserve quantize``) and the CPU has oneDNN's int8 kernels and no AMX;
     ``int8`` for a model without one is ``CalibrationMissing`` naming the command (one line)."""
     sources = _sources(settings)
     calibrated = bool(sources) and all(calibration_path(s).is_file() for s in sources.values())

@@ -127,8 +127,8 @@ class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
     dtype: str = Field(
         "auto",
         description="compute dtype of the ranks: auto (bfloat16 on GPUs and on CPUs with bf16 units, "
-        "AMX or AVX512-BF16, else float32; int8 on x86 CPUs with AVX2 or better where every model was calibrated "
-        "with `shardserve quantize`), float32, bfloat16, float16, int8 (CPU: calibrated static int8 Linear "
+        "AMX or AVX512-BF16, else float32; int8 on x86 CPUs with AVX2 or better and no AMX where every model was "
+        "calibrated with `shardserve quantize`), float32, bfloat16, float16, int8 (CPU: calibrated static int8 Linear "
         "layers, the rest bf16 or fp32; F1 within 1 % of fp32, docs/benchmarks.md). Span logits stay float32",
     )
     compile: str = Field(

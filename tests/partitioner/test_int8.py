@@ -4,6 +4,7 @@ F1 on a slice of the development pool against fp32, MLPerf's way."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import partitioner.int8 as int8
+import partitioner.precision as precision
 from models.build import build_model
 from models.cpu import cpu_capabilities
 from models.packing import packed_rows
@@ -149,7 +151,26 @@ def test_precision_int8_computes_in_the_cpus_float_and_auto_needs_a_calibration(
     choice = resolve_dtype("int8", "cpu")
     assert choice.int8 and choice.dtype == (torch.bfloat16 if caps.bf16 else torch.float32)
     assert not resolve_dtype("auto", "cpu").int8  # no calibration: never int8
-    assert resolve_dtype("auto", "cpu", int8_calibrated=True).int8 == caps.int8
+    assert resolve_dtype("auto", "cpu", int8_calibrated=True).int8 == (caps.int8 and not caps.amx)
+
+
+@pytest.mark.parametrize(
+    ("units", "picked"),
+    [
+        ({"amx": True, "avx512_bf16": True, "vnni": True}, "bfloat16"),  # AMX-BF16 beats our int8
+        ({"amx": False, "avx512_bf16": True, "vnni": True}, "int8"),  # Zen 4: 1.33x bf16
+        ({"amx": False, "avx512_bf16": False, "vnni": False, "isa": "AVX2"}, "int8"),  # Zen 3: 1.42x fp32
+        ({"amx": False, "avx512_bf16": False, "vnni": False, "isa": "DEFAULT"}, "float32"),
+    ],
+)
+def test_auto_picks_int8_for_a_calibrated_model_where_it_wins(monkeypatch, units, picked):
+    caps = dataclasses.replace(cpu_capabilities(), model="Test CPU", **units)
+    monkeypatch.setattr(precision, "cpu_capabilities", lambda: caps)
+    choice = resolve_dtype("auto", "cpu", int8_calibrated=True)
+    assert choice.name == picked, choice.reason
+    if caps.amx:
+        assert "--dtype int8" in choice.reason  # says how to use the calibration anyway
+    assert resolve_dtype("int8", "cpu").int8  # asked for, int8 runs wherever it can
 
 
 def test_registry_models_calibrate_into_the_cache(monkeypatch, tmp_path):

@@ -184,10 +184,12 @@ class Batcher:
                 best = cand
         if best is None or best.reason is None:
             return None
-        if idle:  # the bucket's queue is shared with the other idle replicas
-            idle_replicas = sum(
-                1 for r in replicas if r.accepting and self.ledger.inflight(r.replica_id) == 0
-            )
+        idle_replicas = (
+            sum(1 for r in replicas if r.accepting and self.ledger.inflight(r.replica_id) == 0)
+            if idle
+            else 0
+        )
+        if idle_replicas > 1:  # the bucket's queue is shared with the other idle replicas
             queued = sum(len(lane) for lane in self._buckets[best.bucket].values())
             best = best.share(-(-queued // idle_replicas))
         # pop the candidate's windows: each is at the front of its request's lane

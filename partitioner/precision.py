@@ -14,9 +14,9 @@ optimizer state). ``auto`` asks torch what the device can do:
   (AMX-FP16 / oneDNN fp16) is refused with an error naming the CPU. For a model calibrated with
   ``shardserve quantize``, on an x86 CPU with oneDNN's int8 kernels and no AMX (VNNI, or AVX2 /
   AVX512 without VNNI), ``auto`` is int8 (``int8_calibrated``); with AMX it stays bf16: int8 ran at
-  0.87-0.97x bf16's speed there, forward and served (once 1.06x, on a VM whose AMX-BF16 ran at half
-  speed): quantizing each activation costs more than AMX-INT8 saves over AMX-BF16
-  (docs/benchmarks.md, "int8 on an AMX Xeon, again"). int8 is refused on GPUs.
+  0.87-0.97x bf16's speed there, forward and served (once 1.06x, on a VM whose AMX-BF16 ran 1.4-3x
+  slower): quantizing each activation costs more than AMX-INT8 saves over AMX-BF16
+  (docs/benchmarks.md, "Issue 30 on a fast AMX Xeon"). int8 is refused on GPUs.
 
     python -m partitioner.precision            # what this machine would pick, and why
 """

@@ -8,7 +8,11 @@ What ``int8`` means here (measured in docs/benchmarks.md, "int8 judged by F1"):
   (``weight_max``): oneDNN's AVX2 kernels sum u8 x s8 pairs in int16, which saturates on 8-bit weights;
 - SmoothQuant (Xiao et al. 2023, alpha 0.5): ``m`` divides each input channel by
   ``s = max|x|^a / max|w|^(1-a)`` and the weight's columns are multiplied by ``s``, so activation
-  outliers move into the weights; the division is folded into the quantizing multiply (free);
+  outliers move into the weights; the division is folded into the quantizing multiply (free).
+  Layers that read one tensor (query, key and value) are calibrated on one set of factors, from all
+  their weights, and quantize that tensor once (``InputQuantizer``): on an AMX Xeon the int8 forward
+  ran 1.05-1.11x faster so, at 99.9 % of fp32's F1 instead of 100.0 % (docs/benchmarks.md, "Issue 30
+  on a fast AMX Xeon");
 - the FFN's down projections (their input, the activation's output, has the widest range) stay in
   the float dtype, as does everything else (embeddings, attention, LayerNorm, the QA head): bf16 where
   the CPU has bf16 units, else fp32 (``partitioner.precision.resolve_dtype``).
@@ -16,9 +20,11 @@ What ``int8`` means here (measured in docs/benchmarks.md, "int8 judged by F1"):
 The ranges come from ``calibrate`` over real windows (``shardserve quantize``, training/quantize.py),
 stored as one small safetensors file per model (``calibration_path``): per target layer its
 SmoothQuant factors ``<name>.smooth`` (in_features,) and the smoothed input's largest magnitude
-``<name>.amax`` (a scalar). ``quantize_linears`` swaps the layers of a built model or a pipeline
-stage (names are the model's canonical ones, the same in every stage); tensor-parallel Column/Row
-layers quantize their own shard (a row-parallel shard takes its slice of the factors).
+``<name>.amax`` (a scalar); siblings with equal entries share their input's quantizing (a file
+calibrated before that rule quantizes per layer). ``quantize_linears`` swaps the layers of a built
+model or a pipeline stage (names are the model's canonical ones, the same in every stage);
+tensor-parallel Column/Row layers quantize their own shard (a row-parallel shard takes its slice of
+the factors).
 
     stats = calibrate(model, batches)                 # model in fp32, batches of (ids, mask, types)
     save_calibration(stats, calibration_path(source), model=source.name)
@@ -91,9 +97,13 @@ def target_linears(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def smooth_factors(weight: torch.Tensor, amax_in: torch.Tensor, alpha: float) -> torch.Tensor:
-    # weight: (out, in); amax_in: (in,) -> s: (in,); the input is divided by s, the weight's columns multiplied
-    w_max = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+def smooth_factors(
+    weight: torch.Tensor | list[torch.Tensor], amax_in: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    # weight: (out, in), or the weights of every layer that reads this input; amax_in: (in,) -> s: (in,);
+    # the input is divided by s, the weights' columns multiplied
+    weights = weight if isinstance(weight, list) else [weight]
+    w_max = torch.stack([w.detach().float().abs().amax(dim=0) for w in weights]).amax(dim=0).clamp(min=1e-5)
     return (amax_in.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
 
 
@@ -107,7 +117,9 @@ def calibrate(
 ) -> dict[str, torch.Tensor]:
     """SmoothQuant factors and smoothed input ranges of ``model``'s target Linear layers over
     ``batches`` (two passes: the per-channel ranges, then the per-tensor range after smoothing);
-    ``on_batch(windows)`` after each forward (a progress bar)."""
+    ``on_batch(windows)`` after each forward (a progress bar). Layers that read one tensor (query,
+    key and value) get one set of factors, from all their weights, and so one range: at run time
+    they quantize that tensor once (``InputQuantizer``)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"SmoothQuant alpha must be in [0, 1] (got {alpha:g})")
     batches = list(batches)
@@ -118,8 +130,11 @@ def calibrate(
     tensor = dict.fromkeys(targets, 0.0)
     factors: dict[str, torch.Tensor] = {}
 
+    first_inputs: dict[str, torch.Tensor] = {}  # the first batch's input of each layer
+
     def per_channel(name: str):
         def hook(_m: nn.Module, args: tuple) -> None:
+            first_inputs.setdefault(name, args[0])
             x = args[0].detach().float().abs().flatten(0, -2)  # (tokens, in)
             channel[name] = torch.maximum(channel[name], x.amax(dim=0))
 
@@ -143,12 +158,25 @@ def calibrate(
             for h in hooks:
                 h.remove()
         if make is per_channel:
-            factors = {n: smooth_factors(lin.weight, channel[n], alpha) for n, lin in targets.items()}
+            for group in _readers_of_one_tensor(first_inputs):
+                joint = smooth_factors([targets[n].weight for n in group], channel[group[0]], alpha)
+                factors.update(dict.fromkeys(group, joint))
+            first_inputs.clear()
+            for n in targets.keys() - factors.keys():  # not run by the first batch: its own factors
+                factors[n] = smooth_factors(targets[n].weight, channel[n], alpha)
     stats: dict[str, torch.Tensor] = {}
     for name in targets:
-        stats[f"{name}.smooth"] = factors[name]
+        stats[f"{name}.smooth"] = factors[name].clone()  # one tensor per name (safetensors)
         stats[f"{name}.amax"] = torch.tensor(max(tensor[name], 1e-8))
     return stats
+
+
+def _readers_of_one_tensor(inputs: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The layer names grouped by the tensor object they read (in their forward's order)."""
+    groups: dict[int, list[str]] = {}
+    for name, x in inputs.items():  # the tensors are alive here, so their ids are distinct
+        groups.setdefault(id(x), []).append(name)
+    return list(groups.values())
 
 
 def save_calibration(stats: dict[str, torch.Tensor], path: Path, *, model: str, **meta: object) -> Path:
@@ -182,6 +210,41 @@ def model_calibration(source: ModelSource) -> dict[str, torch.Tensor]:
     return load_calibration(calibration_path(source), model=source.name)
 
 
+class InputQuantizer:
+    """A float input (..., in) -> (R, in) uint8 rows on oneDNN's row grid (``packed_rows``), divided by
+    the SmoothQuant factors and quantized per tensor (zero point 128). Layers that read one tensor
+    and were calibrated on one set of factors (query, key and value) share one: the first of its
+    ``readers`` to get the tensor quantizes it, the others are handed that result (one quantizing
+    instead of three: the pass cost as much as AMX-INT8's kernel, docs/benchmarks.md), and it is
+    dropped once every reader had it. Inference only, one forward at a time (as a rank runs it)."""
+
+    def __init__(self, smooth: torch.Tensor, amax: float, *, readers: int = 1) -> None:
+        self.act_scale = float(amax) / 127  # uint8 step; zero point 128 covers [-amax, amax]
+        self.in_mul = 1.0 / (smooth.float() * self.act_scale)  # (in,) fp32
+        self.readers = readers
+        self._held: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (input, rows, readers left)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._held is not None and self._held[0] is x:
+            _, q, left = self._held
+            self._held = (x, q, left - 1) if left > 1 else None
+            return q
+        q = self._quantize(x)
+        self._held = (x, q, self.readers - 1) if self.readers > 1 else None
+        return q
+
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        # Quantizing in fp32 is 3x faster than in bf16 on CPUs (vectorised in-place ops), and int8 ->
+        # uint8 (+ the zero point 128) is one XOR of a byte. A packed bf16 batch is on the row grid
+        # already; an fp32 one (CPUs without bf16 units) gets spare rows (zeros) here.
+        rows = x.shape[:-1].numel()
+        y = x.new_empty(packed_rows(rows), x.shape[-1], dtype=torch.float32)  # (R, in), a copy of x
+        y[:rows] = x.reshape(rows, -1)
+        y[rows:] = 0
+        y.mul_(self.in_mul).round_().clamp_(-128, 127)
+        return y.to(torch.int8).view(torch.uint8).bitwise_xor_(ZERO_POINT)  # (R, in) uint8
+
+
 class Int8Linear(nn.Module):
     """A Linear layer (or one rank's shard of a tensor-parallel one) in static int8; ``reduce``: the
     row-parallel all-reduce of the partial products before the bias (None: none); ``gelu``: the
@@ -196,14 +259,15 @@ class Int8Linear(nn.Module):
         amax: float,
         reduce: object = None,
         gelu: bool = False,
+        quantizer: InputQuantizer | None = None,
     ) -> None:
         super().__init__()
         w = weight.detach().float() * smooth  # (out, in): the columns carry the factors
         levels = weight_max()
         w_scale = (w.abs().amax(dim=1) / levels).clamp(min=1e-8)  # (out,) per output channel
         w_q = torch.round(w / w_scale[:, None]).clamp(-levels, levels).to(torch.int8)
-        self.act_scale = float(amax) / 127  # uint8 step; zero point 128 covers [-amax, amax]
-        self.register_buffer("in_mul", 1.0 / (smooth * self.act_scale))  # (in,) fp32
+        # the input's quantizer: its own, or one shared with the layers that read the same tensor
+        self.quantizer = quantizer or InputQuantizer(smooth, amax)
         self.register_buffer("w_scale", w_scale)
         self.register_buffer("w_zero", torch.zeros(w_scale.shape[0], dtype=torch.long))
         self.packed = torch.ops.onednn.qlinear_prepack(w_q, None)  # oneDNN's blocked int8 layout
@@ -216,19 +280,13 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = int(w.shape[1]), int(w.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (..., in) float -> (..., out) in x's dtype. Quantizing in fp32 is 3x faster than in bf16
-        # on CPUs (vectorised in-place ops), and int8 -> uint8 (+ the zero point 128) is one XOR of a byte.
-        # The rows go to oneDNN on its row grid (``packed_rows``: a kernel per new row count costs ~1 ms):
-        # a packed bf16 batch is on it already, an fp32 one (CPUs without bf16 units) gets spare rows.
+        # x: (..., in) float -> (..., out) in x's dtype. The rows go to oneDNN on its row grid
+        # (``packed_rows``: a kernel per new row count costs ~1 ms); the spare rows are cut off after.
         rows = x.shape[:-1].numel()
-        y = x.new_empty(packed_rows(rows), x.shape[-1], dtype=torch.float32)  # (R, in), a copy of x
-        y[:rows] = x.reshape(rows, -1)
-        y[rows:] = 0  # the spare rows (none for a packed bf16 batch)
-        y.mul_(self.in_mul).round_().clamp_(-128, 127)
-        q = y.to(torch.int8).view(torch.uint8).bitwise_xor_(ZERO_POINT)  # (R, in) uint8
+        q = self.quantizer(x)  # (R, in) uint8
         bias = self.bias if self.reduce is None else None
         y = torch.ops.onednn.qlinear_pointwise(
-            q, self.act_scale, ZERO_POINT, self.packed, self.w_scale, self.w_zero, bias,
+            q, self.quantizer.act_scale, ZERO_POINT, self.packed, self.w_scale, self.w_zero, bias,
             1.0, 0, x.dtype, self.post_op, [None], "none",
         )[:rows].view(*x.shape[:-1], -1)  # fmt: skip
         if self.reduce is not None:
@@ -239,16 +297,54 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         post = ", gelu" if self.post_op == "gelu" else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, act_scale={self.act_scale:.3g}{post}"
+        shared = f", input shared by {self.quantizer.readers}" if self.quantizer.readers > 1 else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"act_scale={self.quantizer.act_scale:.3g}{post}{shared}"
+        )
 
 
-def _int8_of(layer: nn.Module, smooth: torch.Tensor, amax: float, *, gelu: bool) -> Int8Linear:
+def _int8_of(
+    layer: nn.Module, smooth: torch.Tensor, amax: float, *, gelu: bool, quantizer: InputQuantizer | None
+) -> Int8Linear:
     if isinstance(layer, RowParallelLinear):  # the input arrives sharded: this shard's slice of the factors
         spec = layer.shard_specs["weight"]  # along dim 1 of the (out, in) weight
         smooth = ShardSlice(0, spec.start, spec.length, spec.blocks).take(smooth)
         return Int8Linear(layer.weight, layer.bias, smooth=smooth, amax=amax, reduce=layer.group)
     # nn.Linear, or a column-parallel shard (input replicated; copy_to_tp is the identity forward)
-    return Int8Linear(layer.weight, layer.bias, smooth=smooth, amax=amax, gelu=gelu)
+    return Int8Linear(layer.weight, layer.bias, smooth=smooth, amax=amax, gelu=gelu, quantizer=quantizer)
+
+
+def _shared_quantizers(
+    targets: dict[str, nn.Module], stats: dict[str, torch.Tensor]
+) -> dict[str, InputQuantizer]:
+    """One ``InputQuantizer`` for each set of sibling layers calibrated on one input (the same factors
+    and range: ``calibrate`` gives them to the layers that read one tensor), by layer name."""
+    groups: list[list[str]] = []
+    for name, layer in targets.items():
+        if isinstance(layer, RowParallelLinear):  # a sharded input of its own
+            continue
+        parent = name.rpartition(".")[0]
+        for group in groups:
+            first = group[0]
+            if (
+                first.rpartition(".")[0] == parent
+                and torch.equal(stats[f"{first}.smooth"], stats[f"{name}.smooth"])
+                and float(stats[f"{first}.amax"]) == float(stats[f"{name}.amax"])
+            ):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    out: dict[str, InputQuantizer] = {}
+    for group in groups:
+        if len(group) > 1:
+            first = group[0]
+            shared = InputQuantizer(
+                stats[f"{first}.smooth"].float(), float(stats[f"{first}.amax"]), readers=len(group)
+            )
+            out.update(dict.fromkeys(group, shared))
+    return out
 
 
 def quantize_linears(model: nn.Module, stats: dict[str, torch.Tensor]) -> int:
@@ -256,15 +352,19 @@ def quantize_linears(model: nn.Module, stats: dict[str, torch.Tensor]) -> int:
     A stage holds some of the calibrated layers; a target with no stats is an error (a stale file)."""
     if model.training:
         raise ValueError("int8 Linear layers are for inference: call model.eval() first")
-    count = 0
-    for name, layer in target_linears(model).items():
+    targets = target_linears(model)
+    for name in targets:
         if f"{name}.smooth" not in stats:
             raise ValueError(f"the int8 calibration has no entry for {name}: recalibrate the model")
+    shared = _shared_quantizers(targets, stats)
+    count = 0
+    for name, layer in targets.items():
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         # the encoder's MLP computes down(act(up(x))): an exact GELU after ``up`` goes into its kernel
         gelu = child == "up" and getattr(owner, "act", None) is F.gelu
-        q = _int8_of(layer, stats[f"{name}.smooth"].float(), float(stats[f"{name}.amax"]), gelu=gelu)
+        smooth, amax = stats[f"{name}.smooth"].float(), float(stats[f"{name}.amax"])
+        q = _int8_of(layer, smooth, amax, gelu=gelu, quantizer=shared.get(name))
         setattr(owner, child, q)
         if gelu:
             owner.act = nn.Identity()

@@ -13,10 +13,10 @@ optimizer state). ``auto`` asks torch what the device can do:
   explicit ``bfloat16`` is allowed with a warning; ``float16`` on a CPU without native fp16 units
   (AMX-FP16 / oneDNN fp16) is refused with an error naming the CPU. For a model calibrated with
   ``shardserve quantize``, on an x86 CPU with oneDNN's int8 kernels and no AMX (VNNI, or AVX2 /
-  AVX512 without VNNI), ``auto`` is int8 (``int8_calibrated``); with AMX it stays bf16: int8 ran at
-  0.87-0.97x bf16's speed there, forward and served (once 1.06x, on a VM whose AMX-BF16 ran 1.4-3x
-  slower): quantizing each activation costs more than AMX-INT8 saves over AMX-BF16
-  (docs/benchmarks.md, "Issue 30 on a fast AMX Xeon"). int8 is refused on GPUs.
+  AVX512 without VNNI), ``auto`` is int8 (``int8_calibrated``); with AMX it stays bf16: int8 measured
+  no faster there (0.94-1.04x bf16's forward, 1.00-1.03x its served answers/s; 0.87-0.97x before query,
+  key and value shared one quantized input): quantizing the activations costs about what AMX-INT8
+  saves over AMX-BF16 (docs/benchmarks.md, "Issue 30 on a fast AMX Xeon"). int8 is refused on GPUs.
 
     python -m partitioner.precision            # what this machine would pick, and why
 """

@@ -114,6 +114,70 @@ def test_targets_keep_the_ffn_down_projections_float(tiny):
     assert all(float(stats[f"{n}.amax"]) > 0 for n in names)
 
 
+def test_layers_that_read_one_tensor_are_calibrated_on_one_set_of_factors(tiny):
+    _, model, stats = tiny
+    attn = "layers.0.attention"
+    for k in ("smooth", "amax"):
+        assert torch.equal(stats[f"{attn}.query.{k}"], stats[f"{attn}.key.{k}"])
+        assert torch.equal(stats[f"{attn}.query.{k}"], stats[f"{attn}.value.{k}"])
+    assert not torch.equal(stats[f"{attn}.query.smooth"], stats[f"{attn}.out.smooth"])
+    assert not torch.equal(stats[f"{attn}.query.smooth"], stats["layers.0.mlp.up.smooth"])
+    # the factors come from all three weights: the largest column of any of them
+    joint = int8.smooth_factors(
+        [model.get_submodule(f"{attn}.{n}").weight for n in ("query", "key", "value")],
+        torch.ones(model.config.hidden_size),
+        int8.DEFAULT_ALPHA,
+    )
+    alone = int8.smooth_factors(
+        model.get_submodule(f"{attn}.query").weight, torch.ones_like(joint), int8.DEFAULT_ALPHA
+    )
+    assert bool((joint <= alone).all()) and not torch.equal(joint, alone)
+
+
+def test_query_key_and_value_quantize_their_input_once_and_exactly_as_alone(tiny, monkeypatch):
+    source, _, stats = tiny
+    shared = build_model(source, dtype=torch.float32).eval()
+    quantize_linears(shared, stats)
+    attn = shared.layers["0"].attention
+    assert attn.query.quantizer is attn.key.quantizer is attn.value.quantizer
+    assert attn.query.quantizer.readers == 3 and attn.out.quantizer is not attn.query.quantizer
+    assert shared.layers["0"].mlp.up.quantizer.readers == 1
+    alone = build_model(source, dtype=torch.float32).eval()
+    quantize_linears(alone, stats)
+    for name, layer in _int8_layers(alone).items():  # each its own quantizer, from the same stats
+        layer.quantizer = int8.InputQuantizer(stats[f"{name}.smooth"], float(stats[f"{name}.amax"]))
+    calls = []
+    real = int8.InputQuantizer._quantize
+    monkeypatch.setattr(
+        int8.InputQuantizer, "_quantize", lambda self, x: calls.append(self.readers) or real(self, x)
+    )
+    ids, mask, types = _batches(1, seed=1)[0]
+    with torch.inference_mode():
+        got = shared(ids, mask, types)
+        assert calls == [3, 1, 1] * len(shared.layers)  # query+key+value once, out, up
+        ref = alone(ids, mask, types)
+    assert torch.equal(got, ref)  # sharing changes no number
+    assert all(layer.quantizer._held is None for layer in _int8_layers(shared).values())  # nothing kept
+
+
+def _int8_layers(model: nn.Module) -> dict[str, Int8Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+
+
+def test_a_shared_input_quantizer_hands_out_one_result_to_its_readers_then_lets_go(monkeypatch):
+    quantizer = int8.InputQuantizer(torch.ones(8), 2.0, readers=3)
+    calls = []
+    real = int8.InputQuantizer._quantize
+    monkeypatch.setattr(int8.InputQuantizer, "_quantize", lambda self, x: calls.append(x) or real(self, x))
+    x, other = torch.randn(4, 8), torch.randn(4, 8)
+    with torch.inference_mode():
+        first = quantizer(x)
+        assert quantizer(x) is first and quantizer(x) is first and len(calls) == 1
+        assert quantizer._held is None  # every reader had it
+        assert torch.equal(quantizer(x), first) and len(calls) == 2  # a new round quantizes again
+        assert not torch.equal(quantizer(other), first) and len(calls) == 3  # another tensor: its own
+
+
 def test_quantized_model_stays_close_to_fp32_and_the_file_round_trips(tiny, tmp_path):
     source, model, stats = tiny
     path = save_calibration(stats, tmp_path / "cal.safetensors", model=source.name, questions=3)

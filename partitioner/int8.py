@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -130,11 +131,19 @@ def calibrate(
     tensor = dict.fromkeys(targets, 0.0)
     factors: dict[str, torch.Tensor] = {}
 
-    first_inputs: dict[str, torch.Tensor] = {}  # the first batch's input of each layer
+    readers: list[list[str]] = []  # layers that read one tensor in a row (query, key, value), in order
+    seen: set[str] = set()
+    last_read: list[weakref.ref | None] = [None]  # the tensor the last new layer read, not kept alive
 
     def per_channel(name: str):
         def hook(_m: nn.Module, args: tuple) -> None:
-            first_inputs.setdefault(name, args[0])
+            if name not in seen:  # the layer's first call
+                seen.add(name)
+                if last_read[0] is not None and last_read[0]() is args[0]:
+                    readers[-1].append(name)
+                else:
+                    readers.append([name])
+                    last_read[0] = weakref.ref(args[0])
             x = args[0].detach().float().abs().flatten(0, -2)  # (tokens, in)
             channel[name] = torch.maximum(channel[name], x.amax(dim=0))
 
@@ -158,25 +167,16 @@ def calibrate(
             for h in hooks:
                 h.remove()
         if make is per_channel:
-            for group in _readers_of_one_tensor(first_inputs):
+            for group in readers:
                 joint = smooth_factors([targets[n].weight for n in group], channel[group[0]], alpha)
                 factors.update(dict.fromkeys(group, joint))
-            first_inputs.clear()
-            for n in targets.keys() - factors.keys():  # not run by the first batch: its own factors
+            for n in targets.keys() - factors.keys():  # never run: its own factors
                 factors[n] = smooth_factors(targets[n].weight, channel[n], alpha)
     stats: dict[str, torch.Tensor] = {}
     for name in targets:
         stats[f"{name}.smooth"] = factors[name].clone()  # one tensor per name (safetensors)
         stats[f"{name}.amax"] = torch.tensor(max(tensor[name], 1e-8))
     return stats
-
-
-def _readers_of_one_tensor(inputs: dict[str, torch.Tensor]) -> list[list[str]]:
-    """The layer names grouped by the tensor object they read (in their forward's order)."""
-    groups: dict[int, list[str]] = {}
-    for name, x in inputs.items():  # the tensors are alive here, so their ids are distinct
-        groups.setdefault(id(x), []).append(name)
-    return list(groups.values())
 
 
 def save_calibration(stats: dict[str, torch.Tensor], path: Path, *, model: str, **meta: object) -> Path:

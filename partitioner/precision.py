@@ -142,7 +142,7 @@ def resolve_dtype(
         if caps.bf16:
             unit = "AMX" if caps.amx else "AVX512-BF16"
             why = (
-                " (faster than int8 there; --dtype int8 uses the calibration)"
+                " (int8 is no faster there; --dtype int8 uses the calibration)"
                 if int8_calibrated and caps.amx
                 else ""
             )

@@ -96,7 +96,7 @@ def resolve_dtype(
     ``bfloat16 or float32``). ``int8_calibrated``: every model to run has an int8 calibration, so
     ``auto`` picks int8 on a CPU with oneDNN's int8 kernels (``CpuCapabilities.int8``) and no AMX,
     where it measured faster than bf16 (VNNI) and fp32 (AVX2) within MLPerf's accuracy bound; on AMX
-    bf16 measured faster (the module's docstring).
+    int8 measured no faster than bf16 (the module's docstring).
     """
     as_precision = requested in _PRECISION_TO_DTYPE and requested != "auto"
     requested = _PRECISION_TO_DTYPE.get(requested, requested)

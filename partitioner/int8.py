@@ -133,17 +133,18 @@ def calibrate(
 
     readers: list[list[str]] = []  # layers that read one tensor in a row (query, key, value), in order
     seen: set[str] = set()
-    last_read: list[weakref.ref | None] = [None]  # the tensor the last new layer read, not kept alive
+    last_read: weakref.ref | None = None  # the tensor the last new layer read, not kept alive
 
     def per_channel(name: str):
         def hook(_m: nn.Module, args: tuple) -> None:
+            nonlocal last_read
             if name not in seen:  # the layer's first call
                 seen.add(name)
-                if last_read[0] is not None and last_read[0]() is args[0]:
+                if last_read is not None and last_read() is args[0]:
                     readers[-1].append(name)
                 else:
                     readers.append([name])
-                    last_read[0] = weakref.ref(args[0])
+                    last_read = weakref.ref(args[0])
             x = args[0].detach().float().abs().flatten(0, -2)  # (tokens, in)
             channel[name] = torch.maximum(channel[name], x.amax(dim=0))
 
@@ -320,24 +321,14 @@ def _shared_quantizers(
 ) -> dict[str, InputQuantizer]:
     """One ``InputQuantizer`` for each set of sibling layers calibrated on one input (the same factors
     and range: ``calibrate`` gives them to the layers that read one tensor), by layer name."""
-    groups: list[list[str]] = []
+    groups: dict[tuple[str, float, bytes], list[str]] = {}  # (parent, range, factors) -> names
     for name, layer in targets.items():
         if isinstance(layer, RowParallelLinear):  # a sharded input of its own
             continue
-        parent = name.rpartition(".")[0]
-        for group in groups:
-            first = group[0]
-            if (
-                first.rpartition(".")[0] == parent
-                and torch.equal(stats[f"{first}.smooth"], stats[f"{name}.smooth"])
-                and float(stats[f"{first}.amax"]) == float(stats[f"{name}.amax"])
-            ):
-                group.append(name)
-                break
-        else:
-            groups.append([name])
+        smooth, amax = stats[f"{name}.smooth"], float(stats[f"{name}.amax"])
+        groups.setdefault((name.rpartition(".")[0], amax, smooth.float().numpy().tobytes()), []).append(name)
     out: dict[str, InputQuantizer] = {}
-    for group in groups:
+    for group in groups.values():
         if len(group) > 1:
             first = group[0]
             shared = InputQuantizer(

@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_api_workers
+import bench_frontend_floor
 import bench_kernels
 import bench_serving
 
@@ -386,3 +387,31 @@ def test_closed_loop_counts_every_answer_that_ends_in_the_window():
     finally:
         loop.call_soon_threadsafe(loop.stop)
     assert len(out) == 12 and {status for _, status in out} == {200}
+
+
+def test_frontend_floor_summary_takes_medians_and_compares_with_the_bare_server():
+    rows = [{"load": "served", "server": "asgi", "rate": 100.0, "cpu_ms": c} for c in (0.8, 1.0, 0.9)] + [
+        {"load": "served", "server": "shardserve", "rate": r, "cpu_ms": 1.8} for r in (90.0, 110.0, 100.0)
+    ]
+    lines = bench_frontend_floor.summary(rows)
+    assert len(lines) == 2
+    assert "asgi" in lines[0] and "0.90 ms" in lines[0] and "x the bare" not in lines[0]
+    assert "100.0 answers/s" in lines[1] and "2.00x the bare ASGI server's" in lines[1]
+    assert bench_frontend_floor.bare_sleep_s(32, 128.0) == 0.25
+
+
+def test_frontend_floor_bare_servers_answer_as_the_decoder_does():
+    from fastapi.testclient import TestClient
+
+    context = "The Denver Broncos defeated the Carolina Panthers 24-10 to win Super Bowl 50."
+    ask = {"question": "Who won Super Bowl 50?", "context": context}
+    work = bench_frontend_floor.QAWork()
+    enc, batch = work.encode(ask["question"], context)
+    want = work.decode(enc, batch, context)
+    assert want and all(context[a["start"] : a["end"]] == a["text"] for a in want)
+    for app in (bench_frontend_floor.asgi_app(work, 0.0), bench_frontend_floor.fastapi_app(work, 0.0)):
+        with TestClient(app) as client:
+            assert client.get("/readyz").status_code == 200
+            got = client.post("/v1/qa", json=ask)
+            assert got.status_code == 200
+            assert got.json()["answers"] == pytest.approx(want)

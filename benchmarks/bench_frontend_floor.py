@@ -60,7 +60,8 @@ LOADS = ("served", "saturated")
 
 
 class QAWork:
-    """What every server does per question, the model's forward aside (``answer``)."""
+    """What every server does per question, the model's forward aside: ``encode`` before the
+    compute, ``decode`` after it."""
 
     def __init__(self) -> None:
         import torch
@@ -179,9 +180,10 @@ def measure(
 ) -> dict:
     """One server under the closed loop: answers/s and its CPU per answer (ms)."""
     port = free_port()
-    cmd = [sys.executable, __file__, "--serve", kind, "--port", str(port), "--sleep-s", str(sleep_s)]
+    cmd = [sys.executable, __file__, "--serve", kind, "--port", str(port)]
+    cmd += ["--sleep-s", str(sleep_s), "--batch-s", str(batch_s)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([*cmd, "--batch-s", str(batch_s)], cwd=REPO, env=env)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout_s=120, proc=proc, all_replicas=True)
         closed_loop(port, bodies, clients=args.clients, warmup_s=0, duration_s=args.warmup_s)

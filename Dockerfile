@@ -33,7 +33,7 @@ RUN if [ "$VARIANT" = "cpu" ]; then \
         echo "VARIANT=${VARIANT}: must be cpu or cuda" >&2; exit 2; \
     fi
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY models ./models
 COPY partitioner ./partitioner
 COPY serving ./serving
@@ -41,7 +41,7 @@ COPY training ./training
 COPY loadtest ./loadtest
 COPY shardserve ./shardserve
 # the project itself (not editable); torch is already satisfied, so no other torch is pulled
-RUN pip install --no-cache-dir /src && python -c "import shardserve.cli, models.registry"
+RUN pip install --no-cache-dir /src && python -c "import shardserve.cli, shardserve.models.registry"
 
 FROM python:${PYTHON_VERSION}-slim AS runtime
 ARG VARIANT

@@ -67,8 +67,7 @@ def write_checkpoint(out: Path) -> Path:
     """The random bf16 checkpoint (seeded, tensor by tensor: never the whole model in memory)."""
     import transformers
     from safetensors.torch import save_file
-
-    from models.registry import tiny_bpe_tokenizer
+    from shardserve.models.registry import tiny_bpe_tokenizer
 
     if (out / "model.safetensors.index.json").is_file():
         return out
@@ -160,8 +159,8 @@ def serve_flags(model: Path, pp: int, args: argparse.Namespace) -> list[str]:
 
 def estimates(model: Path, pp: int, args: argparse.Namespace) -> list[int]:
     """The plan's serving bytes per stage (bf16, at the server's largest micro-batch)."""
-    from models.registry import resolve_model
-    from partitioner.plan import ParallelDims, make_plan
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner.plan import ParallelDims, make_plan
 
     config = resolve_model(model).config
     plan = make_plan(config, ParallelDims(pp=pp), seq_len=args.seq_len)

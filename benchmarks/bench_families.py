@@ -2,7 +2,7 @@
 
 The speed check of the families shardserve serves (issue 29): for each family a random-weight
 checkpoint of a real model's shape is written with transformers' own ``*ForQuestionAnswering`` class
-(seeded, into a temporary folder), loaded by shardserve (``models.build.build_model``) and by
+(seeded, into a temporary folder), loaded by shardserve (``shardserve.models.build.build_model``) and by
 transformers (``AutoModelForQuestionAnswering``), and both forwards are timed on the same random
 batches, alternating, with the same threads, in each precision (bf16 only where the CPU has bf16
 units). The fp32 logits are compared too (max |diff| over the batch).
@@ -40,10 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import machine_info
-
-from models.build import build_model
-from models.config import HF_CLASSES, EncoderConfig
-from models.registry import ModelSource
+from shardserve.models.build import build_model
+from shardserve.models.config import HF_CLASSES, EncoderConfig
+from shardserve.models.registry import ModelSource
 
 logger = logging.getLogger("bench_families")
 

@@ -48,8 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_serving import DEFAULT_SQUAD, load_pairs, machine_info, process_cpu_s  # noqa: E402
 from http_load import closed_loop  # noqa: E402
-
-from loadtest.local_server import free_port, stop, wait_ready  # noqa: E402
+from shardserve.loadtest.local_server import free_port, stop, wait_ready  # noqa: E402
 
 logger = logging.getLogger("bench_frontend_floor")
 SERVERS = ("asgi", "fastapi", "shardserve")
@@ -65,11 +64,10 @@ class QAWork:
 
     def __init__(self) -> None:
         import torch
-
-        from models.context_cache import ContextCache
-        from models.qa_windows import WindowConfig
-        from models.registry import resolve_model
-        from serving.frontend.settings import ServeSettings
+        from shardserve.models.context_cache import ContextCache
+        from shardserve.models.qa_windows import WindowConfig
+        from shardserve.models.registry import resolve_model
+        from shardserve.serving.frontend.settings import ServeSettings
 
         torch.set_num_threads(1)
         defaults = ServeSettings()
@@ -78,13 +76,14 @@ class QAWork:
         self.cache = ContextCache(max_bytes=defaults.context_cache_bytes)  # as the server's default
 
     def encode(self, question: str, context: str) -> tuple[Any, Any]:
-        from models.qa_windows import encode_qa, pad_windows
+        from shardserve.models.qa_windows import encode_qa, pad_windows
 
         enc = encode_qa(self.tokenizer, [question], [context], window=self.window, context_cache=self.cache)
         return enc, pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
 
     def decode(self, enc: Any, batch: Any, context: str) -> list[dict[str, Any]]:
-        from models.qa_decoding import decode_spans
+        from shardserve.models.qa_decoding import decode_spans
+
         from tests.serving.fakes import fake_logits
 
         logits = fake_logits(batch.input_ids)  # (W, S, 2)
@@ -155,10 +154,11 @@ def serve(kind: str, port: int, *, sleep_s: float, batch_s: float) -> None:
     import uvicorn
 
     if kind == "shardserve":
-        from serving.frontend.app import build_app
-        from serving.frontend.cli import DrainingServer
-        from serving.frontend.http_protocol import uvicorn_config
-        from serving.frontend.settings import ServeSettings
+        from shardserve.serving.frontend.app import build_app
+        from shardserve.serving.frontend.cli import DrainingServer
+        from shardserve.serving.frontend.http_protocol import uvicorn_config
+        from shardserve.serving.frontend.settings import ServeSettings
+
         from tests.serving.fakes import FakeFactory
 
         settings = ServeSettings(model="default", replicas=2, port=port, host="127.0.0.1")

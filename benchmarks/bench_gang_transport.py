@@ -30,11 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
 
-    from models.cpu import cpu_capabilities
-    from models.registry import resolve_model
-    from partitioner.plan import ParallelDims, make_plan
-    from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import stream_spec
+    from shardserve.models.cpu import cpu_capabilities
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner.plan import ParallelDims, make_plan
+    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.program import stream_spec
 
     source = resolve_model(args.model)
     plan = make_plan(source.config, ParallelDims(pp=args.pp, tp=1))

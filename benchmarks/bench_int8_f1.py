@@ -3,7 +3,7 @@
 MLPerf Inference's BERT benchmark accepts any precision that keeps 99 % of the fp32 F1 on SQuAD
 v1.1. This scores the unpartitioned model over the development pool (``../shared/data/squad``, the
 42 dev articles) in each variant, windowed and decoded as ``shardserve eval`` does
-(``training.evaluate.eval_inputs`` / ``answers_of``), and times the forward over every window:
+(``shardserve.training.evaluate.eval_inputs`` / ``answers_of``), and times the forward over every window:
 
   fp32       the reference
   bf16       what ``--dtype auto`` picks on a CPU with bf16 units (skipped without them)
@@ -45,13 +45,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import machine_info
-
-from models.build import build_model
-from models.registry import resolve_model
-from partitioner.int8 import calibrate, quantize_linears, smooth_factors
-from partitioner.precision import compute_dtype
-from training.evaluate import EvalConfig, EvalInputs, answers_of, eval_inputs
-from training.squad_metrics import evaluate
+from shardserve.models.build import build_model
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.int8 import calibrate, quantize_linears, smooth_factors
+from shardserve.partitioner.precision import compute_dtype
+from shardserve.training.evaluate import EvalConfig, EvalInputs, answers_of, eval_inputs
+from shardserve.training.squad_metrics import evaluate
 
 logger = logging.getLogger("bench_int8_f1")
 

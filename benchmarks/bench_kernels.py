@@ -127,8 +127,8 @@ def load_windows(model: str, squad: Path, *, seq_len: int, n: int):
     """(source, WindowBatch) of ``n`` SQuAD windows padded to exactly ``seq_len`` tokens (generated
     text when the SQuAD file is absent)."""
 
-    from models.qa_windows import WindowConfig, encode_qa, pad_windows
-    from models.registry import resolve_model
+    from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
+    from shardserve.models.registry import resolve_model
 
     source = resolve_model(model)
     pairs = _pairs(squad, n)
@@ -167,10 +167,9 @@ def _pairs(squad: Path, n: int) -> list[tuple[str, str]]:
 
 def make_forward(variant: str, source, *, onnx_dir: Path) -> tuple[Forward | None, str]:
     """A forward for ``variant`` (None with the reason when it cannot run here)."""
+    from shardserve.models.build import build_model
+    from shardserve.partitioner.compiled import compile_stage  # what `shardserve serve --compile on` runs
     from torch import nn
-
-    from models.build import build_model
-    from partitioner.compiled import compile_stage  # what `shardserve serve --compile on` runs
 
     types = source.config.uses_token_types
     if variant.startswith("ort-"):
@@ -211,8 +210,8 @@ def make_forward(variant: str, source, *, onnx_dir: Path) -> tuple[Forward | Non
 
 def export_onnx(source, path: Path) -> Path:
     """The plain fp32 model as ONNX (dynamic batch and sequence axes)."""
-    from models.build import build_model
-    from models.packing import padded_inference
+    from shardserve.models.build import build_model
+    from shardserve.models.packing import padded_inference
 
     model = build_model(source)
     ids = torch.full((2, 16), 1000, dtype=torch.long)
@@ -325,7 +324,7 @@ def run(args: argparse.Namespace) -> list[KernelResult]:
 
 
 def print_table(results: list[KernelResult], args: argparse.Namespace) -> None:
-    from models.cpu import cpu_capabilities
+    from shardserve.models.cpu import cpu_capabilities
 
     caps = cpu_capabilities()
     print(

@@ -18,7 +18,7 @@ does), caches the logits, and then decodes the SAME logits with every scoring:
   cls-relative       start_logit + end_logit - (start_logit[CLS] + end_logit[CLS]) of the span's window
   raw-sum-max-ctx    raw logit sum, counting a start token only in the window where it has the most
                      context on both sides (BERT ``run_squad``'s ``token_is_max_context``)
-  decode_spans       the shipped ``models.qa_windows.decode_spans`` (checks the library agrees)
+  decode_spans       the shipped ``shardserve.models.qa_windows.decode_spans`` (checks the library agrees)
 
 plus ``paragraph-alone``: the shipped decoder on the question's own paragraph (the upper bound the
 long context should approach). EM/F1 use the official SQuAD normalisation; ``AUC`` is the area
@@ -50,9 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.cpu import cpu_capabilities
-from models.qa_decoding import decode_spans
-from models.qa_windows import QAWindow, WindowConfig, encode_qa
+from shardserve.models.cpu import cpu_capabilities
+from shardserve.models.qa_decoding import decode_spans
+from shardserve.models.qa_windows import QAWindow, WindowConfig, encode_qa
 
 logger = logging.getLogger("bench_long_context")
 
@@ -75,8 +75,8 @@ def build_long_examples(
     data: str, *, holdout_articles: int, split_seed: int, n_questions: int, context_words: int, seed: int
 ) -> list[LongExample]:
     """Sample answerable questions and embed each one's paragraph among its article's neighbours."""
-    from training.squad_data import load_squad, split_by_article
-    from training.squad_metrics import gold_answers
+    from shardserve.training.squad_data import load_squad, split_by_article
+    from shardserve.training.squad_metrics import gold_answers
 
     examples = load_squad(data)
     if holdout_articles:
@@ -132,7 +132,7 @@ def run_model(
     rows: list[torch.Tensor] = []
     with torch.inference_mode():
         for i in range(0, len(enc.windows), batch_size):
-            from models.qa_windows import pad_windows
+            from shardserve.models.qa_windows import pad_windows
 
             batch = pad_windows(enc.windows[i : i + batch_size], pad_token_id=enc.pad_token_id)
             logits = model(batch.input_ids, batch.attention_mask, batch.token_type_ids).float()  # (b, s, 2)
@@ -298,10 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from models.build import build_model
-    from models.registry import resolve_model
-    from partitioner.precision import resolve_dtype
-    from training.squad_metrics import compute_exact, compute_f1
+    from shardserve.models.build import build_model
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner.precision import resolve_dtype
+    from shardserve.training.squad_metrics import compute_exact, compute_f1
 
     exs = build_long_examples(
         args.data,

@@ -16,7 +16,7 @@ benchmark issues them):
   beside each figure ("early stopping ok") rather than requiring it, and ``--confirm-s`` adds one
   long run at the QPS found, with loadgen's whole verdict.
 - **Accuracy** (loadgen ``AccuracyOnly``): each of ``--accuracy-samples`` questions once; the
-  answers scored with the project's SQuAD metric (``training.squad_metrics.evaluate``: exact match
+  answers scored with the project's SQuAD metric (``shardserve.training.squad_metrics.evaluate``: exact match
   and F1).
 
 The raw forward (``bench_serving.py``'s part (a): the unpartitioned model, no HTTP, the best of one
@@ -52,10 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import SMALL_BATCH, machine_info, raw_in_subprocess
 from http_load import OpenLoopClient
-
-from loadtest.local_server import free_port, stop, wait_ready
-from training.squad_data import SquadExample, load_squad
-from training.squad_metrics import evaluate
+from shardserve.loadtest.local_server import free_port, stop, wait_ready
+from shardserve.training.squad_data import SquadExample, load_squad
+from shardserve.training.squad_metrics import evaluate
 
 logger = logging.getLogger("bench_mlperf")
 

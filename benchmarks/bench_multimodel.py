@@ -56,23 +56,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import machine_info
-
-from loadtest.local_server import local_server
-from loadtest.replay import Sent, replay, summary
-from models.build import build_model
-from models.hf_weights import save_hf_checkpoint
-from models.qa_windows import WindowConfig, encode_qa, pad_windows
-from models.registry import minilm_dir, resolve_model
-from partitioner.placement.cost_profile import cost_profiles
-from partitioner.placement.latency import LatencyModel, MeasuredLatency, ModelProfile
-from partitioner.placement.layout import MIB, Group, Placement
-from partitioner.placement.simulator import SimConfig, simulate
-from partitioner.placement.workload import ArrivalSpec, Trace, Workload
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.precision import DTYPES, resolve_dtype
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import stream_spec
-from training.sigterm import Terminated, raise_on_sigterm
+from shardserve.loadtest.local_server import local_server
+from shardserve.loadtest.replay import Sent, replay, summary
+from shardserve.models.build import build_model
+from shardserve.models.hf_weights import save_hf_checkpoint
+from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
+from shardserve.models.registry import minilm_dir, resolve_model
+from shardserve.partitioner.placement.cost_profile import cost_profiles
+from shardserve.partitioner.placement.latency import LatencyModel, MeasuredLatency, ModelProfile
+from shardserve.partitioner.placement.layout import MIB, Group, Placement
+from shardserve.partitioner.placement.simulator import SimConfig, simulate
+from shardserve.partitioner.placement.workload import ArrivalSpec, Trace, Workload
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.precision import DTYPES, resolve_dtype
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import stream_spec
+from shardserve.training.sigterm import Terminated, raise_on_sigterm
 
 logger = logging.getLogger("bench_multimodel")
 

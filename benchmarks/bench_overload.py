@@ -1,6 +1,6 @@
 """Overload: 256 concurrent clients with long contexts against a 1-replica server.
 
-Starts ``shardserve serve --replicas 1`` on loopback, lets ``loadtest.overload`` drive it past
+Starts ``shardserve serve --replicas 1`` on loopback, lets ``shardserve.loadtest.overload`` drive it past
 capacity, and prints, per HTTP status, the count and p50/p99/max latency, plus the server's memory
 (frontend + ranks) before, at peak and after. The figures that matter: 429s answered at once
 (p99 in milliseconds, not seconds) and bounded memory growth.
@@ -21,10 +21,15 @@ import tempfile
 from pathlib import Path
 
 import httpx
-
-from loadtest.local_server import ServerNotReady, local_server
-from loadtest.overload import QUESTION, OverloadConfig, access_log_latencies, long_context, run_overload
-from models.cpu import cpu_capabilities
+from shardserve.loadtest.local_server import ServerNotReady, local_server
+from shardserve.loadtest.overload import (
+    QUESTION,
+    OverloadConfig,
+    access_log_latencies,
+    long_context,
+    run_overload,
+)
+from shardserve.models.cpu import cpu_capabilities
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,14 +23,13 @@ import os
 import time
 
 import torch
-
-from models.build import build_model
-from models.cpu import cpu_capabilities
-from models.registry import MODEL_NAMES, resolve_model
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.precision import DTYPE_CHOICES, resolve_dtype
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import stream_spec
+from shardserve.models.build import build_model
+from shardserve.models.cpu import cpu_capabilities
+from shardserve.models.registry import MODEL_NAMES, resolve_model
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.precision import DTYPE_CHOICES, resolve_dtype
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import stream_spec
 
 
 def _inputs(vocab: int, *, batch_size: int, seq_len: int, n: int, seed: int = 0) -> list[tuple]:
@@ -137,9 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
         from pathlib import Path
 
+        from shardserve.partitioner.stream.verify import reference_dir
         from transformers import AutoModelForQuestionAnswering
-
-        from partitioner.stream.verify import reference_dir
 
         with tempfile.TemporaryDirectory() as tmp:
             ref = AutoModelForQuestionAnswering.from_pretrained(reference_dir(source, Path(tmp))).eval()

@@ -24,10 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import machine_info
-
-from loadtest.local_server import free_port, local_server
-from loadtest.perf_analyzer import install, run
-from partitioner.precision import resolve_dtype
+from shardserve.loadtest.local_server import free_port, local_server
+from shardserve.loadtest.perf_analyzer import install, run
+from shardserve.partitioner.precision import resolve_dtype
 
 logger = logging.getLogger("bench_perf_analyzer")
 

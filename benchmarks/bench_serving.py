@@ -64,9 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from http_load import closed_loop
-
-from loadtest.local_server import free_port, stop, wait_ready
-from loadtest.overload import process_tree
+from shardserve.loadtest.local_server import free_port, stop, wait_ready
+from shardserve.loadtest.overload import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -151,10 +150,9 @@ def bench_raw(
     """Raw forward over the questions' windows, in whole passes over all of them for at least
     ``duration_s``; ``engine``: torch (at ``dtype``, on ``device``), ort-fp32 or ort-int8 (cpu)."""
     import torch
-
-    from models.build import build_model
-    from models.qa_windows import WindowConfig, encode_qa, pad_windows
-    from models.registry import resolve_model
+    from shardserve.models.build import build_model
+    from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
+    from shardserve.models.registry import resolve_model
 
     torch.set_num_threads(threads)
     source = resolve_model(args.model)
@@ -174,8 +172,8 @@ def bench_raw(
         tt = b.token_type_ids.to(device) if types else None
         batches.append((b.input_ids.to(device), b.attention_mask.to(device), tt))
     if engine == "torch":
-        from partitioner.int8 import model_calibration, quantize_linears
-        from partitioner.precision import compute_dtype
+        from shardserve.partitioner.int8 import model_calibration, quantize_linears
+        from shardserve.partitioner.precision import compute_dtype
 
         net = build_model(source, dtype=compute_dtype(dtype), device=device).eval()
         if dtype == "int8":  # the served int8 path, from the model's calibration (`shardserve quantize`)
@@ -303,12 +301,11 @@ def run_naive_server(args: argparse.Namespace) -> None:
     import torch
     import uvicorn
     from fastapi import FastAPI
-
-    from models.build import build_model
-    from models.qa_decoding import decode_spans
-    from models.qa_windows import WindowConfig, encode_qa, pad_windows
-    from models.registry import resolve_model
-    from partitioner.precision import DTYPES
+    from shardserve.models.build import build_model
+    from shardserve.models.qa_decoding import decode_spans
+    from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner.precision import DTYPES
 
     torch.set_num_threads(args.cores)
     source = resolve_model(args.model)
@@ -585,15 +582,14 @@ def machine_info(dtype: str, device: str = "cpu", *, model: str | None = None) -
     """CPU, its reduced-precision units, the GPU on cuda, and the dtype ``dtype`` resolves to on ``device``
     (for ``model``: auto picks int8 where it is calibrated, as the server does; printed with the table)."""
     import torch
-
-    from models.cpu import cpu_capabilities
-    from partitioner.precision import resolve_dtype
+    from shardserve.models.cpu import cpu_capabilities
+    from shardserve.partitioner.precision import resolve_dtype
 
     caps = cpu_capabilities()
     calibrated = False
     if model is not None:
-        from models.registry import resolve_model
-        from partitioner.int8 import calibration_path
+        from shardserve.models.registry import resolve_model
+        from shardserve.partitioner.int8 import calibration_path
 
         calibrated = calibration_path(resolve_model(model)).is_file()
     choice = resolve_dtype(dtype, device, int8_calibrated=calibrated)
@@ -811,8 +807,8 @@ def _default_placement(device: str, model: str) -> str:
     """What `shardserve serve --model MODEL --device DEVICE` with no other flags picks on this machine
     (its own settings)."""
     try:
-        from serving.frontend.layout import serve_precision
-        from serving.frontend.settings import ServeSettings
+        from shardserve.serving.frontend.layout import serve_precision
+        from shardserve.serving.frontend.settings import ServeSettings
 
         s = ServeSettings(model=[model], device=device)
         lo, _ = s.replica_bounds

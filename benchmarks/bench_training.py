@@ -1,7 +1,7 @@
 """Training throughput: pipeline-parallel (pp=2, 1F1B), data-parallel (--dp D) and single-process
 training on the same cores.
 
-Runs the real trainer (``training.driver.train``) on the shared SQuAD pool for a few optimizer
+Runs the real trainer (``shardserve.training.driver.train``) on the shared SQuAD pool for a few optimizer
 steps in each layout and prints training examples/s side by side with the ratio (target >= 0.9x).
 The first step of each run (start-up, allocator warm-up) is excluded from the rate. Single-process
 means one rank holding the whole model with all the cores as torch threads, either on the whole
@@ -29,11 +29,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from models.cpu import cpu_capabilities
-from models.qa_windows import WindowConfig
-from partitioner.precision import PRECISION_CHOICES, resolve_dtype
-from training.config import TrainConfig
-from training.driver import train
+from shardserve.models.cpu import cpu_capabilities
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.partitioner.precision import PRECISION_CHOICES, resolve_dtype
+from shardserve.training.config import TrainConfig
+from shardserve.training.driver import train
 
 logger = logging.getLogger(__name__)
 

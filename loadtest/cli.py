@@ -21,17 +21,16 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-
-from loadtest.report import ReportError
-from loadtest.runner import (
+from shardserve.loadtest.report import ReportError
+from shardserve.loadtest.runner import (
     DEFAULT_QUEUE_METRIC,
     DEFAULT_REPLICAS_METRIC,
     LoadTestConfig,
     LoadTestError,
     run_loadtest,
 )
-from loadtest.scenarios import SCENARIOS, ScenarioConfig
-from partitioner.command import Command, Settings
+from shardserve.loadtest.scenarios import SCENARIOS, ScenarioConfig
+from shardserve.partitioner.command import Command, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +165,7 @@ def _error(message: str) -> int:
 
 
 def _report_only(args: LoadTestSettings) -> int:
-    from loadtest.report import build_report
+    from shardserve.loadtest.report import build_report
 
     for flag, value in (("--slo-ms", args.slo_ms), ("--bin", args.bin)):
         if not (value > 0 and math.isfinite(value)):

@@ -31,10 +31,9 @@ from typing import Any
 import gevent
 from gevent import GreenletExit
 from locust import FastHttpUser, LoadTestShape, constant, events, task
-
-from loadtest.checks import check_answers, is_loopback_host
-from loadtest.data import QAItem, load_qa_items
-from loadtest.scenarios import GammaArrivals, Scenario, ScenarioConfig
+from shardserve.loadtest.checks import check_answers, is_loopback_host
+from shardserve.loadtest.data import QAItem, load_qa_items
+from shardserve.loadtest.scenarios import GammaArrivals, Scenario, ScenarioConfig
 
 logger = logging.getLogger(__name__)
 

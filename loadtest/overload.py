@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from loadtest.http11 import KEEPALIVE_EXPIRY_S, post_request, read_response
+from shardserve.loadtest.http11 import KEEPALIVE_EXPIRY_S, post_request, read_response
 
 logger = logging.getLogger(__name__)
 

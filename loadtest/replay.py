@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from loadtest.http11 import KEEPALIVE_EXPIRY_S, post_request, read_response
-from partitioner.placement.workload import Trace
+from shardserve.loadtest.http11 import KEEPALIVE_EXPIRY_S, post_request, read_response
+from shardserve.partitioner.placement.workload import Trace
 
 
 @dataclass(frozen=True)

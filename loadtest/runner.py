@@ -1,7 +1,7 @@
 """Run one load test end to end: check the target is loopback and ready, run locust headless in a
 subprocess (gevent never enters this process), scrape ``/metrics`` meanwhile, then build the report.
 
-    from loadtest.runner import LoadTestConfig, run_loadtest
+    from shardserve.loadtest.runner import LoadTestConfig, run_loadtest
     summary = run_loadtest(LoadTestConfig(host="http://127.0.0.1:8000", out_dir="lt-out",
                                           scenario=ScenarioConfig(name="step", duration_s=40)))
 
@@ -28,13 +28,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.checks import is_loopback_host
-from loadtest.data import check_data_file
-from loadtest.local_server import ServerNotReady, wait_ready
-from loadtest.progress import StatusLine
-from loadtest.prom import MetricSelector, MetricsScraper
-from loadtest.report import MAX_BINS, build_report
-from loadtest.scenarios import Scenario, ScenarioConfig
+from shardserve.loadtest.checks import is_loopback_host
+from shardserve.loadtest.data import check_data_file
+from shardserve.loadtest.local_server import ServerNotReady, wait_ready
+from shardserve.loadtest.progress import StatusLine
+from shardserve.loadtest.prom import MetricSelector, MetricsScraper
+from shardserve.loadtest.report import MAX_BINS, build_report
+from shardserve.loadtest.scenarios import Scenario, ScenarioConfig
 
 logger = logging.getLogger(__name__)
 

@@ -2,22 +2,21 @@
 ``new_model``: the one place that picks a family's module (shardserve's encoder, or a decoder or
 DeBERTa or ModernBERT over transformers' modules).
 
-from models.build import build_model
-from models.registry import resolve_model
+from shardserve.models.build import build_model
+from shardserve.models.registry import resolve_model
 model = build_model(resolve_model("tiny-bert"))   # eval mode, fp32, CPU
 """
 
 from __future__ import annotations
 
 import torch
-
-from models.config import EncoderConfig
-from models.deberta import DebertaForQA
-from models.decoder import DecoderForQA
-from models.encoder import EncoderForQA
-from models.hf_weights import load_weights
-from models.modernbert import ModernBertForQA
-from models.registry import ModelSource
+from shardserve.models.config import EncoderConfig
+from shardserve.models.deberta import DebertaForQA
+from shardserve.models.decoder import DecoderForQA
+from shardserve.models.encoder import EncoderForQA
+from shardserve.models.hf_weights import load_weights
+from shardserve.models.modernbert import ModernBertForQA
+from shardserve.models.registry import ModelSource
 
 QAModel = EncoderForQA | DecoderForQA | DebertaForQA | ModernBertForQA
 _ON_TRANSFORMERS = {"deberta-v2": DebertaForQA, "modernbert": ModernBertForQA}

@@ -1,9 +1,9 @@
 """What this CPU offers the model's kernels for reduced precision, as torch and oneDNN report it.
 
-One home for the CPU's facts: ``partitioner.precision`` picks a gang's dtype from them, ``models/packing.py``
+One home for the CPU's facts: ``shardserve.partitioner.precision`` picks a gang's dtype from them, ``models/packing.py``
 its bf16 attention kernel, ``partitioner/int8.py`` its int8 weight range, and the benchmarks print them.
 
-    python -m partitioner.precision            # these facts, and the dtype this machine would pick
+    python -m shardserve.partitioner.precision            # these facts, and the dtype this machine would pick
 """
 
 from __future__ import annotations

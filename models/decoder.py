@@ -16,10 +16,9 @@ them, else each rank keeps the one key/value head its query heads read.
 from __future__ import annotations
 
 import torch
+from shardserve.models.hf_family import HFFamilyForQA
+from shardserve.models.packing import attention_layout
 from torch import nn
-
-from models.hf_family import HFFamilyForQA
-from models.packing import attention_layout
 
 
 class TokenEmbeddings(nn.Module):

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from shardserve.models.config import EncoderConfig
+from shardserve.models.packing import AttentionLayout, attention_layout
+from shardserve.models.span_model import SpanModel
 from torch import nn
-
-from models.config import EncoderConfig
-from models.packing import AttentionLayout, attention_layout
-from models.span_model import SpanModel
 
 
 def activation_fn(name: str):

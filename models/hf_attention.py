@@ -52,7 +52,7 @@ def packed_sdpa(
     if packed_sequences is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     lengths = packed_sequences.lengths
-    tokens = sum(lengths)  # the rows after them are spare (``models.packing.packed_rows``): zeros out
+    tokens = sum(lengths)  # the rows after them are spare (``shardserve.models.packing.packed_rows``): zeros out
     splits = (t[:, :, :tokens].split(lengths, dim=2) for t in (query, key, value))  # (1, heads, L, D) each
     per_sequence = zip(*splits, packed_sequences.masks, strict=True)
     outs = [sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0] for q, k, v, mask in per_sequence]

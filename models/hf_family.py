@@ -16,7 +16,7 @@ kernel (``models/hf_attention.py``) attends within each sequence with the mask t
 makers build for that sequence alone (``attention_by_kind``). DeBERTa runs padded
 (``models/deberta.py`` says why).
 
-    model = new_model(resolve_model("tiny-llama").config)    # models.build
+    model = new_model(resolve_model("tiny-llama").config)    # shardserve.models.build
     model.layers["3"]                                          # transformers' LlamaDecoderLayer
 """
 
@@ -25,12 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from shardserve.models.config import EncoderConfig
+from shardserve.models.hf_attention import KERNEL, PackedSequences, register
+from shardserve.models.packing import AttentionLayout, PackedLayout
+from shardserve.models.span_model import SpanModel
 from torch import nn
-
-from models.config import EncoderConfig
-from models.hf_attention import KERNEL, PackedSequences, register
-from models.packing import AttentionLayout, PackedLayout
-from models.span_model import SpanModel
 
 _DECODER_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 

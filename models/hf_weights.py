@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from shardserve.models.config import HF_CLASSES, EncoderConfig
+from shardserve.models.hf_family import FAMILIES
 from torch import nn
-
-from models.config import HF_CLASSES, EncoderConfig
-from models.hf_family import FAMILIES
 
 logger = logging.getLogger(__name__)
 

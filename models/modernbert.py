@@ -20,10 +20,9 @@ values; its units' inputs and gates), and transformers' own views split them as 
 from __future__ import annotations
 
 import torch
+from shardserve.models.hf_family import HFFamilyForQA
+from shardserve.models.packing import attention_layout
 from torch import nn
-
-from models.hf_family import HFFamilyForQA
-from models.packing import attention_layout
 
 
 class ModernBertForQA(HFFamilyForQA):

@@ -35,8 +35,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-
-from models.cpu import cpu_capabilities
+from shardserve.models.cpu import cpu_capabilities
 
 
 class PaddedLayout:

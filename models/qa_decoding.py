@@ -41,8 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from models.qa_windows import (
+from shardserve.models.qa_windows import (
     EncodedBatch,
     QAWindow,
     validate_max_answer_length,

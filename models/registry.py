@@ -20,7 +20,7 @@ overlays, config, tokenizer directory) that every rank of a gang can open on its
   bundled BERT-uncased tokenizer only when its config is BERT / DistilBERT with the same vocab_size
   (a warning says so), else ``ModelConfigError`` names the folder (``fallback_tokenizer_dir``).
 
-    python -c "from models.registry import resolve_model; print(resolve_model('tiny-bert'))"
+    python -c "from shardserve.models.registry import resolve_model; print(resolve_model('tiny-bert'))"
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.config import DECODER_ARCHS, HF_CLASSES, EncoderConfig, ModelConfigError
-from models.hf_weights import WeightSource, copy_tokenizer_files
+from shardserve.models.config import DECODER_ARCHS, HF_CLASSES, EncoderConfig, ModelConfigError
+from shardserve.models.hf_weights import WeightSource, copy_tokenizer_files
 
 logger = logging.getLogger(__name__)
 

@@ -25,12 +25,11 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
-
-from models.config import EncoderConfig
-from models.registry import MODEL_NAMES, resolve_model
-from partitioner.command import Command, Settings, at_least, positive_number, split_list
-from partitioner.cost import UnitCost, analytic_costs, profile_costs
-from partitioner.fit import (
+from shardserve.models.config import EncoderConfig
+from shardserve.models.registry import MODEL_NAMES, resolve_model
+from shardserve.partitioner.command import Command, Settings, at_least, positive_number, split_list
+from shardserve.partitioner.cost import UnitCost, analytic_costs, profile_costs
+from shardserve.partitioner.fit import (
     DEGREE_HELP,
     MEMORY_HELP,
     Degree,
@@ -39,13 +38,17 @@ from partitioner.fit import (
     fit_layout,
     memory_budget,
 )
-from partitioner.placement.cost_profile import ASSUMED_FLOPS, cost_profiles, default_device_memory_bytes
-from partitioner.placement.latency import MeasuredLatency, ModelProfile
-from partitioner.placement.search import PlacementChoice, choose_placement
-from partitioner.placement.simulator import SimConfig
-from partitioner.placement.workload import steady
-from partitioner.plan import ParallelDims, default_devices, make_plan
-from partitioner.precision import DTYPE_CHOICES, DtypeChoice, resolve_dtype
+from shardserve.partitioner.placement.cost_profile import (
+    ASSUMED_FLOPS,
+    cost_profiles,
+    default_device_memory_bytes,
+)
+from shardserve.partitioner.placement.latency import MeasuredLatency, ModelProfile
+from shardserve.partitioner.placement.search import PlacementChoice, choose_placement
+from shardserve.partitioner.placement.simulator import SimConfig
+from shardserve.partitioner.placement.workload import steady
+from shardserve.partitioner.plan import ParallelDims, default_devices, make_plan
+from shardserve.partitioner.precision import DTYPE_CHOICES, DtypeChoice, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

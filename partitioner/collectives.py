@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from partitioner.host_copy import to_host
+from shardserve.partitioner.host_copy import to_host
 
 
 def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -30,10 +30,9 @@ import time
 from collections.abc import Iterable
 
 import torch
+from shardserve.models.build import QAModel
+from shardserve.partitioner.precision import PrecisionError
 from tqdm import tqdm
-
-from models.build import QAModel
-from partitioner.precision import PrecisionError
 
 logger = logging.getLogger(__name__)
 

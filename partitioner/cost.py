@@ -23,8 +23,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from models.config import EncoderConfig
+from shardserve.models.config import EncoderConfig
 
 # A rank process's own resident memory before any weight: Python, torch, transformers' modules, gloo
 # (measured on CPU, torch 2.13 / transformers 5.24: 370-390 MB). ``PartitionPlan.memory_estimates``
@@ -137,7 +136,7 @@ def profile_costs(
     repeats: int = 3,
 ) -> list[UnitCost]:
     """Measure each unit's forward time (seconds, median of ``repeats``) on random weights."""
-    from models.build import new_model
+    from shardserve.models.build import new_model
 
     model = new_model(dataclasses.replace(config, num_layers=1)).to(device).eval()  # layers are alike
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)

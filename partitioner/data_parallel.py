@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from shardserve.partitioner.collectives import all_reduce_
 from torch import nn
-
-from partitioner.collectives import all_reduce_
 
 logger = logging.getLogger(__name__)
 

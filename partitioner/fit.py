@@ -31,16 +31,15 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator
-
-from models.config import EncoderConfig
-from partitioner.cost import (
+from shardserve.models.config import EncoderConfig
+from shardserve.partitioner.cost import (
     RANK_RUNTIME_BYTES,
     InfeasiblePlanError,
     UnitCost,
     analytic_costs,
 )
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.precision import DtypeChoice
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.precision import DtypeChoice
 
 AUTO: Literal["auto"] = "auto"
 MAX_AUTO_RANKS = 64  # the largest gang (pp * tp) auto considers
@@ -118,7 +117,7 @@ DEGREE_HELP = f"or auto: the fewest ranks that fit max_memory_per_rank (at most 
 def default_memory_bytes(device: str, *, share: int = 1) -> int:
     """The default limit: the (first) GPU's total memory with cuda, the machine's total RAM with cpu;
     divided by ``share`` ranks that must share one device (serve's ``ranks_per_gpu``)."""
-    from partitioner.placement.cost_profile import default_device_memory_bytes
+    from shardserve.partitioner.placement.cost_profile import default_device_memory_bytes
 
     return default_device_memory_bytes(device, 1) // max(1, share)
 

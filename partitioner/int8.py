@@ -15,7 +15,7 @@ What ``int8`` means here (measured in docs/benchmarks.md, "int8 judged by F1"):
   on a fast AMX Xeon");
 - the FFN's down projections (their input, the activation's output, has the widest range) stay in
   the float dtype, as does everything else (embeddings, attention, LayerNorm, the QA head): bf16 where
-  the CPU has bf16 units, else fp32 (``partitioner.precision.resolve_dtype``).
+  the CPU has bf16 units, else fp32 (``shardserve.partitioner.precision.resolve_dtype``).
 
 The ranges come from ``calibrate`` over real windows (``shardserve quantize``, training/quantize.py),
 stored as one small safetensors file per model (``calibration_path``): per target layer its
@@ -41,14 +41,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from shardserve.models.cpu import cpu_capabilities
+from shardserve.models.packing import packed_rows, padded_inference
+from shardserve.models.registry import MODEL_NAMES, ModelSource, cache_dir
+from shardserve.partitioner.collectives import reduce_from_tp
+from shardserve.partitioner.shard_loading import ShardSlice
+from shardserve.partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
-
-from models.cpu import cpu_capabilities
-from models.packing import packed_rows, padded_inference
-from models.registry import MODEL_NAMES, ModelSource, cache_dir
-from partitioner.collectives import reduce_from_tp
-from partitioner.shard_loading import ShardSlice
-from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 

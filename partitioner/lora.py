@@ -33,12 +33,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from shardserve.models.build import QAModel
+from shardserve.partitioner.collectives import copy_to_tp, reduce_from_tp
+from shardserve.partitioner.shard_loading import ShardSlice
+from shardserve.partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
-
-from models.build import QAModel
-from partitioner.collectives import copy_to_tp, reduce_from_tp
-from partitioner.shard_loading import ShardSlice
-from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
 def lora_targets(model: QAModel) -> tuple[str, ...]:

@@ -20,8 +20,8 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from models.config import EncoderConfig
-from partitioner.cost import (
+from shardserve.models.config import EncoderConfig
+from shardserve.partitioner.cost import (
     RANK_RUNTIME_BYTES,
     InfeasiblePlanError,
     UnitCost,

@@ -18,7 +18,7 @@ optimizer state). ``auto`` asks torch what the device can do:
   key and value shared one quantized input): quantizing the activations costs about what AMX-INT8
   saves over AMX-BF16 (docs/benchmarks.md, "Issue 30 on a fast AMX Xeon"). int8 is refused on GPUs.
 
-    python -m partitioner.precision            # what this machine would pick, and why
+    python -m shardserve.partitioner.precision            # what this machine would pick, and why
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from models.cpu import cpu_capabilities
+from shardserve.models.cpu import cpu_capabilities
 
 logger = logging.getLogger(__name__)
 

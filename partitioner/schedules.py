@@ -53,9 +53,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from shardserve.partitioner.p2p import (
+    KIND_DATA,
+    KIND_GRAD,
+    KIND_KEEPALIVE,
+    KIND_STOP,
+    Message,
+    P2PCommunicator,
+)
 from torch import nn
-
-from partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_KEEPALIVE, KIND_STOP, Message, P2PCommunicator
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 

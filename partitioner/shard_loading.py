@@ -3,7 +3,7 @@
 A sharded module (``partitioner/tp_layers.py``, LoRA factors from ``partitioner/lora.py``) records
 in a ``shard_specs`` dict (parameter local name -> ``ShardSlice``) which slice of the full tensor
 each of its parameters holds. ``load_shard`` turns those specs into the plain index regions that
-``models.hf_weights.load_weights`` reads, so every rank reads from the safetensors mmap only the
+``shardserve.models.hf_weights.load_weights`` reads, so every rank reads from the safetensors mmap only the
 bytes of its own slices (and the matching rows/columns of any LoRA overlay factors). Parameters
 without a spec are replicated and read whole. ``models/`` never sees a ``ShardSlice``.
 
@@ -20,10 +20,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from shardserve.models.config import EncoderConfig
+from shardserve.models.hf_weights import LoadReport, Region, WeightSource, load_weights
 from torch import nn
-
-from models.config import EncoderConfig
-from models.hf_weights import LoadReport, Region, WeightSource, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ def load_shard(
     """Fill ``module`` (materialised, e.g. by ``to_empty``) with its shard of ``source``'s weights.
 
     Sharded parameters receive only their slice (read straight off the mmap); LoRA overlay
-    factors are merged slice by slice (``models.hf_weights.load_weights`` documents the rules).
+    factors are merged slice by slice (``shardserve.models.hf_weights.load_weights`` documents the rules).
     """
 
     def regions_of(name: str, full_shape: tuple[int, ...]) -> list[Region] | None:

@@ -1,6 +1,6 @@
 """Pipeline stages built from a ``PartitionPlan``, each rank loading only its own shard.
 
-``build_stage`` creates the whole model (``models.build.new_model``) on the ``meta`` device (no
+``build_stage`` creates the whole model (``shardserve.models.build.new_model``) on the ``meta`` device (no
 memory), deletes what the stage does not own (embeddings before stage 0, layers outside its range,
 the head before the last stage), applies tensor parallelism, materialises the remainder on the
 rank's device in its compute dtype, and reads exactly the rank's slices from the checkpoint
@@ -16,13 +16,12 @@ import logging
 
 import torch
 import torch.distributed as dist
-
-from models.build import QAModel, new_model
-from models.registry import ModelSource
-from partitioner.int8 import model_calibration, quantize_linears
-from partitioner.plan import PartitionPlan
-from partitioner.shard_loading import load_shard
-from partitioner.tensor_parallel import apply_tensor_parallel
+from shardserve.models.build import QAModel, new_model
+from shardserve.models.registry import ModelSource
+from shardserve.partitioner.int8 import model_calibration, quantize_linears
+from shardserve.partitioner.plan import PartitionPlan
+from shardserve.partitioner.shard_loading import load_shard
+from shardserve.partitioner.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
 

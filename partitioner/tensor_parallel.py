@@ -17,10 +17,9 @@ is returned untouched.
 from __future__ import annotations
 
 import torch.distributed as dist
+from shardserve.models.build import QAModel
+from shardserve.partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn
-
-from models.build import QAModel
-from partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def _swap_linear(

@@ -23,10 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from shardserve.partitioner.collectives import copy_to_tp, reduce_from_tp
+from shardserve.partitioner.shard_loading import ShardSlice
 from torch import nn
-
-from partitioner.collectives import copy_to_tp, reduce_from_tp
-from partitioner.shard_loading import ShardSlice
 
 
 def shard_range(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:

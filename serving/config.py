@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from partitioner.runtime.remote import GangNetwork
+    from shardserve.partitioner.runtime.remote import GangNetwork
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ class PlacementConfig:
         if not self.labels:
             object.__setattr__(self, "labels", (self.device,) * self.devices)
         if self.device_memory_bytes is None:
-            from partitioner.placement.cost_profile import default_device_memory_bytes
+            from shardserve.partitioner.placement.cost_profile import default_device_memory_bytes
 
             share = self.ranks_per_gpu if self.device == "cuda" else 1
             memory = default_device_memory_bytes(self.device, self.devices) // share

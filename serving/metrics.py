@@ -31,7 +31,7 @@ the label bound), and ``forget_model`` drops a model's series when it is unloade
 - replicas{state}, replica_failures_total, replica_restarts_total, retried_windows_total
 - autoscale_decisions_total{direction}, autoscale_target_replicas
 - stage_busy_seconds_total{replica,stage} and pipeline_bubble_fraction{replica}: the seconds each
-  stage's rank spent inside micro-batches, as its heartbeats report them (``serving.fleet.replicas.busy_seconds``,
+  stage's rank spent inside micro-batches, as its heartbeats report them (``shardserve.serving.fleet.replicas.busy_seconds``,
   at most 0.5 s behind); the bubble fraction
   of a replica is 1 - (sum of stage busy time) / (stages x time the replica had work in flight).
   A gang's series go with the gang (``forget_replica``, when the replica manager retires it): replica

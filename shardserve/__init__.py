@@ -1,5 +1,10 @@
-"""The console script's home: ``shardserve`` dispatches to the subcommands each package defines.
+"""shardserve: the one import namespace, and the console script's home.
 
-This is the only package that imports serving, training, partitioner and loadtest together; none
-of them imports it (or each other's command lines), so no package depends on one above it.
+Each folder of the repository installs under this name (``serving/`` is ``shardserve.serving``,
+``models/`` is ``shardserve.models``: setup.py). This package itself holds the console script
+(``shardserve.cli`` dispatches to the subcommands each package defines); it is the only one that
+imports serving, training, partitioner and loadtest together, and none of them imports it, but
+for ``__version__`` below. Keep this file free of imports: every ``shardserve.*`` import runs it.
 """
+
+__version__ = "0.1.0"  # the one place: pyproject reads it, `shardserve --version` and /v2 print it

@@ -1,6 +1,6 @@
 """The ``shardserve`` console script: one entry point, a subcommand per job (each package adds its own).
 
-Every package describes its commands as data (``partitioner.command.Command``); this module makes
+Every package describes its commands as data (``shardserve.partitioner.command.Command``); this module makes
 them subparsers (flags generated from each command's settings model, ``shardserve/flags.py``),
 builds the settings from the flags given, and runs the command under the error policy
 (``shardserve/errors.py``). It also composes the programs ``shardserve worker`` may run.
@@ -18,18 +18,19 @@ import os
 import sys
 import typing
 
-from loadtest.cli import LOADTEST
-from partitioner.cli import PLAN
-from partitioner.command import Command
-from partitioner.runtime.worker_command import worker_command
-from partitioner.stream.program import STREAM_PROGRAM
-from partitioner.stream.verify_command import VERIFY
-from serving.frontend.cli import SERVE
+from shardserve import __version__
 from shardserve.errors import main_guard, print_error
 from shardserve.flags import InvalidSettings, add_command, add_settings_arguments, build_settings
-from training.cli import EVAL, EXPORT_OVERLAY, TRAIN
-from training.quantize import QUANTIZE
-from training.rank import TRAIN_PROGRAM
+from shardserve.loadtest.cli import LOADTEST
+from shardserve.partitioner.cli import PLAN
+from shardserve.partitioner.command import Command
+from shardserve.partitioner.runtime.worker_command import worker_command
+from shardserve.partitioner.stream.program import STREAM_PROGRAM
+from shardserve.partitioner.stream.verify_command import VERIFY
+from shardserve.serving.frontend.cli import SERVE
+from shardserve.training.cli import EVAL, EXPORT_OVERLAY, TRAIN
+from shardserve.training.quantize import QUANTIZE
+from shardserve.training.rank import TRAIN_PROGRAM
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardserve",
         description="Model-parallel (pipeline + tensor parallel) question-answering server and trainer.",
     )
+    parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
     _add_log_level(parser, default=os.environ.get("SHARDSERVE_LOG_LEVEL", "WARNING").upper())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

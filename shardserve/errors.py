@@ -15,14 +15,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from models.config import ModelConfigError
-from models.hf_weights import CheckpointError
-from partitioner.cost import InfeasiblePlanError
-from partitioner.int8 import CalibrationMissing
-from partitioner.placement.latency import PlacementError
-from partitioner.placement.workload import WorkloadError
-from partitioner.precision import PrecisionError
-from partitioner.runtime.remote import JoinError
+from shardserve.models.config import ModelConfigError
+from shardserve.models.hf_weights import CheckpointError
+from shardserve.partitioner.cost import InfeasiblePlanError
+from shardserve.partitioner.int8 import CalibrationMissing
+from shardserve.partitioner.placement.latency import PlacementError
+from shardserve.partitioner.placement.workload import WorkloadError
+from shardserve.partitioner.precision import PrecisionError
+from shardserve.partitioner.runtime.remote import JoinError
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Command-line flags generated from a command's pydantic settings model, and its errors as one line.
 
-The one flag generator of the console script: a ``partitioner.command.Command``'s settings model
+The one flag generator of the console script: a ``shardserve.partitioner.command.Command``'s settings model
 becomes a subparser with a flag per field (``max_seq_len`` -> ``--max-seq-len``), its help the
 field's description (field names in it shown as their flags), ``Literal`` fields as choices, an
 ``int | Literal["auto"]`` field as an integer or that word (``--pp auto``), a ``bool`` as a switch,
@@ -26,7 +26,7 @@ from pydantic import BaseModel, BeforeValidator, PlainValidator, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from partitioner.command import Command
+from shardserve.partitioner.command import Command
 
 ENV_PREFIX = "SHARDSERVE_"
 

@@ -34,7 +34,7 @@ POOL_SLICE = 1000  # the development pool's first questions that fp32_pool_answe
 def pool_questions(squad_dir: Path) -> Callable[[int, str], Any]:
     """``pool_questions(n, dtype)``: the ``EvalConfig`` of the default model on the first ``n``
     questions of the development pool, in ``dtype``."""
-    from training.evaluate import EvalConfig
+    from shardserve.training.evaluate import EvalConfig
 
     data = str(squad_dir / "squad-v1.1-train-pool.json")
     return lambda n, dtype: EvalConfig(model="default", data=data, max_examples=n, dtype=dtype)
@@ -44,6 +44,6 @@ def pool_questions(squad_dir: Path) -> Callable[[int, str], Any]:
 def fp32_pool_answers(pool_questions: Callable[[int, str], Any]) -> tuple[list[Any], dict[str, str]]:
     """(examples, answers): fp32's answers to the first ``POOL_SLICE`` pool questions, one pass per
     session; a test scoring fewer scores ``examples[:n]``."""
-    from training.evaluate import predict_answers
+    from shardserve.training.evaluate import predict_answers
 
     return predict_answers(pool_questions(POOL_SLICE, "float32"), show_progress=False)

@@ -8,7 +8,7 @@ A checkpoint directory ``OUT/checkpoint-{step}`` (and ``OUT/final``) holds:
   a ``*ForQuestionAnswering`` directory that ``transformers`` and ``shardserve serve --model`` load;
 - ``overlay.safetensors`` (parameter-efficient runs only): the trained tensors under canonical names
   (LoRA factors with the scale folded into ``lora_B``, biases, LayerNorms, QA head): an overlay
-  that ``models.hf_weights.load_weights`` applies on top of the base model;
+  that ``shardserve.models.hf_weights.load_weights`` applies on top of the base model;
 - ``trainer_state.json``: step, seed, layout, data hash, position in the data;
 - ``training_state/rank{r}.safetensors``: that rank's trainable parameters and AdamW moments
   (``optim.{name}.exp_avg`` / ``.exp_avg_sq`` / ``.step``), for ``--resume``.
@@ -59,13 +59,11 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch import nn
-
-from models.hf_weights import save_hf_checkpoint
-from partitioner.lora import merged_state_dict
-from partitioner.runtime.rank import RankContext
-from partitioner.shard_loading import shard_specs_of
-from training.checkpoint_shards import (
+from shardserve.models.hf_weights import save_hf_checkpoint
+from shardserve.partitioner.lora import merged_state_dict
+from shardserve.partitioner.runtime.rank import RankContext
+from shardserve.partitioner.shard_loading import shard_specs_of
+from shardserve.training.checkpoint_shards import (
     ResumeError,
     load_rank_state,
     load_resharded,
@@ -74,8 +72,9 @@ from training.checkpoint_shards import (
     overlay_tensors,
     write_shard,
 )
-from training.config import RunInfo, TrainConfig
-from training.run_files import RunFiles
+from shardserve.training.config import RunInfo, TrainConfig
+from shardserve.training.run_files import RunFiles
+from torch import nn
 
 logger = logging.getLogger(__name__)
 

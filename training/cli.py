@@ -2,7 +2,7 @@
 SQuAD EM/F1, ship a run as the default model's overlay.
 
 The commands as data (``TRAIN``, ``EVAL``, ``EXPORT_OVERLAY``); the console script generates their
-flags from the settings models (``training.config.TrainSettings``, ``EvalSettings``,
+flags from the settings models (``shardserve.training.config.TrainSettings``, ``EvalSettings``,
 ``ExportOverlaySettings``).
 
     shardserve train --model tiny-bert --train-file ../shared/data/squad/squad-v1.1-train-pool.json \\
@@ -26,20 +26,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
-
-from partitioner.command import Command, Settings
-from partitioner.precision import DTYPE_CHOICES, PrecisionError
-from training.config import TRAIN_GROUPS, TrainSettings, WindowSettings, dataclass_values
-from training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES, export_overlay
+from shardserve.partitioner.command import Command, Settings
+from shardserve.partitioner.precision import DTYPE_CHOICES, PrecisionError
+from shardserve.training.config import TRAIN_GROUPS, TrainSettings, WindowSettings, dataclass_values
+from shardserve.training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES, export_overlay
 
 if TYPE_CHECKING:
-    from partitioner.runtime.remote import GangNetwork
+    from shardserve.partitioner.runtime.remote import GangNetwork
 
 logger = logging.getLogger(__name__)
 
 
 class EvalSettings(WindowSettings):
-    """``shardserve eval``: what to score and how (``training.evaluate.EvalConfig`` checks the numbers)."""
+    """``shardserve eval``: what to score and how (``shardserve.training.evaluate.EvalConfig`` checks the numbers)."""
 
     model: str = Field(description="registry name (default, ...) or HF model dir (e.g. RUN/final)")
     data: str = Field(description="SQuAD v1.1/v2.0 JSON to score")
@@ -65,7 +64,7 @@ class EvalSettings(WindowSettings):
 
 
 class ExportOverlaySettings(Settings):
-    """``shardserve export-overlay`` (``training.export_overlay``)."""
+    """``shardserve export-overlay`` (``shardserve.training.export_overlay``)."""
 
     checkpoint: list[str] = Field(
         description="a run's checkpoint dir (e.g. RUN/final); repeat for runs stacked on each other, in order",
@@ -146,7 +145,7 @@ def network_problem(args: TrainSettings) -> tuple[str | None, GangNetwork | None
     problems = flags.gang_problems(world_size=args.dp * args.pp * args.tp, layout=layout)
     if problems:
         return "invalid gang settings: " + "; ".join(problems), None
-    from training.rank import TRAIN_PROGRAM  # what the ranks on other hosts run
+    from shardserve.training.rank import TRAIN_PROGRAM  # what the ranks on other hosts run
 
     return None, dataclasses.replace(flags.network(), program=TRAIN_PROGRAM)
 
@@ -156,9 +155,9 @@ def fit_train_layout(args: TrainSettings) -> TrainSettings:
     ``--max-memory-per-rank`` by the training estimate (``partitioner/fit.py``: weights, gradients and
     AdamW state + 1F1B's activations of ``--micro-batch-size x --max-seq-len`` in the compute
     precision); an explicit layout is only checked. ``LayoutDoesNotFit`` with the numbers otherwise."""
-    from models.registry import resolve_model
-    from partitioner.fit import fit_layout, memory_budget
-    from partitioner.precision import resolve_dtype
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner.fit import fit_layout, memory_budget
+    from shardserve.partitioner.precision import resolve_dtype
 
     config = resolve_model(args.model).config
     budget = memory_budget(
@@ -186,7 +185,7 @@ def fit_train_layout(args: TrainSettings) -> TrainSettings:
 def stopped_run_hint(output: Path) -> str:
     """Where a run stopped early (Ctrl-C, SIGTERM) stands: the checkpoint ``--resume`` continues
     from, or how to start again when none was written."""
-    from training.checkpoint import latest_checkpoint, run_artifacts
+    from shardserve.training.checkpoint import latest_checkpoint, run_artifacts
 
     latest = latest_checkpoint(output)
     if latest is not None:
@@ -198,7 +197,7 @@ def stopped_run_hint(output: Path) -> str:
 
 def cmd_train(args: TrainSettings) -> int:
     """``shardserve train``; a SIGTERM stops it like Ctrl-C (the ranks killed), in one line, exit 143."""
-    from training.sigterm import Terminated, raise_on_sigterm
+    from shardserve.training.sigterm import Terminated, raise_on_sigterm
 
     try:
         with raise_on_sigterm():
@@ -209,11 +208,11 @@ def cmd_train(args: TrainSettings) -> int:
 
 
 def _train(args: TrainSettings) -> int:
-    from partitioner.runtime.gang import GangError
-    from training.checkpoint import ResumeError
-    from training.config import TrainConfigError
-    from training.driver import train
-    from training.squad_data import SquadFormatError
+    from shardserve.partitioner.runtime.gang import GangError
+    from shardserve.training.checkpoint import ResumeError
+    from shardserve.training.config import TrainConfigError
+    from shardserve.training.driver import train
+    from shardserve.training.squad_data import SquadFormatError
 
     problem = (
         flag_conflict(args)
@@ -268,7 +267,7 @@ def _train(args: TrainSettings) -> int:
 
 def cmd_eval(args: EvalSettings) -> int:
     """``shardserve eval``; a SIGTERM stops it like Ctrl-C (the ranks killed), in one line, exit 143."""
-    from training.sigterm import Terminated, raise_on_sigterm
+    from shardserve.training.sigterm import Terminated, raise_on_sigterm
 
     try:
         with raise_on_sigterm():
@@ -279,10 +278,10 @@ def cmd_eval(args: EvalSettings) -> int:
 
 
 def _eval(args: EvalSettings) -> int:
-    from partitioner.int8 import CalibrationMissing
-    from partitioner.runtime.gang import GangError
-    from training.evaluate import EvalConfig, EvalConfigError, evaluate_model
-    from training.squad_data import SquadFormatError
+    from shardserve.partitioner.int8 import CalibrationMissing
+    from shardserve.partitioner.runtime.gang import GangError
+    from shardserve.training.evaluate import EvalConfig, EvalConfigError, evaluate_model
+    from shardserve.training.squad_data import SquadFormatError
 
     problem = input_file_error(args.data, "--data")
     if problem:

@@ -4,7 +4,7 @@
 from the fields; the defaults are ``TrainConfig``'s), ``train_config()`` the ``TrainConfig`` it
 describes: what the user asked for; ``RunInfo`` is what the
 driver derived from it and the data (feature file, step counts, resume point) for the ranks. Both
-are picklable. The windowing settings are one ``models.qa_windows.WindowConfig``; on disk
+are picklable. The windowing settings are one ``shardserve.models.qa_windows.WindowConfig``; on disk
 (``trainer_state.json``'s ``config``) ``to_dict`` writes them as the flat ``max_seq_len`` /
 ``doc_stride`` / ``max_question_len`` keys checkpoints have always had, and ``from_dict`` reads
 such a dict back. Fields added since that format was fixed (``ADDED_FIELDS``: ``dp``,
@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
-
-from models.qa_windows import WindowConfig
-from partitioner.command import Settings
-from partitioner.fit import DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
-from partitioner.precision import PRECISION_CHOICES
-from partitioner.runtime.gang_flags import GangFlags
-from partitioner.schedules import SCHEDULES
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.partitioner.command import Settings
+from shardserve.partitioner.fit import DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
+from shardserve.partitioner.precision import PRECISION_CHOICES
+from shardserve.partitioner.runtime.gang_flags import GangFlags
+from shardserve.partitioner.schedules import SCHEDULES
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class TrainConfig:
         if self.dropout is not None and not 0 <= self.dropout < 1:
             bad(f"dropout={self.dropout} must be in [0, 1)")
         if not isinstance(self.window, WindowConfig):
-            bad(f"window={self.window!r} must be a models.qa_windows.WindowConfig")
+            bad(f"window={self.window!r} must be a shardserve.models.qa_windows.WindowConfig")
         w = self.window
         if w.doc_stride >= w.max_seq_len or w.max_question_len >= w.max_seq_len:
             bad(

@@ -27,20 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from models.registry import resolve_model
-from partitioner.plan import ParallelDims, default_devices, make_plan
-from partitioner.precision import DynamicLossScale, resolve_dtype
-from partitioner.runtime.gang import Gang
-from partitioner.runtime.rank import GangSpec
-from partitioner.runtime.remote import GangNetwork
-from training import checkpoint as ckpt
-from training import squad_metrics
-from training.config import RunInfo, TrainConfig, TrainConfigError
-from training.curve import Curve
-from training.features import EvalFeatures, postprocess_eval_predictions, prediction_texts, prepare_data
-from training.messages import CheckpointSaved, EvalLogits, StepReport
-from training.rank import train_rank, with_dropout
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.plan import ParallelDims, default_devices, make_plan
+from shardserve.partitioner.precision import DynamicLossScale, resolve_dtype
+from shardserve.partitioner.runtime.gang import Gang
+from shardserve.partitioner.runtime.rank import GangSpec
+from shardserve.partitioner.runtime.remote import GangNetwork
+from shardserve.training import checkpoint as ckpt
+from shardserve.training import squad_metrics
+from shardserve.training.config import RunInfo, TrainConfig, TrainConfigError
+from shardserve.training.curve import Curve
+from shardserve.training.features import (
+    EvalFeatures,
+    postprocess_eval_predictions,
+    prediction_texts,
+    prepare_data,
+)
+from shardserve.training.messages import CheckpointSaved, EvalLogits, StepReport
+from shardserve.training.rank import train_rank, with_dropout
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +100,7 @@ def train(
     if network.external_ranks and network.program.program is not train_rank:
         raise TrainConfigError(
             f"ranks {list(network.external_ranks)} run elsewhere, so the network must say they run the "
-            f"training program, not {network.program.name!r}: GangNetwork(program=training.rank.TRAIN_PROGRAM)"
+            f"training program, not {network.program.name!r}: GangNetwork(program=shardserve.training.rank.TRAIN_PROGRAM)"
         )
     source = with_dropout(resolve_model(cfg.model), cfg.dropout)
     if cfg.window.max_seq_len > source.config.max_seq_len:

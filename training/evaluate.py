@@ -1,6 +1,6 @@
 """``shardserve eval``: SQuAD exact match / F1 of a model, single-process or through a serving gang.
 
-The evaluation windows are exactly the serving windows (``models.qa_windows.encode_qa``); the
+The evaluation windows are exactly the serving windows (``shardserve.models.qa_windows.encode_qa``); the
 logits come from ``build_model`` (pp = tp = 1) or from a gang of ``pp * tp`` ranks running the
 serving schedule; answers are decoded like the server does and scored with the official SQuAD
 normalisation (``training/squad_metrics.py``: HasAns / NoAns blocks on v2.0 data).
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from models.qa_windows import WindowConfig
+from shardserve.models.qa_windows import WindowConfig
 
 if TYPE_CHECKING:
-    from training.squad_data import SquadExample
+    from shardserve.training.squad_data import SquadExample
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ class EvalConfig:
     dtype: str = "auto"  # compute dtype (partitioner/precision.py); span logits and decoding stay fp32
 
     def __post_init__(self) -> None:
-        from models.qa_windows import QAInputError, validate_max_answer_length
+        from shardserve.models.qa_windows import QAInputError, validate_max_answer_length
 
         if self.pp < 1 or self.tp < 1 or self.batch_size < 1:
             raise EvalConfigError(f"pp={self.pp}, tp={self.tp} and batch_size={self.batch_size} must be >= 1")
@@ -62,7 +61,7 @@ class EvalConfig:
                 f"max_examples={self.max_examples} must be >= 1 (leave it unset to score every question)"
             )
         if not isinstance(self.window, WindowConfig):
-            raise EvalConfigError(f"window={self.window!r} must be a models.qa_windows.WindowConfig")
+            raise EvalConfigError(f"window={self.window!r} must be a shardserve.models.qa_windows.WindowConfig")
         w = self.window
         if w.doc_stride >= w.max_seq_len or w.max_question_len >= w.max_seq_len:
             raise EvalConfigError(
@@ -78,7 +77,7 @@ class EvalConfig:
 
 
 def _examples(cfg: EvalConfig) -> list[SquadExample]:
-    from training.squad_data import load_squad, split_by_article
+    from shardserve.training.squad_data import load_squad, split_by_article
 
     examples = load_squad(cfg.data)
     if cfg.holdout_articles:
@@ -99,7 +98,7 @@ def _examples(cfg: EvalConfig) -> list[SquadExample]:
 
 def evaluate_model(cfg: EvalConfig, *, show_progress: bool = True) -> dict[str, float]:
     """Run the model over ``cfg.data`` and return the SQuAD metrics (percent)."""
-    from training.squad_metrics import evaluate
+    from shardserve.training.squad_metrics import evaluate
 
     examples, answers = predict_answers(cfg, show_progress=show_progress)
     metrics = evaluate(examples, answers)
@@ -112,7 +111,7 @@ class EvalInputs:
     """The scored questions, their serving windows and the batches of those windows."""
 
     examples: list[SquadExample]
-    feats: Any  # training.features.EvalFeatures
+    feats: Any  # shardserve.training.features.EvalFeatures
     batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (ids, mask, types), each (b, s)
 
     @property
@@ -128,7 +127,7 @@ def eval_inputs(cfg: EvalConfig, source: Any) -> EvalInputs:
     """The questions of ``cfg`` windowed with ``source``'s tokenizer, in batches trimmed to their
     longest window; EvalConfigError for a window the model or the tokenizer cannot take."""
 
-    from training.features import build_eval_features
+    from shardserve.training.features import build_eval_features
 
     if cfg.window.max_seq_len > source.config.max_seq_len:
         raise EvalConfigError(
@@ -155,7 +154,7 @@ def eval_inputs(cfg: EvalConfig, source: Any) -> EvalInputs:
 def answers_of(cfg: EvalConfig, inputs: EvalInputs, full: torch.Tensor) -> dict[str, str]:
     """Each question's answer (id -> text, ``""`` = none) from the windows' span logits (N, S, 2),
     decoded as the server decodes."""
-    from training.features import postprocess_eval_predictions, prediction_texts
+    from shardserve.training.features import postprocess_eval_predictions, prediction_texts
 
     if not bool(torch.isfinite(full).all()):  # (N, S, 2): padding is -1e9, finite
         raise EvalConfigError(
@@ -177,15 +176,14 @@ def predict_answers(
     """The scored questions and the model's answer to each (question id -> text, ``""`` = none)."""
     import os
 
+    from shardserve.models.build import build_model
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner.int8 import calibration_path, model_calibration, quantize_linears
+    from shardserve.partitioner.plan import ParallelDims, make_plan
+    from shardserve.partitioner.precision import resolve_dtype
+    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.program import stream_spec
     from tqdm import tqdm
-
-    from models.build import build_model
-    from models.registry import resolve_model
-    from partitioner.int8 import calibration_path, model_calibration, quantize_linears
-    from partitioner.plan import ParallelDims, make_plan
-    from partitioner.precision import resolve_dtype
-    from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import stream_spec
 
     # Everything that can be refused is checked before any slow work and before the progress bar,
     # so an error is one line of its own: dtype, model, partition, window length, data, tokenizer.

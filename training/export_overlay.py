@@ -3,9 +3,9 @@
 Parameter-efficient runs: copies ``CKPT/overlay.safetensors`` (LoRA factors with the scale folded into ``lora_B``, trained
 biases / LayerNorms, QA head; canonical names) into ``DEST/`` together with the QA head bias
 (frozen during training, so it is taken from the merged weights) and a ``default-model.json``
-describing the run (command, data hash, steps, seed, metrics). ``models.registry`` loads every
+describing the run (command, data hash, steps, seed, metrics). ``shardserve.models.registry`` loads every
 ``models/default/*.safetensors`` as an overlay on the bundled MiniLM, and
-``models.hf_weights.load_weights`` merges the factors into the base weights, slice by slice.
+``shardserve.models.hf_weights.load_weights`` merges the factors into the base weights, slice by slice.
 
 Full fine-tuning runs (``--base MODEL``): every tensor that differs from ``MODEL`` goes into the
 overlay; each projection's update ``W_ft - W_base`` is factored by truncated SVD into the same
@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-
-from models.build import build_model
-from models.registry import resolve_model
-from partitioner.lora import lora_targets
-from training.checkpoint import OVERLAY_FILE, read_state
+from shardserve.models.build import build_model
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.lora import lora_targets
+from shardserve.training.checkpoint import OVERLAY_FILE, read_state
 
 logger = logging.getLogger(__name__)
 

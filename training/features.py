@@ -2,7 +2,7 @@
 decoding, and the training run's feature file (``OUT/.cache/features-*.safetensors``).
 
 The examples come from ``training/squad_data.py`` (parse, split); this module tokenizes them.
-Windowing is NOT implemented here: it is `models.qa_windows.encode_qa`, the same code the server
+Windowing is NOT implemented here: it is `shardserve.models.qa_windows.encode_qa`, the same code the server
 runs, so training and serving see identical windows and offsets.
 
 Labels: the first gold answer (as Hugging Face ``run_qa`` does), whitespace-trimmed, is mapped to
@@ -22,7 +22,7 @@ character offsets, for scoring) are built only when the first evaluation is scor
     ev = build_eval_features(tok, eval_ex, window=window)
     start, end = model(**ev.batch.model_inputs())                    # (n_windows, seq_len) each
     preds = postprocess_eval_predictions(ev, start, end, max_answer_length=30)   # id -> QAPrediction
-    training.squad_metrics.evaluate(eval_ex, prediction_texts(preds))
+    shardserve.training.squad_metrics.evaluate(eval_ex, prediction_texts(preds))
 
     data = prepare_data(cfg, resolve_model(cfg.model))        # PreparedData(path, n_train, n_eval, ...)
     t = read_features(str(data.path), "train", ("input_ids", "attention_mask"))
@@ -43,13 +43,19 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from models.context_cache import ContextCache
-from models.qa_decoding import QAPrediction, decode_encoded
-from models.qa_windows import DEFAULT_WINDOW, EncodedBatch, QAWindow, WindowBatch, WindowConfig, encode_qa
-from models.registry import ModelSource
-from training.config import TrainConfig, TrainConfigError
-from training.squad_data import SquadExample, load_squad, split_by_article
+from shardserve.models.context_cache import ContextCache
+from shardserve.models.qa_decoding import QAPrediction, decode_encoded
+from shardserve.models.qa_windows import (
+    DEFAULT_WINDOW,
+    EncodedBatch,
+    QAWindow,
+    WindowBatch,
+    WindowConfig,
+    encode_qa,
+)
+from shardserve.models.registry import ModelSource
+from shardserve.training.config import TrainConfig, TrainConfigError
+from shardserve.training.squad_data import SquadExample, load_squad, split_by_article
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from partitioner.runtime.wire import register_messages
+from shardserve.partitioner.runtime.wire import register_messages
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Windows ``--questions`` questions of ``--data`` as serving does, runs them through the model in fp32,
 and writes its SmoothQuant factors and input ranges (``partitioner/int8.py``) where ``serve``,
-``eval`` and ``verify`` find them (``partitioner.int8.calibration_path``: inside a model folder, or the
+``eval`` and ``verify`` find them (``shardserve.partitioner.int8.calibration_path``: inside a model folder, or the
 cache for registry names). Then it scores the calibration windows in int8 against fp32 and says
 how far the logits moved. Calibrate on training data, never on what you score.
 
@@ -19,11 +19,10 @@ import time
 
 import torch
 from pydantic import Field
+from shardserve.partitioner.command import Command
+from shardserve.partitioner.int8 import DEFAULT_ALPHA
+from shardserve.training.config import WindowSettings
 from tqdm import tqdm
-
-from partitioner.command import Command
-from partitioner.int8 import DEFAULT_ALPHA
-from training.config import WindowSettings
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +48,12 @@ class QuantizeSettings(WindowSettings):
 
 
 def cmd_quantize(args: QuantizeSettings) -> int:
-    from models.build import build_model
-    from models.registry import ModelConfigError, resolve_model
-    from partitioner.int8 import calibrate, calibration_path, quantize_linears, save_calibration
-    from training.cli import input_file_error
-    from training.evaluate import EvalConfig, EvalConfigError, eval_inputs
-    from training.squad_data import SquadFormatError
+    from shardserve.models.build import build_model
+    from shardserve.models.registry import ModelConfigError, resolve_model
+    from shardserve.partitioner.int8 import calibrate, calibration_path, quantize_linears, save_calibration
+    from shardserve.training.cli import input_file_error
+    from shardserve.training.evaluate import EvalConfig, EvalConfigError, eval_inputs
+    from shardserve.training.squad_data import SquadFormatError
 
     problem = input_file_error(args.data, "--data")
     try:

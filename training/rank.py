@@ -50,25 +50,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from shardserve.models.registry import ModelSource
+from shardserve.partitioner.data_parallel import GradReducer
+from shardserve.partitioner.lora import apply_lora, freeze_for_peft
+from shardserve.partitioner.p2p import P2PCommunicator
+from shardserve.partitioner.plan import PartitionPlan
+from shardserve.partitioner.precision import DTYPES, DynamicLossScale, autocast_for
+from shardserve.partitioner.runtime.rank import RankContext
+from shardserve.partitioner.runtime.remote import RemoteProgram
+from shardserve.partitioner.schedules import MicroBatch, run_gpipe, run_schedule
+from shardserve.partitioner.shard_loading import shard_specs_of
+from shardserve.partitioner.stages import build_stage
+from shardserve.training.checkpoint import CheckpointManager
+from shardserve.training.config import RunInfo, TrainConfig
+from shardserve.training.features import EVAL_INPUTS, read_features
+from shardserve.training.messages import CheckpointSaved, EvalLogits, StepReport
+from shardserve.training.objective import MASK_FILL, lr_at, param_groups, span_loss
+from shardserve.training.run_files import RunFiles
 from torch import nn
-
-from models.registry import ModelSource
-from partitioner.data_parallel import GradReducer
-from partitioner.lora import apply_lora, freeze_for_peft
-from partitioner.p2p import P2PCommunicator
-from partitioner.plan import PartitionPlan
-from partitioner.precision import DTYPES, DynamicLossScale, autocast_for
-from partitioner.runtime.rank import RankContext
-from partitioner.runtime.remote import RemoteProgram
-from partitioner.schedules import MicroBatch, run_gpipe, run_schedule
-from partitioner.shard_loading import shard_specs_of
-from partitioner.stages import build_stage
-from training.checkpoint import CheckpointManager
-from training.config import RunInfo, TrainConfig
-from training.features import EVAL_INPUTS, read_features
-from training.messages import CheckpointSaved, EvalLogits, StepReport
-from training.objective import MASK_FILL, lr_at, param_groups, span_loss
-from training.run_files import RunFiles
 
 
 def batch_indices(

@@ -30,10 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from partitioner.runtime.file_transfer import recv_files, send_files
-from partitioner.runtime.rank import RankContext, before_hard_exit
-from training.config import RunInfo
+from shardserve.partitioner.runtime.file_transfer import recv_files, send_files
+from shardserve.partitioner.runtime.rank import RankContext, before_hard_exit
+from shardserve.training.config import RunInfo
 
 logger = logging.getLogger(__name__)
 

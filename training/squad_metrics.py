@@ -8,7 +8,7 @@ scores 1 on it exactly when it is ``""``). Scores are percentages, as in the off
 
 Usage::
 
-    from training.squad_metrics import evaluate
+    from shardserve.training.squad_metrics import evaluate
     result = evaluate(examples, {"56be4db0acb8001400a502ec": "Denver Broncos", ...})
     result["exact"], result["f1"], result["total"]      # + HasAns_* / NoAns_* (v2.0 data)
 
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from training.squad_data import SquadExample
+    from shardserve.training.squad_data import SquadExample
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def find_best_null_threshold(
 
     ``span_predictions``: id -> best non-null span text; ``null_score_diffs``: id ->
     ``null_score - best_span_logit``. A question is answered "" when its diff > threshold (the
-    `models.qa_windows` convention). Returns ``(threshold, best score in percent)``.
+    `shardserve.models.qa_windows` convention). Returns ``(threshold, best score in percent)``.
     """
     if metric not in ("f1", "exact"):
         raise ValueError(f"metric must be 'f1' or 'exact', got {metric!r}")

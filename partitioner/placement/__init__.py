@@ -16,9 +16,9 @@ torch at simulation time):
     python -m pytest tests/partitioner/placement -q
 """
 
-from partitioner.placement.latency import LatencyModel, ModelProfile, PlacementError
-from partitioner.placement.layout import Group, Placement
-from partitioner.placement.search import (
+from shardserve.partitioner.placement.latency import LatencyModel, ModelProfile, PlacementError
+from shardserve.partitioner.placement.layout import Group, Placement
+from shardserve.partitioner.placement.search import (
     PlacementChoice,
     auto,
     choose_placement,
@@ -26,8 +26,8 @@ from partitioner.placement.search import (
     multiplexed,
     replan,
 )
-from partitioner.placement.simulator import ModelStats, SimConfig, SimResult, simulate
-from partitioner.placement.workload import (
+from shardserve.partitioner.placement.simulator import ModelStats, SimConfig, SimResult, simulate
+from shardserve.partitioner.placement.workload import (
     ArrivalSpec,
     Trace,
     Workload,

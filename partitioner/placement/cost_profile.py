@@ -30,15 +30,15 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
-from models.config import EncoderConfig
-from partitioner.cost import (
+from shardserve.models.config import EncoderConfig
+from shardserve.partitioner.cost import (
     analytic_costs,
     balanced_split,
     serving_memory_bytes,
     stage_costs,
     stage_param_counts,
 )
-from partitioner.placement.latency import (
+from shardserve.partitioner.placement.latency import (
     LatencyModel,
     MeasuredLatency,
     ModelProfile,

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from partitioner.placement.latency import ModelProfile, PlacementError
+from shardserve.partitioner.placement.latency import ModelProfile, PlacementError
 
 logger = logging.getLogger(__name__)
 

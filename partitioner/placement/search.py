@@ -34,10 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from partitioner.placement.latency import ModelProfile, PlacementError, by_name
-from partitioner.placement.layout import MIB, Group, Placement, uniform_groups
-from partitioner.placement.simulator import SimConfig, SimResult, simulate
-from partitioner.placement.workload import Trace, Workload
+from shardserve.partitioner.placement.latency import ModelProfile, PlacementError, by_name
+from shardserve.partitioner.placement.layout import MIB, Group, Placement, uniform_groups
+from shardserve.partitioner.placement.simulator import SimConfig, SimResult, simulate
+from shardserve.partitioner.placement.workload import Trace, Workload
 
 logger = logging.getLogger(__name__)
 

@@ -48,10 +48,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from partitioner.placement.latency import ModelProfile, PlacementError, by_name
-from partitioner.placement.layout import Placement
-from partitioner.placement.workload import Trace
+from shardserve.partitioner.placement.latency import ModelProfile, PlacementError, by_name
+from shardserve.partitioner.placement.layout import Placement
+from shardserve.partitioner.placement.workload import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class SimConfig:
 
     @classmethod
     def from_scheduler(cls, scheduler: Any, *, admission: bool = True, overhead_s: float = 0.0) -> SimConfig:
-        """From a ``serving.config.SchedulerConfig`` (read by attribute name)."""
+        """From a ``shardserve.serving.config.SchedulerConfig`` (read by attribute name)."""
         return cls(
             max_batch_size=scheduler.max_batch_size,
             max_inflight=scheduler.max_inflight_per_replica,

@@ -40,9 +40,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
-
-from partitioner.runtime.messages import DRIVER, Heartbeat
-from partitioner.runtime.wire import WireError, decode, encode
+from shardserve.partitioner.runtime.messages import DRIVER, Heartbeat
+from shardserve.partitioner.runtime.wire import WireError, decode, encode
 
 logger = logging.getLogger(__name__)
 

@@ -49,17 +49,16 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from partitioner.runtime.channel import ENV_ENDPOINTS, ENV_KEY, DriverChannel
-from partitioner.runtime.messages import (
+from shardserve.partitioner.runtime.channel import ENV_ENDPOINTS, ENV_KEY, DriverChannel
+from shardserve.partitioner.runtime.messages import (
     RankFailed,
     RankReady,
     RankStopped,
 )
-from partitioner.runtime.rank import GangSpec, worker_main
-from partitioner.runtime.rank_process import RankProcess
-from partitioner.runtime.remote import SPEC_KEY, GangNetwork, publish_spec
-from partitioner.runtime.wire import new_key
+from shardserve.partitioner.runtime.rank import GangSpec, worker_main
+from shardserve.partitioner.runtime.rank_process import RankProcess
+from shardserve.partitioner.runtime.remote import SPEC_KEY, GangNetwork, publish_spec
+from shardserve.partitioner.runtime.wire import new_key
 
 logger = logging.getLogger(__name__)
 

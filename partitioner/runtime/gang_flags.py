@@ -20,9 +20,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-
-from partitioner.command import split_list
-from partitioner.runtime.remote import GangNetwork
+from shardserve.partitioner.command import split_list
+from shardserve.partitioner.runtime.remote import GangNetwork
 
 HEX = frozenset("0123456789abcdefABCDEF")
 

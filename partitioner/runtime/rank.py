@@ -36,14 +36,13 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
-
-from models.registry import ModelSource
-from partitioner.p2p import P2PCommunicator
-from partitioner.plan import PartitionPlan
-from partitioner.runtime.channel import ENV_ENDPOINTS, RankChannel
-from partitioner.runtime.messages import RankFailed, RankReady, RankStopped
-from partitioner.runtime.rank_process import has_exited, pidfd_of
-from partitioner.schedules import InputsFn, LogitsFn, LossFn, StageExecutor
+from shardserve.models.registry import ModelSource
+from shardserve.partitioner.p2p import P2PCommunicator
+from shardserve.partitioner.plan import PartitionPlan
+from shardserve.partitioner.runtime.channel import ENV_ENDPOINTS, RankChannel
+from shardserve.partitioner.runtime.messages import RankFailed, RankReady, RankStopped
+from shardserve.partitioner.runtime.rank_process import has_exited, pidfd_of
+from shardserve.partitioner.schedules import InputsFn, LogitsFn, LossFn, StageExecutor
 
 logger = logging.getLogger(__name__)
 

@@ -43,11 +43,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-
-from models.registry import MODEL_NAMES, ModelSource, resolve_model
-from partitioner.plan import ParallelDims, default_devices, make_plan
-from partitioner.runtime.channel import ENV_ENDPOINTS, ENV_KEY
-from partitioner.runtime.rank import GangSpec, Program
+from shardserve.models.registry import MODEL_NAMES, ModelSource, resolve_model
+from shardserve.partitioner.plan import ParallelDims, default_devices, make_plan
+from shardserve.partitioner.runtime.channel import ENV_ENDPOINTS, ENV_KEY
+from shardserve.partitioner.runtime.rank import GangSpec, Program
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +228,7 @@ def join_gang(
     """Join the gang whose store is at ``master_addr:master_port`` as ``rank`` and run it (this
     process becomes the rank and exits with its code). ``world_size``: torchrun's ``WORLD_SIZE``
     when given, checked against the spec; ``programs``: the programs this worker may run, by name."""
-    from partitioner.runtime.rank import worker_main
+    from shardserve.partitioner.runtime.rank import worker_main
 
     store = _spec_store(master_addr, master_port, timeout_s=timeout_s)
     spec, endpoints = read_spec(store, key=key, rank=rank, world_size=world_size, programs=programs)

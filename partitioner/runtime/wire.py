@@ -31,8 +31,7 @@ import secrets
 from typing import Any
 
 import numpy as np
-
-from partitioner.runtime.messages import Heartbeat, RankFailed, RankReady, RankStopped
+from shardserve.partitioner.runtime.messages import Heartbeat, RankFailed, RankReady, RankStopped
 
 MESSAGE_TYPES: dict[str, type] = {}
 KEY_BYTES = 32

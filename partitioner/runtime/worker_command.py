@@ -17,9 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 from pydantic import AfterValidator, Field
-
-from partitioner.command import Command, Settings, positive_number
-from partitioner.runtime.remote import JoinError, RemoteProgram, join_gang, read_gang_key
+from shardserve.partitioner.command import Command, Settings, positive_number
+from shardserve.partitioner.runtime.remote import JoinError, RemoteProgram, join_gang, read_gang_key
 
 logger = logging.getLogger(__name__)
 

@@ -29,12 +29,11 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from partitioner.runtime.channel import ChannelError
-from partitioner.runtime.gang import Gang, GangError
-from partitioner.runtime.messages import RankFailed
-from partitioner.stream.multiplex import gang_models
-from partitioner.stream.program import Batch, Result, Stop
+from shardserve.partitioner.runtime.channel import ChannelError
+from shardserve.partitioner.runtime.gang import Gang, GangError
+from shardserve.partitioner.runtime.messages import RankFailed
+from shardserve.partitioner.stream.multiplex import gang_models
+from shardserve.partitioner.stream.program import Batch, Result, Stop
 
 logger = logging.getLogger(__name__)
 

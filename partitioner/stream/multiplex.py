@@ -29,13 +29,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardserve.models.registry import MODEL_NAMES, ModelSource, resolve_model
+from shardserve.partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
+from shardserve.partitioner.runtime.rank import GangSpec
+from shardserve.partitioner.runtime.remote import JoinError
+from shardserve.partitioner.schedules import MicroBatch, ScheduleError, StageExecutor
 from torch import nn
-
-from models.registry import MODEL_NAMES, ModelSource, resolve_model
-from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
-from partitioner.runtime.rank import GangSpec
-from partitioner.runtime.remote import JoinError
-from partitioner.schedules import MicroBatch, ScheduleError, StageExecutor
 
 MODEL_SHIFT = 40  # micro-batch ids below 2**40 (a trillion); model indices in the bits above
 MAX_MODELS = 1 << (62 - MODEL_SHIFT)  # the tagged id stays a positive int64

@@ -29,20 +29,19 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from models.build import QAModel
-from models.registry import ModelSource
-from partitioner.compiled import compile_stage, warm_up
-from partitioner.host_copy import to_host
-from partitioner.p2p import P2PCommunicator
-from partitioner.plan import PartitionPlan
-from partitioner.precision import compute_dtype
-from partitioner.runtime.rank import GangSpec, RankContext
-from partitioner.runtime.remote import RemoteProgram
-from partitioner.runtime.wire import register_messages
-from partitioner.schedules import IDLE, Idle, MicroBatch, run_stream
-from partitioner.stages import build_stage
-from partitioner.stream.multiplex import (
+from shardserve.models.build import QAModel
+from shardserve.models.registry import ModelSource
+from shardserve.partitioner.compiled import compile_stage, warm_up
+from shardserve.partitioner.host_copy import to_host
+from shardserve.partitioner.p2p import P2PCommunicator
+from shardserve.partitioner.plan import PartitionPlan
+from shardserve.partitioner.precision import compute_dtype
+from shardserve.partitioner.runtime.rank import GangSpec, RankContext
+from shardserve.partitioner.runtime.remote import RemoteProgram
+from shardserve.partitioner.runtime.wire import register_messages
+from shardserve.partitioner.schedules import IDLE, Idle, MicroBatch, run_stream
+from shardserve.partitioner.stages import build_stage
+from shardserve.partitioner.stream.multiplex import (
     MultiplexedExecutor,
     check_models,
     gang_models,

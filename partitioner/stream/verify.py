@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from models.build import build_model
-from models.registry import ModelSource
-from partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import stream_spec_multi
+from shardserve.models.build import build_model
+from shardserve.models.registry import ModelSource
+from shardserve.partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import stream_spec_multi
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ def sample_batches(
 
 def reference_dir(source: ModelSource, workdir: Path) -> Path:
     """A full HF QA checkpoint with the same weights the gang will load."""
-    from models.hf_weights import WeightSource, save_hf_checkpoint
+    from shardserve.models.hf_weights import WeightSource, save_hf_checkpoint
 
     weights: WeightSource = source.weights()
     if not source.overlays and weights.locate("qa_outputs.weight") is not None:

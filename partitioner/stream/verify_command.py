@@ -14,15 +14,14 @@ import logging
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
-
-from models.registry import resolve_model
-from partitioner.cli import PartitionSettings
-from partitioner.command import Command, at_least, positive_number
-from partitioner.compiled import COMPILE_CHOICES, resolve_compile
-from partitioner.int8 import model_calibration
-from partitioner.plan import ParallelDims
-from partitioner.precision import resolve_dtype
-from partitioner.stream.verify import SAMPLE_SEQ_LEN, SAMPLES, TOLERANCES, verify_partitioned
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.cli import PartitionSettings
+from shardserve.partitioner.command import Command, at_least, positive_number
+from shardserve.partitioner.compiled import COMPILE_CHOICES, resolve_compile
+from shardserve.partitioner.int8 import model_calibration
+from shardserve.partitioner.plan import ParallelDims
+from shardserve.partitioner.precision import resolve_dtype
+from shardserve.partitioner.stream.verify import SAMPLE_SEQ_LEN, SAMPLES, TOLERANCES, verify_partitioned
 
 logger = logging.getLogger(__name__)
 

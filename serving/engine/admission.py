@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from serving.config import SchedulerConfig
-from serving.engine.batcher import Batcher
-from serving.engine.ledger import Ledger
+from shardserve.serving.config import SchedulerConfig
+from shardserve.serving.engine.batcher import Batcher
+from shardserve.serving.engine.ledger import Ledger
 
 # reserve() admits when the estimated work fits this share of the time left (the default of
 # SchedulerConfig.admission_margin): at 0.5, 5-8 % of a 256-client burst was still refused late, after

@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from models.qa_windows import QAInputError, validate_qa_inputs
-from serving.engine.core import Engine
-from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
+from shardserve.models.qa_windows import QAInputError, validate_qa_inputs
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
 
 logger = logging.getLogger(__name__)
 

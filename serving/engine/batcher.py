@@ -39,8 +39,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from serving.config import SchedulerConfig
-from serving.engine.ledger import Ledger, Request, Window
+from shardserve.serving.config import SchedulerConfig
+from shardserve.serving.engine.ledger import Ledger, Request, Window
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ manager, supervisor) and the engine wired to them (vLLM's ``AsyncLLM.from_config
 
 The one place that wires the rooms below the front end: the front end passes the configs its
 settings build (``serving/config.py``) and gets an ``Engine`` whose facade (``serving/engine/core.py``)
-is all it talks to; it never imports ``serving.fleet``. The model is loaded and the device pool
+is all it talks to; it never imports ``shardserve.serving.fleet``. The model is loaded and the device pool
 checked here too, before anything starts (the CLI checks both before the server starts).
 
     fleet = settings.fleet_config(dtype="float32", compile=False)
@@ -23,19 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from models.qa_windows import WindowConfig
-from partitioner.placement.simulator import SimConfig
-from serving.config import AutoscalingConfig, FleetConfig, PlacementConfig, SchedulerConfig
-from serving.engine.core import Engine
-from serving.engine.placement import PlacedModels
-from serving.engine.scheduler import Scheduler
-from serving.fleet import model_loader
-from serving.fleet.gangs import BackendFactory, GangSource, ModelGeneration, OwnGangs, gang_factory
-from serving.fleet.groups import DeviceGroups
-from serving.fleet.pool import DevicePool
-from serving.fleet.replicas import ReplicaManager
-from serving.fleet.supervisor import Supervisor
-from serving.metrics import ServingMetrics
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.partitioner.placement.simulator import SimConfig
+from shardserve.serving.config import AutoscalingConfig, FleetConfig, PlacementConfig, SchedulerConfig
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.placement import PlacedModels
+from shardserve.serving.engine.scheduler import Scheduler
+from shardserve.serving.fleet import model_loader
+from shardserve.serving.fleet.gangs import BackendFactory, GangSource, ModelGeneration, OwnGangs, gang_factory
+from shardserve.serving.fleet.groups import DeviceGroups
+from shardserve.serving.fleet.pool import DevicePool
+from shardserve.serving.fleet.replicas import ReplicaManager
+from shardserve.serving.fleet.supervisor import Supervisor
+from shardserve.serving.metrics import ServingMetrics
 
 __all__ = [
     "BackendFactory",

@@ -2,11 +2,11 @@
 
 Each concept has one home; the engine only wires them and runs the loop:
 
-- ``serving.engine.input_processor``  tokenizing and windowing (off the event loop);
-- ``serving.engine.scheduler``        admission, batching, replica choice, and THE in-flight ledger
+- ``shardserve.serving.engine.input_processor``  tokenizing and windowing (off the event loop);
+- ``shardserve.serving.engine.scheduler``        admission, batching, replica choice, and THE in-flight ledger
                                       (``ongoing`` requests, batches in flight per replica);
-- ``serving.engine.dispatcher``       sending micro-batches to gangs, results back, fail-over;
-- ``serving.engine.output_processor`` the job table: logits per window, span decoding, answers.
+- ``shardserve.serving.engine.dispatcher``       sending micro-batches to gangs, results back, fail-over;
+- ``shardserve.serving.engine.output_processor`` the job table: logits per window, span decoding, answers.
 
 The engine owns admission order (a queue place is reserved BEFORE tokenizing), the request
 lifecycle (deadline 504, client disconnect, drain on stop) and one asyncio task on the server's
@@ -48,24 +48,30 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from models.config import ModelConfigError
-from models.hf_weights import CheckpointError
-from models.qa_windows import EncodedBatch, WindowConfig
-from partitioner.placement.latency import PlacementError
-from serving.config import AutoscalingConfig, FleetConfig
-from serving.engine.batcher import ReplicaView
-from serving.engine.dispatcher import Dispatcher
-from serving.engine.input_processor import AdmissionAsk, InputProcessor, record_context_cache
-from serving.engine.output_processor import Job, OutputProcessor, await_answer
-from serving.engine.qa_types import EngineError, PairResult, QAPair
-from serving.engine.replica_detail import ReplicaDetail
-from serving.engine.scheduler import Scheduler
-from serving.fleet import model_loader
-from serving.fleet.gangs import ModelGeneration
-from serving.fleet.replicas import ReloadError, ReloadInProgress, Replica, ReplicaManager, ReplicaState
-from serving.fleet.supervisor import Supervisor
-from serving.metrics import ModelMetrics
-from serving.redact import one_line
+from shardserve.models.config import ModelConfigError
+from shardserve.models.hf_weights import CheckpointError
+from shardserve.models.qa_windows import EncodedBatch, WindowConfig
+from shardserve.partitioner.placement.latency import PlacementError
+from shardserve.serving.config import AutoscalingConfig, FleetConfig
+from shardserve.serving.engine.batcher import ReplicaView
+from shardserve.serving.engine.dispatcher import Dispatcher
+from shardserve.serving.engine.input_processor import AdmissionAsk, InputProcessor, record_context_cache
+from shardserve.serving.engine.output_processor import Job, OutputProcessor, await_answer
+from shardserve.serving.engine.qa_types import EngineError, PairResult, QAPair
+from shardserve.serving.engine.replica_detail import ReplicaDetail
+from shardserve.serving.engine.scheduler import Scheduler
+from shardserve.serving.fleet import model_loader
+from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.replicas import (
+    ReloadError,
+    ReloadInProgress,
+    Replica,
+    ReplicaManager,
+    ReplicaState,
+)
+from shardserve.serving.fleet.supervisor import Supervisor
+from shardserve.serving.metrics import ModelMetrics
+from shardserve.serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,9 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-
-from partitioner.runtime.wire import WireError, decode_many, encode_many
-from serving.engine import core_wire as cw
-from serving.engine.qa_types import EngineError
+from shardserve.partitioner.runtime.wire import WireError, decode_many, encode_many
+from shardserve.serving.engine import core_wire as cw
+from shardserve.serving.engine.qa_types import EngineError
 
 logger = logging.getLogger(__name__)
 

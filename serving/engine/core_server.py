@@ -40,15 +40,14 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
-
-from partitioner.runtime.wire import WireError, decode_many, encode_many, new_key
-from serving.engine import core_wire as cw
-from serving.engine.core import Engine, Ticket
-from serving.engine.input_processor import AdmissionAsk, record_context_cache
-from serving.engine.output_processor import record_end
-from serving.engine.qa_types import EngineError
-from serving.engine.repository import ModelRepository
-from serving.metrics import ServingMetrics
+from shardserve.partitioner.runtime.wire import WireError, decode_many, encode_many, new_key
+from shardserve.serving.engine import core_wire as cw
+from shardserve.serving.engine.core import Engine, Ticket
+from shardserve.serving.engine.input_processor import AdmissionAsk, record_context_cache
+from shardserve.serving.engine.output_processor import record_end
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from models.qa_windows import EncodedBatch, QAWindow
-from partitioner.runtime.wire import register_messages
+from shardserve.models.qa_windows import EncodedBatch, QAWindow
+from shardserve.partitioner.runtime.wire import register_messages
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from models.qa_windows import pad_windows
-from serving.engine.batcher import Dispatch
-from serving.engine.output_processor import OutputProcessor
-from serving.engine.qa_types import EngineError
-from serving.engine.scheduler import Outcome, Scheduler
-from serving.fleet.replicas import Replica, ReplicaManager
-from serving.metrics import ModelMetrics
+from shardserve.models.qa_windows import pad_windows
+from shardserve.serving.engine.batcher import Dispatch
+from shardserve.serving.engine.output_processor import OutputProcessor
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.engine.scheduler import Outcome, Scheduler
+from shardserve.serving.fleet.replicas import Replica, ReplicaManager
+from shardserve.serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from models.context_cache import ContextCache
-from models.qa_windows import EncodedBatch, WindowConfig, encode_qa
-from serving.engine.qa_types import QAPair
-from serving.metrics import ModelMetrics
+from shardserve.models.context_cache import ContextCache
+from shardserve.models.qa_windows import EncodedBatch, WindowConfig, encode_qa
+from shardserve.serving.engine.qa_types import QAPair
+from shardserve.serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 

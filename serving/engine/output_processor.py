@@ -39,11 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from models.qa_decoding import decode_spans
-from models.qa_windows import EncodedBatch, QAWindow
-from serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
-from serving.metrics import ModelMetrics
+from shardserve.models.qa_decoding import decode_spans
+from shardserve.models.qa_windows import EncodedBatch, QAWindow
+from shardserve.serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
+from shardserve.serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -31,16 +31,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from partitioner.placement.cost_profile import cost_profiles
-from partitioner.placement.latency import MeasuredLatency, PlacementError
-from partitioner.placement.search import PlacementChoice, choose_placement, replan
-from partitioner.placement.simulator import SimConfig
-from partitioner.placement.workload import Trace, steady
-from partitioner.plan import ParallelDims
-from serving.config import PlacementConfig
-from serving.engine.core import Engine
-from serving.fleet.gangs import GangSource, ModelGeneration
-from serving.fleet.groups import DeviceGroups
+from shardserve.partitioner.placement.cost_profile import cost_profiles
+from shardserve.partitioner.placement.latency import MeasuredLatency, PlacementError
+from shardserve.partitioner.placement.search import PlacementChoice, choose_placement, replan
+from shardserve.partitioner.placement.simulator import SimConfig
+from shardserve.partitioner.placement.workload import Trace, steady
+from shardserve.partitioner.plan import ParallelDims
+from shardserve.serving.config import PlacementConfig
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.fleet.gangs import GangSource, ModelGeneration
+from shardserve.serving.fleet.groups import DeviceGroups
 
 logger = logging.getLogger(__name__)
 

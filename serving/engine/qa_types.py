@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.qa_decoding import QAPrediction
+from shardserve.models.qa_decoding import QAPrediction
 
 
 class EngineError(Exception):

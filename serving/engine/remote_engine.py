@@ -31,14 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.qa_windows import EncodedBatch, WindowConfig
-from serving.engine import core_wire as cw
-from serving.engine.core import SAFETY_MARGIN_S
-from serving.engine.core_client import CoreClient, MetricsRelay
-from serving.engine.input_processor import InputProcessor
-from serving.engine.output_processor import DECODE_INLINE_MAX_WINDOWS, await_answer, decode_pairs
-from serving.engine.qa_types import EngineError, PairResult, QAPair
-from serving.engine.repository import model_not_found
+from shardserve.models.qa_windows import EncodedBatch, WindowConfig
+from shardserve.serving.engine import core_wire as cw
+from shardserve.serving.engine.core import SAFETY_MARGIN_S
+from shardserve.serving.engine.core_client import CoreClient, MetricsRelay
+from shardserve.serving.engine.input_processor import InputProcessor
+from shardserve.serving.engine.output_processor import DECODE_INLINE_MAX_WINDOWS, await_answer, decode_pairs
+from shardserve.serving.engine.qa_types import EngineError, PairResult, QAPair
+from shardserve.serving.engine.repository import model_not_found
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.fleet.gangs import busy_seconds, rank_processes
-from serving.fleet.replicas import Replica, ReplicaState
+from shardserve.serving.fleet.gangs import busy_seconds, rank_processes
+from shardserve.serving.fleet.replicas import Replica, ReplicaState
 
 
 @dataclass(frozen=True)

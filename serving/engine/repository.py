@@ -38,16 +38,16 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from models.config import ModelConfigError
-from models.hf_weights import CheckpointError
-from partitioner.placement.latency import PlacementError
-from serving.config import check_model_name, repository_models
-from serving.engine.core import Engine
-from serving.engine.placement import PlacedModels
-from serving.engine.qa_types import EngineError
-from serving.fleet.gangs import ModelGeneration
-from serving.metrics import ServingMetrics
-from serving.redact import one_line
+from shardserve.models.config import ModelConfigError
+from shardserve.models.hf_weights import CheckpointError
+from shardserve.partitioner.placement.latency import PlacementError
+from shardserve.serving.config import check_model_name, repository_models
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.placement import PlacedModels
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.metrics import ServingMetrics
+from shardserve.serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 

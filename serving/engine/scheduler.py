@@ -36,10 +36,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from serving.config import SchedulerConfig
-from serving.engine.admission import Admission, AdmissionControl
-from serving.engine.batcher import Batcher, Dispatch, ReplicaView
-from serving.engine.ledger import Ending, Ledger, Request, Window
+from shardserve.serving.config import SchedulerConfig
+from shardserve.serving.engine.admission import Admission, AdmissionControl
+from shardserve.serving.engine.batcher import Batcher, Dispatch, ReplicaView
+from shardserve.serving.engine.ledger import Ending, Ledger, Request, Window
 
 logger = logging.getLogger(__name__)
 

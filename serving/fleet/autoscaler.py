@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from serving.config import AutoscalingConfig
+from shardserve.serving.config import AutoscalingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,19 +20,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from models.qa_windows import WindowConfig, encode_qa, pad_windows
-from models.registry import ModelSource
-from partitioner.plan import ParallelDims, PartitionPlan, make_plan
-from partitioner.runtime.gang import GangError
-from partitioner.runtime.remote import GangNetwork
-from serving.fleet.pool import DevicePool
+from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
+from shardserve.models.registry import ModelSource
+from shardserve.partitioner.plan import ParallelDims, PartitionPlan, make_plan
+from shardserve.partitioner.runtime.gang import GangError
+from shardserve.partitioner.runtime.remote import GangNetwork
+from shardserve.serving.fleet.pool import DevicePool
 
 WARMUP_QUESTION = "What does the warm-up check?"
 WARMUP_CONTEXT = "The warm-up checks that every stage of a new gang answers before traffic is routed to it."
 
 
 class Backend(Protocol):
-    """What the server needs of a gang (``partitioner.stream.gang.StreamGang`` satisfies it); ``submit``'s
+    """What the server needs of a gang (``shardserve.partitioner.stream.gang.StreamGang`` satisfies it); ``submit``'s
     ``model``: which of the gang's models (None: its first)."""
 
     def start(self) -> Any: ...
@@ -68,8 +68,8 @@ def gang_factory(
     model it is given; ``compile``: each rank compiles its stages and runs ``warmup_lengths`` before
     ready; ``network``: where the gang listens and which ranks run elsewhere (default: all here, on
     loopback; ranks elsewhere run the stream as ``serve``)."""
-    from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import STREAM_PROGRAM, stream_spec_multi
+    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.program import STREAM_PROGRAM, stream_spec_multi
 
     network = dataclasses.replace(network or GangNetwork(), program=STREAM_PROGRAM)
 
@@ -105,7 +105,7 @@ def _probe(backend: Backend, name: str) -> list | None:
 
 def rank_processes(backend: Backend) -> list[tuple[str, int] | None] | None:
     """Per rank: (host, pid) as the rank reports them (None: not heard yet); None when the backend
-    cannot tell (``partitioner.runtime.gang.Gang.rank_processes``)."""
+    cannot tell (``shardserve.partitioner.runtime.gang.Gang.rank_processes``)."""
     return _probe(backend, "rank_processes")
 
 
@@ -135,7 +135,7 @@ class ModelGeneration:
 class GangSource(Protocol):
     """Where one model's replica gangs come from (what its ``ReplicaManager`` draws on): device slots
     for a gang, and the gang on them. ``OwnGangs``: a gang of its own per replica, from the device
-    pool; ``serving.fleet.groups``: a place on each device group the placement put the model on."""
+    pool; ``shardserve.serving.fleet.groups``: a place on each device group the placement put the model on."""
 
     @property
     def capacity(self) -> int: ...  # device slots in all (messages)

@@ -40,10 +40,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from partitioner.placement.layout import Group, Placement
-from partitioner.runtime.gang import GangError
-from serving.fleet.gangs import Backend, BackendFactory, ModelGeneration
-from serving.fleet.pool import DevicePool
+from shardserve.partitioner.placement.layout import Group, Placement
+from shardserve.partitioner.runtime.gang import GangError
+from shardserve.serving.fleet.gangs import Backend, BackendFactory, ModelGeneration
+from shardserve.serving.fleet.pool import DevicePool
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 
-from models.hf_weights import CheckpointError, CheckpointReader
-from models.registry import ModelSource, resolve_model
-from partitioner.plan import ParallelDims
-from serving.config import FleetConfig
-from serving.fleet.gangs import ModelGeneration
-from serving.fleet.pool import DevicePool
+from shardserve.models.hf_weights import CheckpointError, CheckpointReader
+from shardserve.models.registry import ModelSource, resolve_model
+from shardserve.partitioner.plan import ParallelDims
+from shardserve.serving.config import FleetConfig
+from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.pool import DevicePool
 
 logger = logging.getLogger(__name__)
 

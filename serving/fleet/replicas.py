@@ -9,7 +9,7 @@ and, after a back-off, a fresh gang replaces it (``Replica.replaces``; it carrie
 gang's ``restarts`` + 1, so the status page shows each gang's own restart count).
 
 The manager does not count in-flight work: it reads the one ledger (``InflightLedger``, which
-``serving.engine.scheduler.Scheduler`` satisfies) for ``Replica.inflight_batches`` (least-loaded drain
+``shardserve.serving.engine.scheduler.Scheduler`` satisfies) for ``Replica.inflight_batches`` (least-loaded drain
 choice, drain completion, stall detection, busy sampling). It tells one ``ReplicaListener`` (the
 engine, attached explicitly by whoever builds both: the app lifespan, or a test) when the replica
 set changed and the moment a replica failed, so that its in-flight work is retried elsewhere.
@@ -39,10 +39,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from partitioner.runtime.gang import GangError
-from serving.fleet.gangs import Backend, GangSource, ModelGeneration, busy_seconds, layer_steps, warm_up
-from serving.metrics import ModelMetrics
-from serving.redact import one_line, scrub_paths
+from shardserve.partitioner.runtime.gang import GangError
+from shardserve.serving.fleet.gangs import (
+    Backend,
+    GangSource,
+    ModelGeneration,
+    busy_seconds,
+    layer_steps,
+    warm_up,
+)
+from shardserve.serving.metrics import ModelMetrics
+from shardserve.serving.redact import one_line, scrub_paths
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +96,7 @@ class Replica:
     stage_busy_s: list[float] = field(default_factory=list)
     busy_seen: list[float] = field(default_factory=list)  # each stage's busy seconds at the last sample
     # seconds with work in flight (the bubble fraction's denominator): closed intervals, and the
-    # start of the open one; both kept by serving.engine.dispatcher, which sees a batch leave and return
+    # start of the open one; both kept by shardserve.serving.engine.dispatcher, which sees a batch leave and return
     active_s: float = 0.0
     active_since: float = 0.0
     start_task: asyncio.Task | None = None
@@ -98,7 +105,7 @@ class Replica:
     restarts: int = 0
     replaces: str | None = None
     # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
-    # to an idle gang (set by serving.engine.dispatcher, which sees both), or a layer finished on a
+    # to an idle gang (set by shardserve.serving.engine.dispatcher, which sees both), or a layer finished on a
     # rank (``steps_seen``: the ranks' layer counts at the last health check, which notes it)
     last_progress: float = field(default_factory=time.monotonic)
     steps_seen: int = 0
@@ -457,7 +464,7 @@ class ReplicaManager:
 
     def sample_busy(self) -> None:
         """Per-stage busy time from the ranks' own counters, against the time each replica had work
-        in flight: the bubble fraction (see serving.metrics); called every supervisor tick."""
+        in flight: the bubble fraction (see shardserve.serving.metrics); called every supervisor tick."""
         now = time.monotonic()
         for r in self.replicas.values():
             if r.backend is None or r.state is not ReplicaState.READY:

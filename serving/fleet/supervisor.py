@@ -26,10 +26,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from serving.config import AutoscalingConfig
-from serving.fleet.autoscaler import Autoscaler
-from serving.fleet.replicas import InflightLedger, ReplicaManager
-from serving.metrics import ModelMetrics
+from shardserve.serving.config import AutoscalingConfig
+from shardserve.serving.fleet.autoscaler import Autoscaler
+from shardserve.serving.fleet.replicas import InflightLedger, ReplicaManager
+from shardserve.serving.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 

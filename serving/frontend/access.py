@@ -49,12 +49,11 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
-
-from serving.frontend.json_body import JsonBodyRoute
-from serving.frontend.openapi import unauthorized
-from serving.frontend.schemas import ErrorResponse
-from serving.frontend.settings import ServeSettings
-from serving.metrics import RequestCounter
+from shardserve.serving.frontend.json_body import JsonBodyRoute
+from shardserve.serving.frontend.openapi import unauthorized
+from shardserve.serving.frontend.schemas import ErrorResponse
+from shardserve.serving.frontend.settings import ServeSettings
+from shardserve.serving.metrics import RequestCounter
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("shardserve.access")

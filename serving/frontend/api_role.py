@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI
-
-from serving.engine import core_wire as cw
-from serving.engine.core_client import CoreClient
-from serving.engine.remote_engine import RemoteLimits, RemoteRepository
+from shardserve.serving.engine import core_wire as cw
+from shardserve.serving.engine.core_client import CoreClient
+from shardserve.serving.engine.remote_engine import RemoteLimits, RemoteRepository
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ async def api_lifespan(app: FastAPI) -> AsyncIterator[None]:
     grpc_front = None
     try:
         if settings.grpc_port is not None and link.grpc_address is not None:
-            from serving.frontend.grpc_server import GrpcFront
+            from shardserve.serving.frontend.grpc_server import GrpcFront
 
             grpc_front = await GrpcFront.start(
                 app, host=settings.host, port=settings.grpc_port, core_address=link.grpc_address

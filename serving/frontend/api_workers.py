@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
-
-from serving.engine.core_server import CoreServer
-from serving.frontend.api_role import CoreLink, reuseport_socket
-from serving.frontend.http_protocol import uvicorn_config
-from serving.metrics import ServingMetrics
+from shardserve.serving.engine.core_server import CoreServer
+from shardserve.serving.frontend.api_role import CoreLink, reuseport_socket
+from shardserve.serving.frontend.http_protocol import uvicorn_config
+from shardserve.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class WorkerSpec:
 def run_api_worker(spec: WorkerSpec) -> None:
     """An API process (spawned): the server's app in its API role, uvicorn on its own reuseport socket;
     SIGTERM: uvicorn's graceful stop."""
-    from serving.frontend.app import build_app
+    from shardserve.serving.frontend.app import build_app
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the core decides
     fmt = f"%(asctime)s {spec.link.identity} %(levelname)s %(name)s: %(message)s"

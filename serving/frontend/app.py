@@ -2,7 +2,7 @@
 
 Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model and loads the
 tokenizer, then has the engine room build the scheduler, the fleet and the engine from the settings'
-configs (``serving/engine/builder.py``; the front end never imports ``serving.fleet``) and starts
+configs (``serving/engine/builder.py``; the front end never imports ``shardserve.serving.fleet``) and starts
 the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
 warm). On shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops
 the gangs (``Engine.shutdown``).
@@ -25,7 +25,7 @@ request's ``Host`` header (an open redirect).
 The status page (``/``), its JSON (``GET /ui/status``) and the offline ``/docs`` / ``/redoc`` are
 ``serving/frontend/pages.py``.
 
-``app.state``: settings, metrics, status (``serving.frontend.status.StatusBoard``), and after startup
+``app.state``: settings, metrics, status (``shardserve.serving.frontend.status.StatusBoard``), and after startup
 ``models`` (the ``ModelRepository``: each served model's engine, the front end's one handle on the
 fleet) and, for tests and the CLI, the default model's engine, manager and supervisor;
 ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
@@ -48,13 +48,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Mount
-
-from partitioner.compiled import resolve_compile
-from partitioner.precision import DtypeChoice
-from serving.engine.builder import (
+from shardserve.partitioner.compiled import resolve_compile
+from shardserve.partitioner.precision import DtypeChoice
+from shardserve.serving.engine.builder import (
     BackendFactory,
     ModelGeneration,
     build_engine,
@@ -62,21 +58,24 @@ from serving.engine.builder import (
     device_pool,
     load_model,
 )
-from serving.engine.core import Engine
-from serving.engine.core_client import MetricsRelay
-from serving.engine.core_server import CoreServer
-from serving.engine.repository import ModelRepository
-from serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
-from serving.frontend.access import AccessMiddleware, include_protected
-from serving.frontend.api_role import CoreLink, ForwardToCore, api_lifespan
-from serving.frontend.layout import fit_serve_layout, serve_precision
-from serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
-from serving.frontend.pages import install_pages
-from serving.frontend.routes import admin_router, api_router, health_router
-from serving.frontend.settings import ServeSettings
-from serving.frontend.status import StatusBoard
-from serving.frontend.v2_statistics import router as statistics_router
-from serving.metrics import ServingMetrics
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.core_client import MetricsRelay
+from shardserve.serving.engine.core_server import CoreServer
+from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
+from shardserve.serving.frontend.access import AccessMiddleware, include_protected
+from shardserve.serving.frontend.api_role import CoreLink, ForwardToCore, api_lifespan
+from shardserve.serving.frontend.layout import fit_serve_layout, serve_precision
+from shardserve.serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
+from shardserve.serving.frontend.pages import install_pages
+from shardserve.serving.frontend.routes import admin_router, api_router, health_router
+from shardserve.serving.frontend.settings import ServeSettings
+from shardserve.serving.frontend.status import StatusBoard
+from shardserve.serving.frontend.v2_statistics import router as statistics_router
+from shardserve.serving.metrics import ServingMetrics
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Mount
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.api_worker_count > 1:  # this process is the core of N API processes
             core, app.state.api_pool = await start_api_core(app)
         if settings.grpc_port is not None:  # KServe v2 / Triton gRPC beside REST, on this event loop
-            from serving.frontend.grpc_server import GrpcFront
+            from shardserve.serving.frontend.grpc_server import GrpcFront
 
             # the core of API processes: they serve the port, this only their forwarded RPCs
             internal = None if core is None else core.grpc_address

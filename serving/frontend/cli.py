@@ -7,7 +7,7 @@
     shardserve serve --help                           # every flag, its default and its variable
 
 ``SERVE`` is the command as data; the console script generates its flags from
-``serving.frontend.settings.ServeSettings`` (one source of truth): a flag given
+``shardserve.serving.frontend.settings.ServeSettings`` (one source of truth): a flag given
 on the command line wins over the environment, which wins over the default. SIGTERM/SIGINT flip
 readiness to 503 at once, let admitted requests finish (bounded by --drain-timeout-s), stop the
 gangs and exit 0; a second signal stops now (admitted requests answered 503, exit 130).
@@ -15,7 +15,7 @@ gangs and exit 0; a second signal stops now (admitted requests answered 503, exi
 A signal during start-up, before uvicorn serves (the imports, the model's checks, the app's start-up),
 stops at once: one warning line, the ranks of any gang being started killed, exit 128 + the signal
 (143 for SIGTERM, 130 for SIGINT), no traceback (``StartupSignals``). Once serving, a gang that was
-never ready is killed at shutdown rather than waited for (``serving.frontend.app``'s lifespan).
+never ready is killed at shutdown rather than waited for (``shardserve.serving.frontend.app``'s lifespan).
 """
 
 from __future__ import annotations
@@ -31,15 +31,14 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import uvicorn
-
-from partitioner.command import Command
-from partitioner.runtime.gang_flags import GANG_FIELDS
-from serving.frontend.http_protocol import uvicorn_config
-from serving.frontend.layout import fit_serve_layout
-from serving.frontend.placement_flags import PLACEMENT_FIELDS
-from serving.frontend.scheduler_flags import SCHEDULER_FIELDS
-from serving.frontend.settings import ServeSettings
-from serving.redact import one_line
+from shardserve.partitioner.command import Command
+from shardserve.partitioner.runtime.gang_flags import GANG_FIELDS
+from shardserve.serving.frontend.http_protocol import uvicorn_config
+from shardserve.serving.frontend.layout import fit_serve_layout
+from shardserve.serving.frontend.placement_flags import PLACEMENT_FIELDS
+from shardserve.serving.frontend.scheduler_flags import SCHEDULER_FIELDS
+from shardserve.serving.frontend.settings import ServeSettings
+from shardserve.serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class StartupSignals:
 
 def stopped_during_startup(sig: int) -> int:
     """Kill the ranks of any gang being started, say so in one line; exit status 128 + ``sig``."""
-    from partitioner.runtime.gang import kill_live_gangs
+    from shardserve.partitioner.runtime.gang import kill_live_gangs
 
     kill_live_gangs()  # (the lifespan killed the gangs it started; atexit would too, later)
     logger.warning("%s during start-up: stopped before serving", signal.Signals(sig).name)
@@ -118,9 +117,9 @@ def cmd_serve(settings: ServeSettings) -> int:
 
 
 def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
-    from models.hf_weights import CheckpointError
-    from serving.engine.builder import load_model, replica_cap
-    from serving.frontend.app import build_app
+    from shardserve.models.hf_weights import CheckpointError
+    from shardserve.serving.engine.builder import load_model, replica_cap
+    from shardserve.serving.frontend.app import build_app
 
     for flag, port in (("--port", settings.port), ("--grpc-port", settings.grpc_port)):
         if port is not None and (problem := bind_problem(settings.host, port, flag=flag)):
@@ -161,7 +160,7 @@ def _serve(settings: ServeSettings, signals: StartupSignals) -> int:
     config = uvicorn_config(settings, app)
     sockets, reserved = None, []
     if settings.api_worker_count > 1:  # API processes listen; this process (the core) holds the ports
-        from serving.frontend.api_workers import hold_ports
+        from shardserve.serving.frontend.api_workers import hold_ports
 
         reserved, sockets = hold_ports(app, config), []
     server = DrainingServer(config, app)
@@ -325,7 +324,7 @@ class DrainingServer(uvicorn.Server):
 
     @staticmethod
     def _kill_now(sig: int, code: int) -> None:
-        from partitioner.runtime.gang import kill_live_gangs
+        from shardserve.partitioner.runtime.gang import kill_live_gangs
 
         logger.warning("signal %d a third time: killing the gangs' ranks and exiting now", sig)
         kill_live_gangs()

@@ -35,16 +35,15 @@ from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI
-
-from serving.engine.qa_types import EngineError
-from serving.frontend.access import (
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.frontend.access import (
     API_KEY_401,
     new_request_id,
     record_access,
     token_matches,
     valid_request_id,
 )
-from serving.frontend.openapi import RETRY_AFTER_503_S
+from shardserve.serving.frontend.openapi import RETRY_AFTER_503_S
 
 logger = logging.getLogger(__name__)
 

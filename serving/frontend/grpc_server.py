@@ -24,11 +24,10 @@ import logging
 
 import grpc
 from fastapi import FastAPI
+from shardserve.serving.frontend.grpc_call import SERVICE
+from shardserve.serving.frontend.grpc_forward import ForwardingService
+from shardserve.serving.frontend.grpc_service import add_service
 from tritonclient.grpc import service_pb2_grpc
-
-from serving.frontend.grpc_call import SERVICE
-from serving.frontend.grpc_forward import ForwardingService
-from serving.frontend.grpc_service import add_service
 
 logger = logging.getLogger(__name__)
 

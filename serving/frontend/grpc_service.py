@@ -32,19 +32,17 @@ import grpc
 from fastapi import FastAPI
 from google.protobuf import json_format
 from pydantic import ValidationError
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
-
-from serving.config import MODEL_NAME
-from serving.engine.core import Engine
-from serving.engine.qa_types import EngineError
-from serving.engine.repository import ModelRepository, model_version
-from serving.frontend import kserve_v2, v2_binary
-from serving.frontend.grpc_call import Access, Call, GrpcError, run_rpc
-from serving.frontend.qa_call import answer_for
-from serving.frontend.schemas import qa_result
-from serving.frontend.v2_model_config import triton_config
-from serving.frontend.v2_statistics import model_statistics
-from serving.frontend.v2_tensors import (
+from shardserve.serving.config import MODEL_NAME
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.engine.repository import ModelRepository, model_version
+from shardserve.serving.frontend import kserve_v2, v2_binary
+from shardserve.serving.frontend.grpc_call import Access, Call, GrpcError, run_rpc
+from shardserve.serving.frontend.qa_call import answer_for
+from shardserve.serving.frontend.schemas import qa_result
+from shardserve.serving.frontend.v2_model_config import triton_config
+from shardserve.serving.frontend.v2_statistics import model_statistics
+from shardserve.serving.frontend.v2_tensors import (
     V2InferenceRequest,
     V2InputError,
     V2RequestInput,
@@ -52,6 +50,7 @@ from serving.frontend.v2_tensors import (
     parse_call,
     v2_field,
 )
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 _CONTENTS = service_pb2.InferTensorContents.DESCRIPTOR.fields_by_name
 

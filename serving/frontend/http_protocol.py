@@ -4,7 +4,7 @@ uvicorn arms no timer while a request's headers arrive: a client that opens a co
 nothing, or half a header block ("slowloris"), held it for ever. Here a request's headers must arrive
 within ``timeout_s`` of the connection opening, or of the previous answer on a kept-alive connection
 (uvicorn's own keep-alive timer still closes idle connections sooner); else the server answers
-``408`` and closes the connection. The body has its own deadline (``serving.frontend.app.RequestGuard``).
+``408`` and closes the connection. The body has its own deadline (``shardserve.serving.frontend.app.RequestGuard``).
 
     config = uvicorn.Config(app, http=header_deadline_protocol(30.0))
     config = uvicorn_config(settings, app)       # the server's: address, shutdown, this protocol

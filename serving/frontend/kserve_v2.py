@@ -27,7 +27,7 @@ The binary tensor data extension (``serving/frontend/v2_binary.py``; listed in t
 inputs as binary data and returns outputs so (``binary_data`` per output, ``binary_data_output``
 for all): what Triton's clients (``tritonclient.http``) do by default.
 
-The pairs go through ``serving.engine.answer.answer_pairs`` (``serving/frontend/qa_call.py``), the path of /v1/qa/batch: same admission
+The pairs go through ``shardserve.serving.engine.answer.answer_pairs`` (``serving/frontend/qa_call.py``), the path of /v1/qa/batch: same admission
 (429 with Retry-After), limits, deadlines and metrics (endpoint label ``v2_infer``). Errors are the
 spec's ``{"error": "<message>"}``: 400 for a bad request (a tensor's name, shape, datatype or data, a
 parameter, request validation, a text limit), 401 API key, 404 unknown model, 413 too many windows,
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from importlib import metadata
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -46,17 +45,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from serving.engine.core import Engine
-from serving.engine.qa_types import EngineError
-from serving.engine.repository import ModelRepository
-from serving.frontend import v2_binary
-from serving.frontend.access import ApiKeyRoute, request_id_of
-from serving.frontend.openapi import RETRY_AFTER_503_S
-from serving.frontend.qa_call import answer_items
-from serving.frontend.schemas import qa_result
-from serving.frontend.v2_tensors import (
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.frontend import v2_binary
+from shardserve.serving.frontend.access import ApiKeyRoute, request_id_of
+from shardserve.serving.frontend.openapi import RETRY_AFTER_503_S
+from shardserve.serving.frontend.qa_call import answer_items
+from shardserve.serving.frontend.schemas import qa_result
+from shardserve.serving.frontend.v2_tensors import (
     INPUTS,
     OUTPUT_TYPES,
     V2InferenceRequest,
@@ -65,6 +62,9 @@ from serving.frontend.v2_tensors import (
     parse_call,
     v2_field,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -238,17 +238,10 @@ def model_engine(request: Request, model_name: str) -> Engine | JSONResponse:
 # ------------------------------------------------------------------------------------------ routes
 
 
-def _version() -> str:
-    try:
-        return metadata.version("shardserve")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
-
-
 @open_router.get("/v2", response_model=V2ServerMetadata)
 async def server_metadata() -> V2ServerMetadata:
     """Server metadata: name, version, extensions. Open, like the health routes."""
-    return V2ServerMetadata(name="shardserve", version=_version(), extensions=EXTENSIONS)
+    return V2ServerMetadata(name="shardserve", version=__version__, extensions=EXTENSIONS)
 
 
 @open_router.get("/v2/health/live", response_model=V2Live)

@@ -10,11 +10,11 @@ before it loads the models; ``build_app`` calls it for settings that still say `
 
 from __future__ import annotations
 
-from models.registry import ModelSource, resolve_model
-from partitioner.fit import fit_layout, memory_budget
-from partitioner.int8 import calibration_path, model_calibration
-from partitioner.precision import DtypeChoice, resolve_dtype
-from serving.frontend.settings import ServeSettings
+from shardserve.models.registry import ModelSource, resolve_model
+from shardserve.partitioner.fit import fit_layout, memory_budget
+from shardserve.partitioner.int8 import calibration_path, model_calibration
+from shardserve.partitioner.precision import DtypeChoice, resolve_dtype
+from shardserve.serving.frontend.settings import ServeSettings
 
 
 def _sources(settings: ServeSettings) -> dict[str, ModelSource]:

@@ -23,11 +23,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
+from shardserve.serving.engine.builder import replica_cap as pool_replica_cap
+from shardserve.serving.frontend.schemas import ErrorResponse, ValidationErrorResponse
+from shardserve.serving.frontend.settings import ServeSettings
 from starlette.routing import Match
-
-from serving.engine.builder import replica_cap as pool_replica_cap
-from serving.frontend.schemas import ErrorResponse, ValidationErrorResponse
-from serving.frontend.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
 

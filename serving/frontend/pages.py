@@ -5,7 +5,7 @@
   page when the server has ``--api-key``). Sent with a ``Content-Security-Policy`` that allows the
   page's own origin only.
 - ``/ui``: a small FastAPI application of its own, mounted on the server (the page's component):
-  ``GET /ui/status`` (the JSON the page polls, ``serving.frontend.status.collect_status``), documented in
+  ``GET /ui/status`` (the JSON the page polls, ``shardserve.serving.frontend.status.collect_status``), documented in
   ``/ui/openapi.json``; ``/ui/static/`` (the page's ``app.js`` / ``app.css``) and ``/ui/vendor/``
   (Swagger UI and ReDoc from the PyPI package ``fastapi-offline``). ``/ui/status`` is open like
   ``/metrics`` and ``/readyz``: counts, the plan, replica states, path-free error lines, no request
@@ -27,9 +27,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
-
-from serving.frontend.status import collect_status
-from serving.frontend.status_schemas import StatusResponse
+from shardserve.serving.frontend.status import collect_status
+from shardserve.serving.frontend.status_schemas import StatusResponse
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,9 @@ from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from partitioner.placement.latency import MeasuredLatency, PlacementError
-from partitioner.precision import compute_dtype
-from serving.config import PLACEMENT_POLICIES, PlacementConfig
+from shardserve.partitioner.placement.latency import MeasuredLatency, PlacementError
+from shardserve.partitioner.precision import compute_dtype
+from shardserve.serving.config import PLACEMENT_POLICIES, PlacementConfig
 
 # the flags that apply with placement only
 PLACEMENT_FIELDS = (

@@ -1,6 +1,6 @@
 """The front end's side of one QA call, shared by the native routes, the Open Inference Protocol and gRPC.
 
-``answer_for`` calls the engine room's protocol-neutral ``serving.engine.answer.answer_pairs`` with
+``answer_for`` calls the engine room's protocol-neutral ``shardserve.serving.engine.answer.answer_pairs`` with
 what the app knows (the settings' text limits, whether the server is shutting down); gRPC calls it
 directly. The HTTP routes hand their items to ``answer_items``, which adds what only HTTP knows (the
 engine of the model asked for, from the app's model repository; the client's disconnect) and notes
@@ -19,12 +19,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
-
-from serving.engine.answer import Answered, answer_pairs
-from serving.engine.core import Engine
-from serving.engine.qa_types import QAPair
-from serving.frontend.access import disconnect_watcher, note_windows
-from serving.frontend.schemas import QAItem
+from shardserve.serving.engine.answer import Answered, answer_pairs
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.qa_types import QAPair
+from shardserve.serving.frontend.access import disconnect_watcher, note_windows
+from shardserve.serving.frontend.schemas import QAItem
 
 
 async def answer_items(

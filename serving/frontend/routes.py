@@ -9,7 +9,7 @@ and watch for the client disconnecting so its queued work is cancelled. Every er
 log). Both tokens are checked before the body is read (``AdminRoute``, ``ApiKeyRoute``); a body the
 JSON parser gives up on is a JSON decode error like any other (``serving/frontend/json_body.py``). The Open
 Inference Protocol (v2) routes are ``serving/frontend/kserve_v2.py``; both protocols answer through
-``serving.engine.answer.answer_pairs`` (``serving/frontend/qa_call.py``), and reach the fleet (replicas, scaling, reload) only through
+``shardserve.serving.engine.answer.answer_pairs`` (``serving/frontend/qa_call.py``), and reach the fleet (replicas, scaling, reload) only through
 the engine's facade (``app.state.engine``).
 
 Status codes: 200; 400 invalid UTF-8; 401 admin auth or API key; 409 reload conflict (another
@@ -34,21 +34,20 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response, Securi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-
-from serving.engine.core import Engine
-from serving.engine.qa_types import EngineError
-from serving.engine.repository import ModelRepository
-from serving.frontend.access import (
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.frontend.access import (
     ApiKeyRoute,
     Handler,
     check_first,
     request_id_of,
     token_matches,
 )
-from serving.frontend.json_body import JsonBodyRoute
-from serving.frontend.openapi import RETRY_AFTER_503_S, responses
-from serving.frontend.qa_call import answer_items
-from serving.frontend.schemas import (
+from shardserve.serving.frontend.json_body import JsonBodyRoute
+from shardserve.serving.frontend.openapi import RETRY_AFTER_503_S, responses
+from shardserve.serving.frontend.qa_call import answer_items
+from shardserve.serving.frontend.schemas import (
     ModelInfo,
     QABatchRequest,
     QABatchResponse,
@@ -59,7 +58,7 @@ from serving.frontend.schemas import (
     ReplicasRequest,
     qa_result,
 )
-from serving.redact import one_line
+from shardserve.serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from typing import Annotated
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-
-from serving.config import SchedulerConfig
+from shardserve.serving.config import SchedulerConfig
 
 # windows of similar length batched together: a micro-batch's padding stays near 7 % on SQuAD, and
 # short questions do not wait on long windows (docs/benchmarks.md)

@@ -2,7 +2,7 @@
 
 Requests are strict: a wrong JSON type (``"top_k": "3"``) or an unknown field is a 422 with the
 offending location, never a silent coercion. Text limits that depend on settings (context length)
-are checked by the routes with ``models.qa_windows.validate_qa_inputs``.
+are checked by the routes with ``shardserve.models.qa_windows.validate_qa_inputs``.
 
 No answer (SQuAD 2.0): when a ``null_threshold`` applies (the request's own, else the server's
 ``--null-threshold``) and the model prefers to abstain, ``no_answer`` is true and ``answers`` is
@@ -17,9 +17,8 @@ import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
-
-from models.qa_windows import MAX_ANSWER_LENGTH_RANGE, NULL_THRESHOLD_RANGE, TOP_K_RANGE
-from serving.engine.qa_types import PairResult, QAPair
+from shardserve.models.qa_windows import MAX_ANSWER_LENGTH_RANGE, NULL_THRESHOLD_RANGE, TOP_K_RANGE
+from shardserve.serving.engine.qa_types import PairResult, QAPair
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 # one character that is neither whitespace nor a control character (tokenizers drop both): the

@@ -5,7 +5,7 @@ environment variable (``SHARDSERVE_MAX_QUEUE_SIZE``); a flag given on the comman
 the environment, the environment over the default. The field descriptions below ARE the
 ``--help`` texts (the console script generates the flags from them, ``shardserve/flags.py``).
 
-    from serving.frontend.settings import ServeSettings
+    from shardserve.serving.frontend.settings import ServeSettings
     s = ServeSettings(model="tiny-bert", pp=2)        # validated once, errors print the numbers
     s.scheduler_config(), s.autoscaling_config()      # the pure-logic configs built from it
     s.fleet_config(dtype="float32", compile=False)    # (serving/config.py), which the engine builds from
@@ -21,14 +21,13 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
-
-from models.qa_windows import WindowConfig
-from partitioner.command import split_list
-from partitioner.compiled import COMPILE_CHOICES
-from partitioner.fit import AUTO, DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
-from partitioner.precision import DTYPE_CHOICES
-from partitioner.runtime.gang_flags import GangFlags, secret_from_file
-from serving.config import (
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.partitioner.command import split_list
+from shardserve.partitioner.compiled import COMPILE_CHOICES
+from shardserve.partitioner.fit import AUTO, DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
+from shardserve.partitioner.precision import DTYPE_CHOICES
+from shardserve.partitioner.runtime.gang_flags import GangFlags, secret_from_file
+from shardserve.serving.config import (
     AutoscalingConfig,
     FleetConfig,
     PlacementConfig,
@@ -37,8 +36,8 @@ from serving.config import (
     model_name_of,
     repository_models,
 )
-from serving.frontend.placement_flags import PlacementFlags
-from serving.frontend.scheduler_flags import SchedulerFlags
+from shardserve.serving.frontend.placement_flags import PlacementFlags
+from shardserve.serving.frontend.scheduler_flags import SchedulerFlags
 
 MAX_AUTO_API_WORKERS = 8  # the engine core's own loop caps what more API processes could add
 
@@ -481,7 +480,7 @@ class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
 
     def fleet_config(self, *, dtype: str = "float32", compile: bool = False) -> FleetConfig:
         """Where and how gangs run; ``dtype`` and ``compile`` as resolved for the device
-        (``partitioner.precision.resolve_dtype``, ``partitioner.compiled.resolve_compile``)."""
+        (``shardserve.partitioner.precision.resolve_dtype``, ``shardserve.partitioner.compiled.resolve_compile``)."""
         return FleetConfig(
             device=self.device,
             pp=self.pp,

@@ -8,7 +8,7 @@ settings. Where a rank runs (host, pid) is what the rank itself reports in its h
 
 - ``StatusBoard`` (``app.state.status``) samples the registry every ``every_s`` (a background task
   started and stopped by the app lifespan), keeps ``history_s`` of snapshots, and collects recent
-  WARNING/ERROR log records of the server's packages (one path-free line each, ``serving.redact``).
+  WARNING/ERROR log records of the server's packages (one path-free line each, ``shardserve.serving.redact``).
 - Windowed numbers are differences between the newest snapshot and the one ``window_s`` earlier
   (like PromQL ``rate()``); latency percentiles interpolate inside the histogram buckets like
   ``histogram_quantile`` (so they are as coarse as ``LATENCY_BUCKETS``). A number the server does
@@ -34,11 +34,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-
-from serving.engine.core import Engine
-from serving.engine.replica_detail import ReplicaDetail
-from serving.engine.repository import ModelEntry, ModelRepository
-from serving.frontend.status_schemas import (
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.replica_detail import ReplicaDetail
+from shardserve.serving.engine.repository import ModelEntry, ModelRepository
+from shardserve.serving.frontend.status_schemas import (
     ApiWorkerStatus,
     AutoscalerStatus,
     Decision,
@@ -53,13 +52,13 @@ from serving.frontend.status_schemas import (
     StatusResponse,
     WindowStats,
 )
-from serving.metrics import ServingMetrics
-from serving.redact import one_line
+from shardserve.serving.metrics import ServingMetrics
+from shardserve.serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
 WINDOWS_S = (60.0, 300.0)  # the windows the page shows ("last minute", "last 5 minutes")
-LOGGERS = ("serving", "partitioner", "models", "shardserve")  # whose warnings are "recent errors"
+LOGGERS = ("shardserve",)  # whose warnings are "recent errors": the whole namespace
 QUANTILES = (0.5, 0.95, 0.99)
 
 Key = tuple[str, tuple[tuple[str, str], ...]]

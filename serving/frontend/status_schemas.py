@@ -2,7 +2,7 @@
 
 Numbers the server does not measure are ``null``, never a made-up zero: percentiles of a window
 without requests, busy time of a backend that cannot report its busy ranks, a pid of a rank that
-has not been heard from. Filled in by ``serving.frontend.status.collect_status``.
+has not been heard from. Filled in by ``shardserve.serving.frontend.status.collect_status``.
 """
 
 from __future__ import annotations

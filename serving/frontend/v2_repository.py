@@ -26,12 +26,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-
-from serving.config import MODEL_NAME
-from serving.engine.qa_types import EngineError
-from serving.engine.repository import ModelRepository
-from serving.frontend.kserve_v2 import V2Route, v2_error, v2_responses
-from serving.frontend.routes import AdminRoute, require_admin
+from shardserve.serving.config import MODEL_NAME
+from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.frontend.kserve_v2 import V2Route, v2_error, v2_responses
+from shardserve.serving.frontend.routes import AdminRoute, require_admin
 
 
 class V2AdminRoute(V2Route, AdminRoute):

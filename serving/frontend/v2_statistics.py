@@ -40,11 +40,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.metrics import MetricWrapperBase
 from pydantic import BaseModel, Field
-
-from serving.engine.core import Engine
-from serving.engine.repository import ModelRepository, model_version
-from serving.frontend.kserve_v2 import V2ModelRoute, model_engine, v2_error, v2_responses
-from serving.metrics import ServingMetrics
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.repository import ModelRepository, model_version
+from shardserve.serving.frontend.kserve_v2 import V2ModelRoute, model_engine, v2_error, v2_responses
+from shardserve.serving.metrics import ServingMetrics
 
 NS_PER_S = 1_000_000_000
 PHASES = ("queue", "compute_input", "compute_infer", "compute_output")

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from serving.frontend import v2_binary
-from serving.frontend.schemas import JsonInt, QAItem
+from shardserve.serving.frontend import v2_binary
+from shardserve.serving.frontend.schemas import JsonInt, QAItem
 
 INPUTS = ("question", "context")
 OUTPUTS = ("answer", "score", "start", "end", "no_answer")
@@ -283,7 +282,7 @@ def parse_call(body: V2InferenceRequest, binary: bytes | None, *, max_batch_item
 
 
 def encode_outputs(results: list[Any], *, top_k: int, names: list[str]) -> list[V2ResponseOutput]:
-    """The named output tensors of N results (``serving.frontend.schemas.QAResult``), K = top_k per row."""
+    """The named output tensors of N results (``shardserve.serving.frontend.schemas.QAResult``), K = top_k per row."""
     n = len(results)
     rows: dict[str, list[Any]] = {"answer": [], "score": [], "start": [], "end": []}
     for r in results:

@@ -16,14 +16,13 @@ import json
 import sys
 
 import torch
-
-from models.registry import resolve_model
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.gang import GangError
-from partitioner.runtime.rank import GangSpec
-from partitioner.runtime.remote import GangNetwork
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import STREAM_PROGRAM, stream_spec
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.runtime.gang import GangError
+from shardserve.partitioner.runtime.rank import GangSpec
+from shardserve.partitioner.runtime.remote import GangNetwork
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import STREAM_PROGRAM, stream_spec
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:

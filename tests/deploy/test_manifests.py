@@ -22,7 +22,8 @@ DEPLOY = REPO / "deploy"
 # oldest version with everything used here (pod-index labels, Indexed Jobs) .. the newest bundled
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
-from serving.frontend.http_protocol import SHUTDOWN_GRACE_S  # noqa: E402
+from shardserve.serving.frontend.http_protocol import SHUTDOWN_GRACE_S  # noqa: E402
+
 from tests.deploy.crd_schemas import is_crd, validate_crd  # noqa: E402 (needs the skip above)
 
 
@@ -203,7 +204,7 @@ def test_kserve_runtime_serves_the_v2_protocol_on_open_probes() -> None:
     assert args[0] == "serve"
     flags = dict(zip(args[1::2], args[2::2], strict=True))
     assert flags["--served-model-name"] == "{{.Name}}"  # KServe fills in the InferenceService name
-    from serving.frontend.settings import ServeSettings
+    from shardserve.serving.frontend.settings import ServeSettings
 
     for flag in flags:  # every flag is a real `shardserve serve` flag
         assert flag[2:].replace("-", "_") in ServeSettings.model_fields, flag
@@ -235,7 +236,7 @@ def _flags(args: list[str]) -> dict[str, str]:
 
 def test_lws_replica_spans_two_hosts_leader_serves_and_worker_joins_its_gang() -> None:
     """deploy/lws-two-hosts.yaml: the leader's serve flags and the worker's join settings agree."""
-    from serving.frontend.settings import ServeSettings
+    from shardserve.serving.frontend.settings import ServeSettings
 
     lws = _one("LeaderWorkerSet", "shardserve-2host")
     tmpl = lws["spec"]["leaderWorkerTemplate"]

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 import torch
+from shardserve.partitioner.runtime.wire import new_key
+from shardserve.partitioner.stream.gang import StreamGang
 
-from partitioner.runtime.wire import new_key
-from partitioner.stream.gang import StreamGang
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 from tests.netns import netns_available, virtual_hosts
 
@@ -98,7 +98,7 @@ def test_server_with_a_remote_stage_answers_survives_kill_9_and_recovers() -> No
     """`shardserve serve --external-ranks 1` on host A, `shardserve worker` on host B, clients on B."""
     if reason := netns_available():
         pytest.skip(reason)
-    from loadtest.local_server import local_server
+    from shardserve.loadtest.local_server import local_server
 
     with local_server(["--model", "tiny-bert", "--pp", "2", "--replicas", "1", "--dtype", "float32"]) as ref:
         want = [r["text"] for r in _client(_Here(), ref.url, requests=3)["results"]]

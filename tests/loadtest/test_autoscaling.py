@@ -18,17 +18,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from loadtest.local_server import local_server
-from loadtest.report import read_metrics, read_requests, window_stats
-from loadtest.runner import LoadTestConfig, run_loadtest
-from loadtest.scenarios import ScenarioConfig
+from shardserve.loadtest.local_server import local_server
+from shardserve.loadtest.report import read_metrics, read_requests, window_stats
+from shardserve.loadtest.runner import LoadTestConfig, run_loadtest
+from shardserve.loadtest.scenarios import ScenarioConfig
 
 # locust is never imported here: it monkey-patches the process with gevent on import
 if importlib.util.find_spec("locust") is None:
     pytest.skip("locust is in the test extra: pip install -e '.[test]'", allow_module_level=True)
 pytest.importorskip(
-    "serving.frontend.app", reason="needs the HTTP server (serving/frontend/app.py: shardserve serve)"
+    "shardserve.serving.frontend.app", reason="needs the HTTP server (serving/frontend/app.py: shardserve serve)"
 )
 
 SLO_MS = 1000.0  # generous on purpose: the test checks the scaling behaviour, not the speed

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from shardserve.loadtest.local_server import free_port
+from shardserve.loadtest.runner import LoadTestConfig
 
-from loadtest.local_server import free_port
-from loadtest.runner import LoadTestConfig
 from shardserve.cli import build_parser
 from shardserve.cli import main as shardserve_main
 

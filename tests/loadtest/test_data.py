@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from loadtest.checks import check_answers
-from loadtest.data import generate_items, load_qa_items, read_squad
+from shardserve.loadtest.checks import check_answers
+from shardserve.loadtest.data import generate_items, load_qa_items, read_squad
 
 
 def test_read_squad_pairs_questions_with_contexts(tmp_path: Path) -> None:

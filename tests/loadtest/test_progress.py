@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 
-from loadtest.progress import StatusLine
+from shardserve.loadtest.progress import StatusLine
 
 
 def test_plain_lines_every_interval_and_a_final_one() -> None:

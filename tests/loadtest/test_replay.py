@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from loadtest.replay import attainment, replay, summary
-from partitioner.placement.workload import Trace
+from shardserve.loadtest.replay import attainment, replay, summary
+from shardserve.partitioner.placement.workload import Trace
+
 from tests.loadtest.stub_server import StubServer
 
 

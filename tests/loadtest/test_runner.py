@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from shardserve.loadtest.checks import is_loopback_host
+from shardserve.loadtest.local_server import ServerNotReady, wait_ready
+from shardserve.loadtest.report import PLOTS
+from shardserve.loadtest.runner import LOCUSTFILE, LoadTestConfig, LoadTestError, run_loadtest
+from shardserve.loadtest.scenarios import GammaArrivals, ScenarioConfig
 
-from loadtest.checks import is_loopback_host
-from loadtest.local_server import ServerNotReady, wait_ready
-from loadtest.report import PLOTS
-from loadtest.runner import LOCUSTFILE, LoadTestConfig, LoadTestError, run_loadtest
-from loadtest.scenarios import GammaArrivals, ScenarioConfig
 from shardserve.cli import main as shardserve_main
 from tests.loadtest.stub_server import StubServer
 
@@ -202,7 +202,7 @@ def test_a_locust_failure_is_one_line_naming_its_log(tmp_path: Path, monkeypatch
     with StubServer() as srv:
         config = LoadTestConfig(host=srv.url, out_dir=str(tmp_path / "out"), data=str(data))
         data.write_text("[]")  # spoilt after the check: the locust process fails to read it
-        monkeypatch.setattr("loadtest.runner.check_data_file", lambda path: None)
+        monkeypatch.setattr("shardserve.loadtest.runner.check_data_file", lambda path: None)
         with pytest.raises(LoadTestError) as info:
             run_loadtest(config)
     message = str(info.value)

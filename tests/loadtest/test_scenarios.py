@@ -8,8 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from loadtest.scenarios import (
+from shardserve.loadtest.scenarios import (
     GammaArrivals,
     Scenario,
     ScenarioConfig,

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
-from models.qa_windows import QAWindow
+from shardserve.models.qa_windows import QAWindow
 
 
 def _offs(window: QAWindow) -> list[tuple[int, int] | None]:
@@ -41,9 +40,8 @@ def right_padded(lengths: list[int], seq_len: int) -> tuple[torch.Tensor, torch.
 @contextlib.contextmanager
 def spare_rows(monkeypatch: pytest.MonkeyPatch, extra: int = 3) -> Iterator[None]:
     """Packed fp32 batches run with ``extra`` spare rows after their real tokens inside this block, as
-    oneDNN's row grid gives bf16 ones (``models.packing.packed_rows``), so fp32 logits can check them."""
-    import models.packing as packing
-
+    oneDNN's row grid gives bf16 ones (``shardserve.models.packing.packed_rows``), so fp32 logits can check them."""
+    import shardserve.models.packing as packing
     with monkeypatch.context() as grid:
         grid.setattr(packing, "ONEDNN_DTYPES", (torch.float32,))
         grid.setattr(packing, "packed_rows", lambda tokens: tokens + extra)

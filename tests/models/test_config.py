@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from models.config import EncoderConfig, ModelConfigError
-from models.registry import TINY_PRESETS, minilm_dir
+from shardserve.models.config import EncoderConfig, ModelConfigError
+from shardserve.models.registry import TINY_PRESETS, minilm_dir
 
 
 def test_minilm_config_maps_fields():

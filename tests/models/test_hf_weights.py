@@ -7,12 +7,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from models.build import build_model
-from models.config import EncoderConfig
-from models.hf_weights import CheckpointError, save_hf_checkpoint, to_hf_state_dict
-from models.registry import TINY_PRESETS, ModelSource, resolve_model
-from partitioner.stream.verify import sample_batches
+from shardserve.models.build import build_model
+from shardserve.models.config import EncoderConfig
+from shardserve.models.hf_weights import CheckpointError, save_hf_checkpoint, to_hf_state_dict
+from shardserve.models.registry import TINY_PRESETS, ModelSource, resolve_model
+from shardserve.partitioner.stream.verify import sample_batches
 
 
 def _reference_qa(path):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import shardserve.models.packing as packing
 import torch
 import torch.nn.functional as F
-
-import models.packing as packing
-from models.cpu import cpu_capabilities
-from models.packing import (
+from shardserve.models.cpu import cpu_capabilities
+from shardserve.models.packing import (
     PackedLayout,
     PaddedLayout,
     attention_layout,
@@ -20,6 +19,7 @@ from models.packing import (
     packed_rows,
     padded_inference,
 )
+
 from tests.models.qa_fixtures import right_padded
 
 FP32 = torch.float32  # Linear layers in MKL: no spare rows

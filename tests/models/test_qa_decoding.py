@@ -10,9 +10,8 @@ import math
 
 import pytest
 import torch
-
-from models.qa_decoding import Answer, decode_encoded, decode_spans
-from models.qa_windows import (
+from shardserve.models.qa_decoding import Answer, decode_encoded, decode_spans
+from shardserve.models.qa_windows import (
     QAInputError,
     QAWindow,
     WindowConfig,
@@ -20,6 +19,7 @@ from models.qa_windows import (
     validate_null_threshold,
     validate_qa_inputs,
 )
+
 from tests.models.qa_fixtures import _long_context, _offs
 
 # ------------------------------------------------------------------------------------------

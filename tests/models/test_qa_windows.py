@@ -11,9 +11,8 @@ import itertools
 import pytest
 import torch
 import transformers
-
-from models.context_cache import ContextCache
-from models.qa_windows import (
+from shardserve.models.context_cache import ContextCache
+from shardserve.models.qa_windows import (
     QAInputError,
     WindowConfig,
     encode_qa,
@@ -22,6 +21,7 @@ from models.qa_windows import (
     validate_qa_inputs,
     validate_top_k,
 )
+
 from tests.models.qa_fixtures import _long_context, _offs, _strip_accents_lower
 
 # ------------------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def _assert_wrapper_windows(tok, windows, question, context, window):
 def test_windows_are_the_ones_transformers_makes(name):
     """Also when the context comes from the cache, or twice in one call: tokenized apart from its
     question and joined, the windows are those of the pair tokenized whole (type ids included)."""
-    from models.registry import resolve_model
+    from shardserve.models.registry import resolve_model
 
     tok = resolve_model(name).tokenizer()
     window = WindowConfig(max_seq_len=48, doc_stride=12, max_question_len=12)
@@ -273,9 +273,8 @@ def test_a_tokenizer_whose_parts_do_not_join_encodes_pairs_whole(tok):
     """A post-processor that gives the second text type id 0 in the first window: the tokenizers
     library's further windows keep the 1s the context was encoded with, a joined encoding could not
     know that, so this tokenizer skips the cache and its windows stay the library's."""
+    from shardserve.models.qa_windows import _rust_encoders
     from tokenizers import processors
-
-    from models.qa_windows import _rust_encoders
 
     odd = transformers.AutoTokenizer.from_pretrained(tok.name_or_path)
     cls, sep = odd.cls_token_id, odd.sep_token_id

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from shardserve.models.config import ModelConfigError
+from shardserve.models.registry import minilm_dir, resolve_model
 
-from models.config import ModelConfigError
-from models.registry import minilm_dir, resolve_model
 from shardserve.cli import main
 
 
@@ -46,7 +46,7 @@ def test_bert_uncased_folder_falls_back_with_a_warning(
     tmp_path: Path, preset: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     folder = _config_only(tmp_path, preset)
-    with caplog.at_level(logging.WARNING, logger="models.registry"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.models.registry"):
         source = resolve_model(str(folder))
     assert source.tokenizer_dir == minilm_dir()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -57,7 +57,7 @@ def test_a_folder_with_its_own_tokenizer_keeps_it(tmp_path: Path, caplog: pytest
     folder = _config_only(tmp_path, "tiny-roberta")
     for name in ("vocab.json", "merges.txt"):  # byte-level BPE files count as a tokenizer too
         (folder / name).write_text("{}" if name.endswith("json") else "#version: 0.2\n")
-    with caplog.at_level(logging.WARNING, logger="models.registry"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.models.registry"):
         assert resolve_model(str(folder)).tokenizer_dir == folder
     assert not caplog.records
     bert = _config_only(tmp_path, "tiny-bert")

@@ -7,10 +7,10 @@ import json
 import time
 
 import pytest
+from shardserve.loadtest.local_server import free_port
+from shardserve.partitioner.cost import RANK_RUNTIME_BYTES
+from shardserve.partitioner.stream.verify import verify_partitioned
 
-from loadtest.local_server import free_port
-from partitioner.cost import RANK_RUNTIME_BYTES
-from partitioner.stream.verify import verify_partitioned
 from shardserve.cli import main
 
 
@@ -90,7 +90,7 @@ def test_plan_memory_uses_the_dtype_bytes(capsys):
 
 
 def test_fp16_on_a_cpu_without_fp16_units_is_one_line(capsys, monkeypatch):
-    from partitioner import precision
+    from shardserve.partitioner import precision
 
     caps = dataclasses.replace(precision.cpu_capabilities(), model="Test CPU", fp16=False)
     monkeypatch.setattr(precision, "cpu_capabilities", lambda: caps)

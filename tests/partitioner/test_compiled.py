@@ -18,16 +18,15 @@ import sys
 
 import pytest
 import torch
+from shardserve.models.build import build_model
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner import compiled
+from shardserve.partitioner.compiled import compile_stage, resolve_compile, warm_up
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.precision import PrecisionError
+from shardserve.partitioner.stages import slice_stage
+from shardserve.partitioner.stream.verify import verify_partitioned
 from torch._dynamo.utils import counters
-
-from models.build import build_model
-from models.registry import resolve_model
-from partitioner import compiled
-from partitioner.compiled import compile_stage, resolve_compile, warm_up
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.precision import PrecisionError
-from partitioner.stages import slice_stage
-from partitioner.stream.verify import verify_partitioned
 
 
 @pytest.fixture

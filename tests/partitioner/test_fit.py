@@ -8,9 +8,8 @@ processes), plus each command refusing a too-small limit with exit 2 before any 
 from __future__ import annotations
 
 import pytest
-
-from models.registry import resolve_model
-from partitioner.fit import (
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.fit import (
     AUTO,
     MAX_AUTO_RANKS,
     LayoutDoesNotFit,
@@ -20,8 +19,9 @@ from partitioner.fit import (
     parse_size,
     rank_need,
 )
-from partitioner.plan import ParallelDims
-from partitioner.precision import resolve_dtype
+from shardserve.partitioner.plan import ParallelDims
+from shardserve.partitioner.precision import resolve_dtype
+
 from shardserve.cli import main
 
 MIB = 2**20
@@ -153,7 +153,7 @@ def test_an_explicit_layout_that_cannot_split_keeps_its_own_message(tiny) -> Non
 @pytest.fixture
 def no_weight_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if anything opens a checkpoint's weights."""
-    from models import hf_weights
+    from shardserve.models import hf_weights
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were opened before the layout was refused")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from partitioner.host_copy import to_host
+from shardserve.partitioner.host_copy import to_host
 
 
 def test_a_cpu_tensor_is_returned_as_it_is():

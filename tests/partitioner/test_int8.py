@@ -8,16 +8,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import shardserve.partitioner.int8 as int8
+import shardserve.partitioner.precision as precision
 import torch
-from torch import nn
-
-import partitioner.int8 as int8
-import partitioner.precision as precision
-from models.build import build_model
-from models.cpu import cpu_capabilities
-from models.packing import packed_rows
-from models.registry import resolve_model
-from partitioner.int8 import (
+from shardserve.models.build import build_model
+from shardserve.models.cpu import cpu_capabilities
+from shardserve.models.packing import packed_rows
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.int8 import (
     CalibrationMissing,
     Int8Linear,
     calibrate,
@@ -28,7 +26,8 @@ from partitioner.int8 import (
     target_linears,
     weight_max,
 )
-from partitioner.precision import PrecisionError, resolve_dtype
+from shardserve.partitioner.precision import PrecisionError, resolve_dtype
+from torch import nn
 
 SQUAD = Path(__file__).resolve().parents[3] / "shared" / "data" / "squad"
 
@@ -245,9 +244,9 @@ def test_registry_models_calibrate_into_the_cache(monkeypatch, tmp_path):
 def test_partitioned_int8_gang_matches_the_unpartitioned_int8_model(tiny, monkeypatch, tmp_path):
     """pp=2 tp=2: column-parallel shards quantize exactly as the whole layer; row-parallel shards
     scale their own weights and all-reduce the int8 products (their bias once)."""
-    from partitioner.plan import ParallelDims, make_plan
-    from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import stream_spec
+    from shardserve.partitioner.plan import ParallelDims, make_plan
+    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.program import stream_spec
 
     source, _, stats = tiny
     monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))  # the ranks inherit it
@@ -273,8 +272,8 @@ def test_int8_keeps_99_percent_of_fp32_f1_on_a_development_slice(
     """MLPerf's bound on 300 questions of the development pool, calibrated on 128 training questions
     (measured: 0.998 of fp32's F1; with 64 calibration questions 0.992, and 0.986 on 150 questions);
     fp32's answers to them are the session's shared ones (tests/conftest.py)."""
-    from training.evaluate import EvalConfig, eval_inputs, evaluate_model
-    from training.squad_metrics import evaluate
+    from shardserve.training.evaluate import EvalConfig, eval_inputs, evaluate_model
+    from shardserve.training.squad_metrics import evaluate
 
     monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))
     source = resolve_model("default")

@@ -7,11 +7,10 @@ import random
 
 import pytest
 import torch
-
-from models.build import new_model
-from models.config import EncoderConfig
-from models.registry import TINY_PRESETS, minilm_dir
-from partitioner.cost import (
+from shardserve.models.build import new_model
+from shardserve.models.config import EncoderConfig
+from shardserve.models.registry import TINY_PRESETS, minilm_dir
+from shardserve.partitioner.cost import (
     InfeasiblePlanError,
     UnitCost,
     analytic_costs,
@@ -19,9 +18,9 @@ from partitioner.cost import (
     stage_costs,
     training_memory_bytes,
 )
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.stages import slice_stage
-from partitioner.tensor_parallel import apply_tensor_parallel
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.stages import slice_stage
+from shardserve.partitioner.tensor_parallel import apply_tensor_parallel
 
 MINILM = EncoderConfig.from_pretrained_dir(minilm_dir())
 TINY = EncoderConfig.from_hf_dict(TINY_PRESETS["tiny-bert"])

@@ -6,7 +6,7 @@
 - Attention (``scaled_dot_product_attention`` with the padding mask) equals the explicit
   softmax(QK^T / sqrt(d) + mask) V in fp32.
 - Partitioned bf16 gangs at (pp, tp) in {(1,1), (2,1), (1,2)} stay within the stated bf16 bound of
-  the fp32 reference (``partitioner.stream.verify.TOLERANCES``), and fp32 within 1e-4.
+  the fp32 reference (``shardserve.partitioner.stream.verify.TOLERANCES``), and fp32 within 1e-4.
 
     python -m pytest tests/partitioner/test_precision.py -q
 """
@@ -18,16 +18,15 @@ import math
 
 import pytest
 import torch
-
-from models.build import build_model
-from models.cpu import CpuCapabilities
-from models.encoder import SelfAttention
-from models.packing import PaddedLayout, expand_mask
-from models.registry import resolve_model
-from partitioner import precision
-from partitioner.plan import ParallelDims
-from partitioner.precision import DynamicLossScale, PrecisionError, resolve_dtype
-from partitioner.stream.verify import TOLERANCES, best_spans, verify_partitioned
+from shardserve.models.build import build_model
+from shardserve.models.cpu import CpuCapabilities
+from shardserve.models.encoder import SelfAttention
+from shardserve.models.packing import PaddedLayout, expand_mask
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner import precision
+from shardserve.partitioner.plan import ParallelDims
+from shardserve.partitioner.precision import DynamicLossScale, PrecisionError, resolve_dtype
+from shardserve.partitioner.stream.verify import TOLERANCES, best_spans, verify_partitioned
 
 AMX = CpuCapabilities(
     model="Intel Xeon (test)", isa="AVX512", amx=True, avx512_bf16=True, vnni=True, fp16=False

@@ -14,10 +14,8 @@ import contextlib
 
 import pytest
 import torch
-from torch import nn
-
-from partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_KEEPALIVE, KIND_STOP, Message
-from partitioner.schedules import (
+from shardserve.partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_KEEPALIVE, KIND_STOP, Message
+from shardserve.partitioner.schedules import (
     IDLE,
     MicroBatch,
     ScheduleError,
@@ -27,6 +25,7 @@ from partitioner.schedules import (
     run_schedule,
     run_stream,
 )
+from torch import nn
 
 
 class Recorder:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from models.build import build_model
-from models.encoder import EncoderForQA
-from models.hf_weights import CheckpointError
-from models.registry import ModelSource, resolve_model
-from partitioner.shard_loading import ShardSlice, load_shard, shard_spec
-from partitioner.tensor_parallel import apply_tensor_parallel
+from shardserve.models.build import build_model
+from shardserve.models.encoder import EncoderForQA
+from shardserve.models.hf_weights import CheckpointError
+from shardserve.models.registry import ModelSource, resolve_model
+from shardserve.partitioner.shard_loading import ShardSlice, load_shard, shard_spec
+from shardserve.partitioner.tensor_parallel import apply_tensor_parallel
 
 
 def _sharded(source: ModelSource, *, tp_rank: int, tp_size: int) -> EncoderForQA:
@@ -67,7 +66,7 @@ def test_shard_outside_the_stored_tensor_is_refused():
 def test_a_fused_projection_is_split_block_by_block_and_joins_back(tmp_path):
     """ModernBERT's Wqkv: three blocks (q, k, v) of 8 rows, two ranks: each holds rows 0-3 or 4-7 of
     every block; the training checkpoint's merge puts them back in place."""
-    from training.checkpoint_shards import merge_shards, write_shard
+    from shardserve.training.checkpoint_shards import merge_shards, write_shard
 
     full = torch.arange(24 * 2, dtype=torch.float32).reshape(24, 2)  # (3 blocks x 8 rows, 2)
     specs = [ShardSlice(0, 4 * r, 4, blocks=3) for r in range(2)]

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.build import build_model
-from models.registry import resolve_model
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.stages import build_stage
-from partitioner.stream.verify import sample_batches
+from shardserve.models.build import build_model
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.stages import build_stage
+from shardserve.partitioner.stream.verify import sample_batches
 
 
 @pytest.mark.parametrize("name", ["tiny-bert", "tiny-distilbert"])

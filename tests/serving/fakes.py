@@ -1,6 +1,6 @@
 """In-process fake gangs for the API / engine tests (no worker processes, starts in milliseconds).
 
-``FakeGang`` has the interface of ``partitioner.runtime.gang.Gang`` the server uses (start, submit ->
+``FakeGang`` has the interface of ``shardserve.partitioner.runtime.gang.Gang`` the server uses (start, submit ->
 concurrent Future of (B, S, 2) logits, healthy, inflight, stop, pids, rank_processes: its one rank
 reports ``host`` and a made-up pid, as a real rank's heartbeats do; busy_seconds, when asked to:
 the time spent in ``batch_s``). One worker thread answers
@@ -23,8 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-
-from partitioner.runtime.gang import GangError
+from shardserve.partitioner.runtime.gang import GangError
 
 _pids = itertools.count(100000)
 

@@ -4,7 +4,7 @@ A sample of development-set questions (every 150th of the 42-article pool: 59 qu
 articles, some with contexts longer than one window) goes to a server built with no flags but the
 model (what ``shardserve serve`` runs: default precision, windows, replicas and threads), 8 requests
 in flight so the scheduler batches them together; the answers must be the eval path's answers for
-the same questions at the same windows and precision (``training.evaluate.predict_answers``).
+the same questions at the same windows and precision (``shardserve.training.evaluate.predict_answers``).
 
 In float32 every answer is identical. In bfloat16 the server's batches (other requests beside it,
 padding to a length bucket) round differently from eval's, so a span that nearly ties with another
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from shardserve.models.registry import DEFAULT_OVERLAY_DIR
+from shardserve.serving.frontend.app import build_app
+from shardserve.serving.frontend.settings import ServeSettings
+from shardserve.training.evaluate import EvalConfig, predict_answers
 
-from models.registry import DEFAULT_OVERLAY_DIR
-from serving.frontend.app import build_app
-from serving.frontend.settings import ServeSettings
 from tests.serving.frontend.test_api import wait_until
-from training.evaluate import EvalConfig, predict_answers
 
 EVERY = 150  # sample stride over the pool's 8,727 questions
 

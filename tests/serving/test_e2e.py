@@ -24,14 +24,14 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from shardserve.loadtest.local_server import local_server
+from shardserve.models.build import build_model
+from shardserve.models.qa_decoding import decode_spans
+from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
+from shardserve.serving.fleet.replicas import ReplicaState
+from shardserve.serving.frontend.app import build_app
+from shardserve.serving.frontend.settings import ServeSettings
 
-from loadtest.local_server import local_server
-from models.build import build_model
-from models.qa_decoding import decode_spans
-from models.qa_windows import WindowConfig, encode_qa, pad_windows
-from serving.fleet.replicas import ReplicaState
-from serving.frontend.app import build_app
-from serving.frontend.settings import ServeSettings
 from tests.serving.frontend.test_api import CONTEXT, TOKEN, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -395,9 +395,9 @@ def test_a_second_signal_stops_now_answering_503_and_exits_130(tmp_path: Any) ->
 def test_stalled_rank_is_failed_and_its_requests_retried() -> None:
     """The first gang's last stage hangs at its 3rd micro-batch: after stall_timeout_s the gang is
     failed, its in-flight requests are answered by the other gang, and a fresh gang replaces it."""
-    from partitioner.runtime.rank import FaultSpec
-    from partitioner.stream.gang import StreamGang
-    from partitioner.stream.program import stream_spec_multi
+    from shardserve.partitioner.runtime.rank import FaultSpec
+    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.program import stream_spec_multi
 
     made: list[StreamGang] = []
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 
-from serving.frontend.status import read_registry
-from serving.metrics import ServingMetrics
+from shardserve.serving.frontend.status import read_registry
+from shardserve.serving.metrics import ServingMetrics
+
 from tests.serving.frontend.test_api import ask, serving, wait_until
 
 BUSY = "shardserve_stage_busy_seconds_total"

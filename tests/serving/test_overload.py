@@ -32,9 +32,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from loadtest.local_server import LocalServer, local_server
-from loadtest.overload import QUESTION, OverloadConfig, access_log_latencies, long_context, run_overload
+from shardserve.loadtest.local_server import LocalServer, local_server
+from shardserve.loadtest.overload import (
+    QUESTION,
+    OverloadConfig,
+    access_log_latencies,
+    long_context,
+    run_overload,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,9 @@
 """The package layering holds: every import (also those inside functions) walked with ``ast``.
 
+Every folder installs under one namespace (``serving/`` is ``shardserve.serving``, setup.py); the
+names below are the folders' (``serving.engine`` is ``shardserve.serving.engine``), and the
+namespace's root module (``shardserve/__init__.py``: the version) may be imported by any of them.
+
 models <- partitioner <- {serving, training, loadtest} <- shardserve (the console script's home).
 serving and training never import each other; models knows nothing of parallelism, serving or
 training; no module takes part in an import circle. Inside the packages (the rooms of
@@ -32,11 +36,21 @@ ALLOWED = {  # package -> the other packages it may import
 }
 
 
+NAMESPACE = "shardserve"
+
+
 def _module_name(path: Path) -> str:
+    """The short (folder) name of a source file: ``serving/engine/core.py`` -> ``serving.engine.core``."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def _short(name: str) -> str:
+    """An imported name in folder form: ``shardserve.serving.engine`` -> ``serving.engine``."""
+    head, _, rest = name.partition(".")
+    return rest if head == NAMESPACE and rest.split(".")[0] in PACKAGES[:-1] else name
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
@@ -49,7 +63,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
             names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
         else:
             continue
-        for name in names:
+        for name in map(_short, names):
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             if name:
@@ -63,7 +77,9 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in files.items():
         # a package's __init__ is imported with each of its modules: not an edge of the module's own
-        graph[name] = {m for m in _imports(path, modules) if m != name and not name.startswith(m + ".")}
+        graph[name] = {
+            m for m in _imports(path, modules) if m not in (name, NAMESPACE) and not name.startswith(m + ".")
+        }
     return graph
 
 
@@ -179,3 +195,14 @@ def test_the_walk_sees_imports() -> None:
     assert "partitioner.runtime.gang" in graph["partitioner.stream.gang"]
     assert "partitioner.runtime.wire" in graph["training.messages"]
     assert "argparse" in _imports_any(ROOT / "shardserve" / "flags.py")
+
+
+def test_every_import_uses_the_namespace() -> None:
+    """``import serving`` would find the folder only from the repository root, never once installed."""
+    bare = sorted(
+        f"{p.relative_to(ROOT)}: import {name}"
+        for p in [*_source_files(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+        for name in _imports_any(p)
+        if name in PACKAGES[:-1]
+    )
+    assert not bare, "imports without the shardserve namespace:\n" + "\n".join(bare)

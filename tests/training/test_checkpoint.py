@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from models.qa_windows import WindowConfig
-from training.checkpoint import (
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.training.checkpoint import (
     STATE_FILE,
     ResumeError,
     clear_run,
@@ -31,8 +30,8 @@ from training.checkpoint import (
     run_artifacts,
     trainer_state,
 )
-from training.checkpoint_shards import overlay_tensors
-from training.config import RunInfo, TrainConfig, TrainConfigError
+from shardserve.training.checkpoint_shards import overlay_tensors
+from shardserve.training.config import RunInfo, TrainConfig, TrainConfigError
 
 # trainer_state.json of /work/runs/squad-full/checkpoint-1200, written by the pre-CheckpointManager code
 OLD_STATE = json.loads(
@@ -215,7 +214,7 @@ def test_resume_skips_damaged_newer_checkpoints_for_the_newest_intact_one(
     (bad_state / STATE_FILE).write_text('{"step": 14')
     no_state = _write_checkpoint(tmp_path, 1500)
     (no_state / STATE_FILE).unlink()
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.training.checkpoint"):
         point = resume_point(cfg, **kw)
     assert (point.step, point.path) == (1100, str(intact))
     assert point.skipped == tuple(str(p) for p in (no_state, bad_state, missing, truncated))
@@ -266,7 +265,7 @@ def test_resume_past_a_damaged_final_takes_the_newest_intact_checkpoint(tmp_path
     ["none", "extra rank file truncated", "shard_specs not JSON", "no layout", "header garbage", "empty"],
 )
 def test_checkpoint_problem_reads_headers_of_every_rank_file(tmp_path: Path, damage: str) -> None:
-    from training.checkpoint import checkpoint_problem
+    from shardserve.training.checkpoint import checkpoint_problem
 
     ckpt = _write_checkpoint(tmp_path, 5, ranks=3)  # pp*tp = 2, and an extra rank2 an elastic resume merges
     rank = ckpt / "training_state" / "rank2.safetensors"
@@ -292,7 +291,7 @@ def test_pruning_spares_the_damaged_checkpoints_a_resume_skipped(tmp_path: Path)
     """Resumed from checkpoint-2 past a damaged checkpoint-4, a run keeping 1 checkpoint wrote
     checkpoint-3 and pruned it with checkpoint-2 (the damaged 4 counted as the newest), leaving no
     intact checkpoint. The damaged one is neither counted nor deleted."""
-    from training.checkpoint import prune_checkpoints
+    from shardserve.training.checkpoint import prune_checkpoints
 
     for step in (2, 3, 4):
         _write_checkpoint(tmp_path, step)

@@ -51,7 +51,7 @@ def test_train_with_a_missing_or_non_squad_file_is_one_line(
 def test_train_refuses_a_layout_over_max_memory_per_rank_before_any_weight_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from models import hf_weights
+    from shardserve.models import hf_weights
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("weights were opened before the layout was refused")
@@ -100,7 +100,7 @@ def test_train_refuses_to_replace_a_final_checkpoint_without_resume_or_overwrite
 @pytest.fixture
 def cpu_without_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine's CPU as one without fp16 units, named "Test CPU" (as tests/partitioner/test_cli.py)."""
-    from partitioner import precision
+    from shardserve.partitioner import precision
 
     caps = dataclasses.replace(precision.cpu_capabilities(), model="Test CPU", fp16=False)
     monkeypatch.setattr(precision, "cpu_capabilities", lambda: caps)
@@ -492,11 +492,10 @@ def test_sigterm_during_train_or_eval_is_one_line_and_exit_143(
     import signal
     import time
 
-    import training.driver
-    import training.evaluate
+    from shardserve.training import driver, evaluate
 
-    monkeypatch.setattr(training.driver, "train", _sigterm_self_then_wait)
-    monkeypatch.setattr(training.evaluate, "evaluate_model", _sigterm_self_then_wait)
+    monkeypatch.setattr(driver, "train", _sigterm_self_then_wait)
+    monkeypatch.setattr(evaluate, "evaluate_model", _sigterm_self_then_wait)
     out = tmp_path / "run"
     if command == "train":
         _fake_checkpoint(out, 2, "{}")
@@ -516,7 +515,7 @@ def test_sigterm_during_train_or_eval_is_one_line_and_exit_143(
 
 
 def test_stopped_run_hint_without_a_checkpoint_does_not_promise_a_resume(tmp_path: Path) -> None:
-    from training.cli import stopped_run_hint
+    from shardserve.training.cli import stopped_run_hint
 
     out = tmp_path / "run"
     assert stopped_run_hint(out) == "no checkpoint was written yet"

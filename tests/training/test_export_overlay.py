@@ -18,13 +18,18 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from shardserve.models.build import build_model
+from shardserve.models.registry import resolve_model
+from shardserve.training.driver import train
+from shardserve.training.export_overlay import (
+    LARGE_MAX_BYTES,
+    combine_overlays,
+    export_overlay,
+    low_rank_overlay,
+)
 
-from models.build import build_model
-from models.registry import resolve_model
 from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config
-from training.driver import train
-from training.export_overlay import LARGE_MAX_BYTES, combine_overlays, export_overlay, low_rank_overlay
 
 
 def test_stacked_runs_combine_into_one_overlay(tmp_path):

@@ -15,14 +15,20 @@ import hashlib
 import json
 
 import pytest
+import shardserve.training.features as features
 import torch
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.models.registry import resolve_model
+from shardserve.training.config import TrainConfig
+from shardserve.training.features import (
+    FEATURES_FORMAT,
+    features_key,
+    prepare_data,
+    read_features,
+    sha256_file,
+)
 
-import training.features as features
-from models.qa_windows import WindowConfig
-from models.registry import resolve_model
 from tests.training.test_trainer_parity import write_tiny_squad
-from training.config import TrainConfig
-from training.features import FEATURES_FORMAT, features_key, prepare_data, read_features, sha256_file
 
 
 def _config(tmp_path, **kw) -> TrainConfig:

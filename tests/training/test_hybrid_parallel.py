@@ -24,22 +24,22 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
+from shardserve.models.build import build_model
+from shardserve.models.encoder import EncoderForQA
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.cost import InfeasiblePlanError, ring_allreduce_bytes
+from shardserve.partitioner.data_parallel import make_buckets
+from shardserve.partitioner.plan import ParallelDims, PartitionPlan, make_plan
+from shardserve.partitioner.shard_loading import shard_specs_of
+from shardserve.partitioner.stages import slice_stage
+from shardserve.partitioner.tensor_parallel import apply_tensor_parallel
+from shardserve.training.checkpoint import ResumeError, list_checkpoints, resume_point
+from shardserve.training.checkpoint_shards import load_resharded, write_shard
+from shardserve.training.config import TrainConfig, TrainConfigError
+from shardserve.training.driver import train
 from torch import nn
 
-from models.build import build_model
-from models.encoder import EncoderForQA
-from models.registry import resolve_model
-from partitioner.cost import InfeasiblePlanError, ring_allreduce_bytes
-from partitioner.data_parallel import make_buckets
-from partitioner.plan import ParallelDims, PartitionPlan, make_plan
-from partitioner.shard_loading import shard_specs_of
-from partitioner.stages import slice_stage
-from partitioner.tensor_parallel import apply_tensor_parallel
 from tests.training.test_trainer_parity import base_config, max_diff, reference_weights
-from training.checkpoint import ResumeError, list_checkpoints, resume_point
-from training.checkpoint_shards import load_resharded, write_shard
-from training.config import TrainConfig, TrainConfigError
-from training.driver import train
 
 TOL = 1e-5
 CLIP = 0.5  # tiny-bert's gradient norm on this data is well above it: clipping triggers

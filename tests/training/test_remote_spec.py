@@ -20,25 +20,25 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from shardserve.partitioner.runtime.gang import bound_store
+from shardserve.partitioner.runtime.rank import GangSpec
+from shardserve.partitioner.runtime.remote import SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
+from shardserve.partitioner.runtime.wire import new_key
+from shardserve.partitioner.stream.program import STREAM_PROGRAM as SERVE
+from shardserve.training.config import RunInfo, TrainConfigError
+from shardserve.training.driver import train
+from shardserve.training.rank import TRAIN_PROGRAM as TRAIN
+from shardserve.training.rank import train_rank, with_dropout
 
-from partitioner.runtime.gang import bound_store
-from partitioner.runtime.rank import GangSpec
-from partitioner.runtime.remote import SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
-from partitioner.runtime.wire import new_key
-from partitioner.stream.program import STREAM_PROGRAM as SERVE
 from tests.training.test_cli import _one_line_error
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
-from training.config import RunInfo, TrainConfigError
-from training.driver import train
-from training.rank import TRAIN_PROGRAM as TRAIN
-from training.rank import train_rank, with_dropout
 
 PROGRAMS = {"serve": SERVE, "train": TRAIN}  # what `shardserve worker` runs
 
 
 def _training_spec(tmp_path: Path) -> GangSpec:
-    from models.registry import resolve_model
-    from partitioner.plan import ParallelDims, make_plan
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner.plan import ParallelDims, make_plan
 
     cfg = base_config(tmp_path, pp=2, dropout=0.0)
     source = with_dropout(resolve_model("tiny-bert"), 0.0)

@@ -11,23 +11,22 @@ import json
 import pytest
 import torch
 import transformers
-
-from models.qa_windows import QAWindow, WindowConfig
-from training.features import (
+from shardserve.models.qa_windows import QAWindow, WindowConfig
+from shardserve.training.features import (
     build_eval_features,
     build_train_features,
     label_window,
     postprocess_eval_predictions,
     prediction_texts,
 )
-from training.squad_data import (
+from shardserve.training.squad_data import (
     SquadExample,
     SquadFormatError,
     load_squad,
     load_squad_with_stats,
     split_by_article,
 )
-from training.squad_metrics import evaluate, normalize_answer
+from shardserve.training.squad_metrics import evaluate, normalize_answer
 
 
 def _offs(window: QAWindow) -> list[tuple[int, int] | None]:

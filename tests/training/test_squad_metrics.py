@@ -6,9 +6,8 @@ Run: ``python -m pytest tests/training/test_squad_metrics.py -q``.
 from __future__ import annotations
 
 import pytest
-
-from training.squad_data import SquadExample
-from training.squad_metrics import (
+from shardserve.training.squad_data import SquadExample
+from shardserve.training.squad_metrics import (
     compute_exact,
     compute_f1,
     evaluate,

@@ -22,15 +22,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from models.build import build_model
-from models.cpu import cpu_capabilities
-from models.encoder import EncoderForQA
-from models.hf_weights import load_weights
-from models.registry import DEFAULT_OVERLAY_DIR, resolve_model
-from training.evaluate import evaluate_model
-from training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES
-from training.squad_metrics import evaluate
+from shardserve.models.build import build_model
+from shardserve.models.cpu import cpu_capabilities
+from shardserve.models.encoder import EncoderForQA
+from shardserve.models.hf_weights import load_weights
+from shardserve.models.registry import DEFAULT_OVERLAY_DIR, resolve_model
+from shardserve.training.evaluate import evaluate_model
+from shardserve.training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES
+from shardserve.training.squad_metrics import evaluate
 
 OVERLAYS = sorted(DEFAULT_OVERLAY_DIR.glob("*.safetensors"))
 pytestmark = pytest.mark.skipif(not OVERLAYS, reason="no shipped default overlay")

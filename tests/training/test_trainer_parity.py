@@ -20,18 +20,17 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-
-from models.build import build_model
-from models.hf_weights import to_hf_state_dict
-from models.qa_windows import WindowConfig
-from models.registry import resolve_model
-from partitioner.lora import merged_state_dict
-from partitioner.precision import DTYPES, autocast_for, resolve_dtype
-from training.config import TrainConfig
-from training.driver import train
-from training.features import prepare_data
-from training.objective import lr_at, param_groups, span_loss
-from training.rank import apply_peft, batch_indices, trim, with_dropout
+from shardserve.models.build import build_model
+from shardserve.models.hf_weights import to_hf_state_dict
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.lora import merged_state_dict
+from shardserve.partitioner.precision import DTYPES, autocast_for, resolve_dtype
+from shardserve.training.config import TrainConfig
+from shardserve.training.driver import train
+from shardserve.training.features import prepare_data
+from shardserve.training.objective import lr_at, param_groups, span_loss
+from shardserve.training.rank import apply_peft, batch_indices, trim, with_dropout
 
 TOL = 1e-5
 STEPS = 3

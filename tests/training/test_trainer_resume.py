@@ -21,20 +21,20 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from shardserve.models.build import build_model
+from shardserve.models.hf_weights import to_hf_state_dict
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.lora import merged_state_dict
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.runtime.gang import GangError
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import stream_spec
+from shardserve.training.checkpoint import list_checkpoints
+from shardserve.training.driver import train
+from shardserve.training.export_overlay import export_overlay
 
-from models.build import build_model
-from models.hf_weights import to_hf_state_dict
-from models.registry import resolve_model
-from partitioner.lora import merged_state_dict
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.gang import GangError
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import stream_spec
 from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
-from training.checkpoint import list_checkpoints
-from training.driver import train
-from training.export_overlay import export_overlay
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -247,11 +247,11 @@ def test_cli_resume_falls_back_past_a_truncated_checkpoint(tmp_path, capsys, cap
     damaged = out / "checkpoint-4" / "training_state" / "rank0.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:-100])
     capsys.readouterr()
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.training.checkpoint"):
         assert shardserve_main([*argv, "--resume", "--save-every", "3", "--keep-checkpoints", "1"]) == 0
     summary = capsys.readouterr().out.splitlines()[0]
     assert summary.startswith("trained 4 steps (resumed at step 2 of 6) in "), summary
-    warnings = [r.getMessage() for r in caplog.records if r.name == "training.checkpoint"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "shardserve.training.checkpoint"]
     assert len(warnings) == 1, warnings
     (line,) = warnings
     assert line.startswith(f"--resume: {out / 'checkpoint-4'} is damaged ({damaged}: unreadable ("), line

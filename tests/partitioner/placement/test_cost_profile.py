@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
-from models.config import EncoderConfig
-from partitioner.cost import analytic_costs
-from partitioner.placement.cost_profile import (
+from shardserve.models.config import EncoderConfig
+from shardserve.partitioner.cost import analytic_costs
+from shardserve.partitioner.placement.cost_profile import (
     estimated_single_latency_s,
     parallel_configs,
     profile_from_cost_model,
 )
-from partitioner.placement.latency import PlacementError
+from shardserve.partitioner.placement.latency import PlacementError
 
 MINILM = EncoderConfig(
     arch="bert",

@@ -11,12 +11,11 @@ little batching gain; pp=2 halves a stage and adds a hop.
 from __future__ import annotations
 
 import pytest
-
-from partitioner.placement.latency import LatencyModel, ModelProfile, PlacementError
-from partitioner.placement.layout import Group, Placement
-from partitioner.placement.search import auto, choose_placement, dedicated, multiplexed, replan
-from partitioner.placement.simulator import SimConfig
-from partitioner.placement.workload import ArrivalSpec, Workload, alternating_bursts, steady
+from shardserve.partitioner.placement.latency import LatencyModel, ModelProfile, PlacementError
+from shardserve.partitioner.placement.layout import Group, Placement
+from shardserve.partitioner.placement.search import auto, choose_placement, dedicated, multiplexed, replan
+from shardserve.partitioner.placement.simulator import SimConfig
+from shardserve.partitioner.placement.workload import ArrivalSpec, Workload, alternating_bursts, steady
 
 GiB = 2**30
 MEMORY = int(1.5 * GiB)  # one 1 GiB model per device, not two; half of each (pp=2) fits

@@ -8,11 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from partitioner.placement.latency import LatencyModel, MeasuredLatency, ModelProfile, PlacementError
-from partitioner.placement.layout import Group, Placement
-from partitioner.placement.simulator import SimConfig, simulate
-from partitioner.placement.workload import Trace, steady
+from shardserve.partitioner.placement.latency import (
+    LatencyModel,
+    MeasuredLatency,
+    ModelProfile,
+    PlacementError,
+)
+from shardserve.partitioner.placement.layout import Group, Placement
+from shardserve.partitioner.placement.simulator import SimConfig, simulate
+from shardserve.partitioner.placement.workload import Trace, steady
 
 MiB = 2**20
 
@@ -194,7 +198,7 @@ def test_two_models_thirty_seconds_at_200_rps_simulate_well_under_a_second() -> 
 
 
 def test_sim_config_reads_the_servers_scheduler_knobs() -> None:
-    from serving.config import SchedulerConfig
+    from shardserve.serving.config import SchedulerConfig
 
     cfg = SimConfig.from_scheduler(SchedulerConfig(max_batch_size=16, max_inflight_per_replica=3))
     assert (cfg.max_batch_size, cfg.max_inflight, cfg.max_queue_delay_s, cfg.wait_when_idle) == (
@@ -214,7 +218,7 @@ def test_sim_config_reads_the_servers_scheduler_knobs() -> None:
 
 
 def test_simulating_imports_no_torch() -> None:
-    code = "import sys, partitioner.placement; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, shardserve.partitioner.placement; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from partitioner.placement.workload import (
+from shardserve.partitioner.placement.workload import (
     ArrivalSpec,
     Trace,
     Workload,

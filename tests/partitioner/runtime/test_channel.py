@@ -13,10 +13,9 @@ import time
 
 import numpy as np
 import pytest
-
-from partitioner.runtime.channel import ChannelError, DriverChannel, RankChannel
-from partitioner.runtime.messages import Heartbeat, RankFailed, RankReady
-from partitioner.runtime.wire import (
+from shardserve.partitioner.runtime.channel import ChannelError, DriverChannel, RankChannel
+from shardserve.partitioner.runtime.messages import Heartbeat, RankFailed, RankReady
+from shardserve.partitioner.runtime.wire import (
     MESSAGE_TYPES,
     WireError,
     decode,
@@ -26,8 +25,8 @@ from partitioner.runtime.wire import (
     new_key,
     register_messages,
 )
-from partitioner.stream.program import Batch, Result, Stop  # programs' own messages, registered
-from training.messages import EvalLogits, StepReport
+from shardserve.partitioner.stream.program import Batch, Result, Stop  # programs' own messages, registered
+from shardserve.training.messages import EvalLogits, StepReport
 
 
 def test_every_message_round_trips_with_arrays_and_plain_fields() -> None:

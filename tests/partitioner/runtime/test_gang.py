@@ -22,17 +22,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from shardserve.models.encoder import EncoderForQA
+from shardserve.models.registry import ModelSource, resolve_model
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.runtime.gang import Gang, GangError, bound_store
+from shardserve.partitioner.runtime.rank import (
+    OOM_SCORE_RAISE,
+    FaultSpec,
+    GangSpec,
+    RankContext,
+    prefer_for_oom_kill,
+)
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import stream_rank, stream_spec
+from shardserve.partitioner.stream.verify import compare, sample_batches, verify_partitioned
+from shardserve.training.messages import CheckpointSaved
 
-from models.encoder import EncoderForQA
-from models.registry import ModelSource, resolve_model
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.gang import Gang, GangError, bound_store
-from partitioner.runtime.rank import OOM_SCORE_RAISE, FaultSpec, GangSpec, RankContext, prefer_for_oom_kill
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import stream_rank, stream_spec
-from partitioner.stream.verify import compare, sample_batches, verify_partitioned
 from tests.procs import all_gone, parent_of
-from training.messages import CheckpointSaved
 
 TOLERANCE = 1e-4
 DIMS = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]
@@ -252,10 +258,10 @@ def test_clean_stop_frees_processes_and_port():
 
 
 DRIVER_THAT_FORGETS_TO_STOP = """
-from models.registry import resolve_model
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import stream_spec
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import stream_spec
 
 source = resolve_model("tiny-bert")
 gang = StreamGang(stream_spec(source, make_plan(source.config, ParallelDims(pp=2, tp=1)))).start()

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
+from shardserve.partitioner.runtime.gang import rank_context
+from shardserve.partitioner.runtime.rank_process import UNKNOWN_STATUS, RankProcess, has_exited, pidfd_of
 
-from partitioner.runtime.gang import rank_context
-from partitioner.runtime.rank_process import UNKNOWN_STATUS, RankProcess, has_exited, pidfd_of
 from tests.procs import gone, parent_of
 
 needs_pidfd = pytest.mark.skipif(pidfd_of(os.getpid()) is None, reason="needs pidfds (Linux 5.3+)")
@@ -39,7 +39,7 @@ def start(target) -> RankProcess:
 def test_a_rank_process_tells_how_it_ended(pidfds, monkeypatch):
     """Through its pidfd, or where there is none (not Linux) through multiprocessing's own view."""
     if not pidfds:
-        monkeypatch.setattr("partitioner.runtime.rank_process.pidfd_of", lambda pid: None)
+        monkeypatch.setattr("shardserve.partitioner.runtime.rank_process.pidfd_of", lambda pid: None)
     elif pidfd_of(os.getpid()) is None:
         pytest.skip("needs pidfds (Linux 5.3+)")
     sleeper, exiting = start(sleep_long), start(exit_with_3)

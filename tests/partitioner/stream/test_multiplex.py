@@ -14,15 +14,13 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
-from models.registry import resolve_model
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.gang import bound_store
-from partitioner.runtime.remote import JoinError, publish_spec, read_spec
-from partitioner.runtime.wire import decode, encode, new_key
-from partitioner.schedules import MicroBatch, ScheduleError, StageExecutor, run_stream
-from partitioner.stream.multiplex import (
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.runtime.gang import bound_store
+from shardserve.partitioner.runtime.remote import JoinError, publish_spec, read_spec
+from shardserve.partitioner.runtime.wire import decode, encode, new_key
+from shardserve.partitioner.schedules import MicroBatch, ScheduleError, StageExecutor, run_stream
+from shardserve.partitioner.stream.multiplex import (
     MODEL_SHIFT,
     MultiplexedExecutor,
     check_models,
@@ -32,7 +30,14 @@ from partitioner.stream.multiplex import (
     tag,
     untag,
 )
-from partitioner.stream.program import STREAM_PROGRAM, Batch, stream_rank, stream_spec, stream_spec_multi
+from shardserve.partitioner.stream.program import (
+    STREAM_PROGRAM,
+    Batch,
+    stream_rank,
+    stream_spec,
+    stream_spec_multi,
+)
+from torch import nn
 
 BERT, ROBERTA = resolve_model("tiny-bert"), resolve_model("tiny-roberta")
 

@@ -20,15 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from loadtest.local_server import free_port
-from models.registry import resolve_model
-from partitioner.plan import ParallelDims, make_plan
-from partitioner.runtime.remote import GangNetwork
-from partitioner.runtime.wire import new_key
-from partitioner.stream.gang import StreamGang
-from partitioner.stream.program import STREAM_PROGRAM, stream_spec, stream_spec_multi
-from partitioner.stream.verify import (
+from shardserve.loadtest.local_server import free_port
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.plan import ParallelDims, make_plan
+from shardserve.partitioner.runtime.remote import GangNetwork
+from shardserve.partitioner.runtime.wire import new_key
+from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.program import STREAM_PROGRAM, stream_spec, stream_spec_multi
+from shardserve.partitioner.stream.verify import (
     compare,
     reference_dir,
     reference_logits,

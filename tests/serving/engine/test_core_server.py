@@ -20,22 +20,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+import shardserve.serving.engine.core_client as cc
 import torch
 import tritonclient.grpc as grpcclient
 import zmq
 import zmq.asyncio
 from fastapi.testclient import TestClient
+from shardserve.models.qa_windows import WindowConfig, encode_qa
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.runtime.wire import WireError, decode, decode_many, encode, encode_many, new_key
+from shardserve.serving.engine import core_wire as cw
+from shardserve.serving.engine.core_client import CoreClient
+from shardserve.serving.frontend.api_role import CoreLink
+from shardserve.serving.frontend.app import build_app
+from shardserve.serving.frontend.settings import ServeSettings
 from tritonclient.utils import InferenceServerException
 
-import serving.engine.core_client as cc
-from models.qa_windows import WindowConfig, encode_qa
-from models.registry import resolve_model
-from partitioner.runtime.wire import WireError, decode, decode_many, encode, encode_many, new_key
-from serving.engine import core_wire as cw
-from serving.engine.core_client import CoreClient
-from serving.frontend.api_role import CoreLink
-from serving.frontend.app import build_app
-from serving.frontend.settings import ServeSettings
 from tests.serving.fakes import FakeFactory, fake_logits
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, wait_until
 

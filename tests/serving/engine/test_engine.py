@@ -14,21 +14,21 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.plan import ParallelDims
+from shardserve.serving.config import SchedulerConfig
+from shardserve.serving.engine import input_processor
+from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.input_processor import InputProcessor
+from shardserve.serving.engine.qa_types import ClientGone, EngineError, QAPair
+from shardserve.serving.engine.scheduler import Scheduler
+from shardserve.serving.fleet.gangs import ModelGeneration, OwnGangs
+from shardserve.serving.fleet.pool import DevicePool
+from shardserve.serving.fleet.replicas import ReplicaManager
+from shardserve.serving.metrics import ServingMetrics
 from transformers import AutoTokenizer
 
-from models.qa_windows import WindowConfig
-from models.registry import resolve_model
-from partitioner.plan import ParallelDims
-from serving.config import SchedulerConfig
-from serving.engine import input_processor
-from serving.engine.core import Engine
-from serving.engine.input_processor import InputProcessor
-from serving.engine.qa_types import ClientGone, EngineError, QAPair
-from serving.engine.scheduler import Scheduler
-from serving.fleet.gangs import ModelGeneration, OwnGangs
-from serving.fleet.pool import DevicePool
-from serving.fleet.replicas import ReplicaManager
-from serving.metrics import ServingMetrics
 from tests.serving.fakes import FakeFactory
 
 SHORT = QAPair("Who?", "Ann met Bob.")

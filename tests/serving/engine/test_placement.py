@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from shardserve.partitioner.placement.workload import alternating_bursts
+from shardserve.serving.frontend.cli import startup_line
+from shardserve.serving.frontend.settings import ServeSettings
 
-from partitioner.placement.workload import alternating_bursts
-from serving.frontend.cli import startup_line
-from serving.frontend.settings import ServeSettings
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.test_v2_repository import AUTH, v2_body
@@ -80,7 +80,7 @@ def test_dedicated_gives_each_model_devices_of_its_own_within_the_memory_budget(
 
 def test_a_placement_that_cannot_fit_fails_the_start_with_the_numbers() -> None:
     app_settings = {"model": TWO, **PLACED, "placement": "multiplexed", "device_memory_mb": 1.0}
-    from serving.frontend.app import build_app
+    from shardserve.serving.frontend.app import build_app
 
     with TestClient(build_app(ServeSettings(**app_settings), backend_factory=FakeFactory())) as client:
         fatal = wait_until(lambda: client.get("/readyz").json()["detail"].get("fatal"), what="the reason")

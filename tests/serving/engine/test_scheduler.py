@@ -6,10 +6,9 @@ Run: python -m pytest tests/serving/engine/test_scheduler.py -q
 from __future__ import annotations
 
 import pytest
-
-from serving.config import SchedulerConfig
-from serving.engine.batcher import ReplicaView
-from serving.engine.scheduler import Outcome, Scheduler
+from shardserve.serving.config import SchedulerConfig
+from shardserve.serving.engine.batcher import ReplicaView
+from shardserve.serving.engine.scheduler import Outcome, Scheduler
 
 R0 = ReplicaView("r0")
 

@@ -6,9 +6,8 @@ Run: python -m pytest tests/serving/fleet/test_autoscaler.py -q
 from __future__ import annotations
 
 import pytest
-
-from serving.config import AutoscalingConfig
-from serving.fleet.autoscaler import Autoscaler, Decision, pipeline_capacity
+from shardserve.serving.config import AutoscalingConfig
+from shardserve.serving.fleet.autoscaler import Autoscaler, Decision, pipeline_capacity
 
 
 def make(**overrides: object) -> Autoscaler:

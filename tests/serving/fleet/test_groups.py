@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 import torch
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.placement.layout import Group, Placement
+from shardserve.partitioner.plan import ParallelDims
+from shardserve.serving.config import SchedulerConfig
+from shardserve.serving.engine.scheduler import Scheduler
+from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.groups import DeviceGroups
+from shardserve.serving.fleet.replicas import ReplicaManager, ReplicaState
+from shardserve.serving.metrics import ServingMetrics
 from transformers import AutoTokenizer
 
-from models.registry import resolve_model
-from partitioner.placement.layout import Group, Placement
-from partitioner.plan import ParallelDims
-from serving.config import SchedulerConfig
-from serving.engine.scheduler import Scheduler
-from serving.fleet.gangs import ModelGeneration
-from serving.fleet.groups import DeviceGroups
-from serving.fleet.replicas import ReplicaManager, ReplicaState
-from serving.metrics import ServingMetrics
 from tests.serving.fakes import FakeFactory
 
 MUX = Placement((Group((0, 1), pp=2, models=("a", "b")),))

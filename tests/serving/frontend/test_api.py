@@ -22,13 +22,13 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from shardserve.serving.engine import input_processor
+from shardserve.serving.engine.qa_types import QAPair
+from shardserve.serving.fleet.replicas import ReplicaState
+from shardserve.serving.frontend.app import build_app
+from shardserve.serving.frontend.cli import DrainingServer
+from shardserve.serving.frontend.settings import ServeSettings, available_cores
 
-from serving.engine import input_processor
-from serving.engine.qa_types import QAPair
-from serving.fleet.replicas import ReplicaState
-from serving.frontend.app import build_app
-from serving.frontend.cli import DrainingServer
-from serving.frontend.settings import ServeSettings, available_cores
 from tests.serving.fakes import FakeFactory
 
 CONTEXT = (
@@ -779,7 +779,7 @@ WORKER_TRACEBACK = (
     "Traceback (most recent call last):\n"
     '  File "/usr/lib/python3/site-packages/partitioner/worker.py", line 190, in worker_main\n'
     "    program(ctx, queues, ready=ready)\n"
-    "models.hf_weights.CheckpointError: /srv/models/secret-run/final: no weights found"
+    "shardserve.models.hf_weights.CheckpointError: /srv/models/secret-run/final: no weights found"
 )
 
 
@@ -832,7 +832,7 @@ def test_reload_answers_alike_for_existing_and_missing_directories(tmp_path: Any
     with only config.json get the same reply (issue 11.7)."""
     import shutil
 
-    from models.registry import resolve_model
+    from shardserve.models.registry import resolve_model
 
     no_weights = tmp_path / "no-weights"
     no_weights.mkdir()

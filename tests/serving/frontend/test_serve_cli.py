@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.precision import resolve_dtype
 
-from models.registry import resolve_model
-from partitioner.precision import resolve_dtype
 from shardserve.cli import build_parser, main
 
 
@@ -97,8 +97,8 @@ def test_serve_mistakes_are_one_line_errors(tmp_path: Path, capsys: pytest.Captu
 def test_serve_float16_on_a_cpu_without_fp16_units_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from partitioner import precision
-    from serving.frontend import cli as serve_cli
+    from shardserve.partitioner import precision
+    from shardserve.serving.frontend import cli as serve_cli
 
     caps = dataclasses.replace(precision.cpu_capabilities(), model="Test CPU", fp16=False)
     monkeypatch.setattr(precision, "cpu_capabilities", lambda: caps)
@@ -110,8 +110,8 @@ def test_serve_float16_on_a_cpu_without_fp16_units_is_one_line(
 def test_serve_int8_without_a_calibration_is_one_line_naming_the_command(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from models.registry import resolve_model
-    from serving.frontend import cli as serve_cli
+    from shardserve.models.registry import resolve_model
+    from shardserve.serving.frontend import cli as serve_cli
 
     monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path))
     resolve_model("tiny-bert")  # the preset written into the fresh cache first
@@ -124,11 +124,11 @@ def test_serve_int8_without_a_calibration_is_one_line_naming_the_command(
 def test_auto_serves_int8_only_where_every_model_is_calibrated(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from models.registry import resolve_model
-    from partitioner import precision
-    from partitioner.int8 import calibration_path, save_calibration
-    from serving.frontend.layout import serve_precision
-    from serving.frontend.settings import ServeSettings
+    from shardserve.models.registry import resolve_model
+    from shardserve.partitioner import precision
+    from shardserve.partitioner.int8 import calibration_path, save_calibration
+    from shardserve.serving.frontend.layout import serve_precision
+    from shardserve.serving.frontend.settings import ServeSettings
 
     # a CPU where int8 wins (VNNI, no AMX: which CPUs those are is tests/partitioner/test_int8.py's)
     vnni = dataclasses.replace(precision.cpu_capabilities(), isa="AVX512", amx=False, vnni=True)
@@ -145,7 +145,7 @@ def test_auto_serves_int8_only_where_every_model_is_calibrated(
 def test_serve_refuses_a_layout_over_max_memory_per_rank_before_any_weight_loads(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from models import hf_weights
+    from shardserve.models import hf_weights
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("weights were opened before the layout was refused")

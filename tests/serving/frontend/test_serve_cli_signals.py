@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from shardserve.serving.frontend.app import build_app
+from shardserve.serving.frontend.cli import DrainingServer
+from shardserve.serving.frontend.settings import ServeSettings
 
-from serving.frontend.app import build_app
-from serving.frontend.cli import DrainingServer
-from serving.frontend.settings import ServeSettings
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import wait_until
 
@@ -36,8 +36,8 @@ HOLD_MARK = "test: holding "
 # ``shardserve`` with one start-up step held until the signal comes: argv[1] names the step
 HOLDING_SERVE = f"""
 import signal, sys, time
-from serving.frontend import app
-from serving.fleet import model_loader
+from shardserve.serving.frontend import app
+from shardserve.serving.fleet import model_loader
 from shardserve.cli import main
 
 def hold(what, until):
@@ -127,7 +127,7 @@ def test_a_signal_during_start_up_stops_in_one_line_with_128_plus_the_signal(
         after.append(line)
     assert len(after) == 1, after  # nothing else: no traceback, no "interrupted"
     assert after[0].endswith(
-        f"WARNING serving.frontend.cli: {sig.name} during start-up: stopped before serving"
+        f"WARNING shardserve.serving.frontend.cli: {sig.name} during start-up: stopped before serving"
     )
     assert proc.stdout is not None and proc.stdout.read() == ""  # never said it was serving
     deadline = time.monotonic() + 10  # killed ranks are gone at once; a resource tracker within moments

@@ -10,11 +10,10 @@ import re
 import pytest
 import torch
 from pydantic import ValidationError
-
-from models.qa_windows import WindowConfig
-from serving.fleet.model_loader import device_pool
-from serving.frontend import settings as settings_mod
-from serving.frontend.settings import ServeSettings
+from shardserve.models.qa_windows import WindowConfig
+from shardserve.serving.fleet.model_loader import device_pool
+from shardserve.serving.frontend import settings as settings_mod
+from shardserve.serving.frontend.settings import ServeSettings
 
 
 @pytest.fixture
@@ -161,8 +160,8 @@ def test_api_workers_is_a_count_or_auto():
 def test_pp_auto_is_chosen_at_start_and_the_chosen_layout_is_checked_then(cores):
     """``--pp auto``: the settings validate without a layout; ``fit_serve_layout`` picks the fewest
     ranks that fit ``--max-memory-per-rank`` and checks them as a given layout (partitioner/fit.py)."""
-    from partitioner.fit import parse_size
-    from serving.frontend.layout import fit_serve_layout
+    from shardserve.partitioner.fit import parse_size
+    from shardserve.serving.frontend.layout import fit_serve_layout
 
     cores(8)
     s = ServeSettings(model=["tiny-bert"], pp="auto", tp="auto", max_memory_per_rank="1GiB")

@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
+from shardserve.serving.frontend.app import build_app
+from shardserve.serving.frontend.settings import ServeSettings
 
-from serving.frontend.app import build_app
-from serving.frontend.settings import ServeSettings
 from tests.serving.fakes import FakeFactory
 from tests.serving.live import live_server
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_serving import api_pids, batch_stats, machine_info, process_cpu_s  # noqa: E402
 from http_load import closed_loop  # noqa: E402
+
 from shardserve.loadtest.local_server import ServerNotReady, local_server  # noqa: E402
 from shardserve.loadtest.overload import process_tree  # noqa: E402
 

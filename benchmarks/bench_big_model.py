@@ -67,6 +67,7 @@ def write_checkpoint(out: Path) -> Path:
     """The random bf16 checkpoint (seeded, tensor by tensor: never the whole model in memory)."""
     import transformers
     from safetensors.torch import save_file
+
     from shardserve.models.registry import tiny_bpe_tokenizer
 
     if (out / "model.safetensors.index.json").is_file():

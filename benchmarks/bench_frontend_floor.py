@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_serving import DEFAULT_SQUAD, load_pairs, machine_info, process_cpu_s  # noqa: E402
 from http_load import closed_loop  # noqa: E402
+
 from shardserve.loadtest.local_server import free_port, stop, wait_ready  # noqa: E402
 
 logger = logging.getLogger("bench_frontend_floor")
@@ -64,6 +65,7 @@ class QAWork:
 
     def __init__(self) -> None:
         import torch
+
         from shardserve.models.context_cache import ContextCache
         from shardserve.models.qa_windows import WindowConfig
         from shardserve.models.registry import resolve_model
@@ -83,7 +85,6 @@ class QAWork:
 
     def decode(self, enc: Any, batch: Any, context: str) -> list[dict[str, Any]]:
         from shardserve.models.qa_decoding import decode_spans
-
         from tests.serving.fakes import fake_logits
 
         logits = fake_logits(batch.input_ids)  # (W, S, 2)
@@ -158,7 +159,6 @@ def serve(kind: str, port: int, *, sleep_s: float, batch_s: float) -> None:
         from shardserve.serving.frontend.cli import DrainingServer
         from shardserve.serving.frontend.http_protocol import uvicorn_config
         from shardserve.serving.frontend.settings import ServeSettings
-
         from tests.serving.fakes import FakeFactory
 
         settings = ServeSettings(model="default", replicas=2, port=port, host="127.0.0.1")

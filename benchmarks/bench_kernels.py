@@ -167,9 +167,10 @@ def _pairs(squad: Path, n: int) -> list[tuple[str, str]]:
 
 def make_forward(variant: str, source, *, onnx_dir: Path) -> tuple[Forward | None, str]:
     """A forward for ``variant`` (None with the reason when it cannot run here)."""
+    from torch import nn
+
     from shardserve.models.build import build_model
     from shardserve.partitioner.compiled import compile_stage  # what `shardserve serve --compile on` runs
-    from torch import nn
 
     types = source.config.uses_token_types
     if variant.startswith("ort-"):

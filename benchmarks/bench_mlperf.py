@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import SMALL_BATCH, machine_info, raw_in_subprocess
 from http_load import OpenLoopClient
+
 from shardserve.loadtest.local_server import free_port, stop, wait_ready
 from shardserve.training.squad_data import SquadExample, load_squad
 from shardserve.training.squad_metrics import evaluate

@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import machine_info
+
 from shardserve.loadtest.local_server import local_server
 from shardserve.loadtest.replay import Sent, replay, summary
 from shardserve.models.build import build_model

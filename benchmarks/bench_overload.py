@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
+
 from shardserve.loadtest.local_server import ServerNotReady, local_server
 from shardserve.loadtest.overload import (
     QUESTION,

@@ -23,6 +23,7 @@ import os
 import time
 
 import torch
+
 from shardserve.models.build import build_model
 from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.registry import MODEL_NAMES, resolve_model
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
         from pathlib import Path
 
-        from shardserve.partitioner.stream.verify import reference_dir
         from transformers import AutoModelForQuestionAnswering
+
+        from shardserve.partitioner.stream.verify import reference_dir
 
         with tempfile.TemporaryDirectory() as tmp:
             ref = AutoModelForQuestionAnswering.from_pretrained(reference_dir(source, Path(tmp))).eval()

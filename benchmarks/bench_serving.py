@@ -1,4 +1,5 @@
-"""Serving benchmark: raw forward vs naive servers vs ONNX Runtime vs shardserve, one run, same cores.
+"""Serving benchmark: raw forward vs naive servers vs ONNX Runtime vs LitServe vs Mosec vs shardserve,
+one run, same cores.
 
 One run, same machine, same model, same cores, same SQuAD questions, and the CPU with its
 bf16 / AMX / int8 units printed above the figures:
@@ -18,6 +19,17 @@ bf16 / AMX / int8 units printed above the figures:
     HTTP) in fp32 and after onnxruntime.quantization.quantize_dynamic (int8 weights), at batch
     --max-batch-size and batch 1, one process with --cores threads. Needs the optional ``bench``
     extra (``pip install -e '.[bench]'``); skipped with one line when it is not installed;
+(e) LitServe and (f) Mosec, the Python servers a user would pick instead, each a subprocess
+    (``servers/litserve_qa.py``, ``servers/mosec_qa.py``; their docstrings say how each works) with
+    the naive server's model work (``servers/qa_model.py``: same model, precision, windows and
+    decoder) and its framework's dynamic batching: up to --max-batch-size REQUESTS per forward (all
+    their windows padded together; shardserve counts windows), waiting --max-queue-delay-ms for a
+    batch to fill (LitServe's batch_timeout, Mosec's max_wait_time), in --model-workers processes of
+    --cores / --model-workers torch threads (default: one single-thread worker per core), LitServe
+    with one API process, both with a 120-s request limit; fp32, and (e2) / (f2) bf16 unless
+    --skip naive-bf16 (the naive rows' precisions). Both serve /v1/qa as the naive server does;
+    ready when LitServe's /health answers 200, when Mosec (no readiness route) answers a question.
+    Each needs its package (the ``bench`` extra); skipped with one line when it is not installed;
 (c) shardserve: ``shardserve serve`` (subprocess) with its default flags (only model/host/port:
     precision and replicas x threads picked by the server), and with explicit flags (--pp, --tp,
     --replicas, --threads-per-rank, batching flags, --dtype; plus every --extra-config); the best
@@ -26,17 +38,21 @@ bf16 / AMX / int8 units printed above the figures:
 On --device cuda, (a) and the naive servers first run every batch / request shape of the questions once,
 untimed (a shape new to the GPU's kernels would measure their warm-up); the CPU path warms with one batch.
 
-(b), (b2) and (c) are driven by --clients concurrent keep-alive HTTP clients (a minimal asyncio
-client, so the load generator costs little CPU) posting /v1/qa for --duration-s after --warmup-s;
-it prints throughput (questions/s), p50/p99 latency, the CPU each server's process (HTTP, tokenizing,
-scheduling, decoding) and its workers spent per answer, and the ratios of shardserve to (a), (b),
-(b2) and ONNX Runtime's best raw forward, with the issue-9 targets (default flags >= 4x (b),
->= 2x ONNX Runtime best, >= 0.9x (a)) and the ceiling that the server process's own CPU puts on
-the ratio to (a) on these cores; targets are figures for the docs, not assertions.
+(b), (b2), (e), (f) and (c) are driven by --clients concurrent keep-alive HTTP clients (a minimal
+asyncio client, so the load generator costs little CPU) posting /v1/qa for --duration-s after
+--warmup-s; it prints throughput (questions/s), p50/p99 latency, the CPU each server's process
+(HTTP, tokenizing, scheduling, decoding), its front-end processes (shardserve's API workers;
+LitServe's and Mosec's processes holding the listening socket: LitServe's uvicorn process and its
+queue Manager, Mosec's Rust server) and its workers spent per answer, and the ratios of shardserve
+to (a), (b), (b2), (e), (e2), (f), (f2) and ONNX Runtime's best raw forward, with the issue-9
+targets (default flags >= 4x (b), >= 2x ONNX Runtime best, >= 0.9x (a)) and the ceiling that the
+server process's own CPU puts on the ratio to (a) on these cores; targets are figures for the docs,
+not assertions. A server's processes still alive 10 s after it stopped are killed (and logged).
 
     python benchmarks/bench_serving.py                                  # default model, 32 clients
     python benchmarks/bench_serving.py --model tiny-bert --duration-s 10 --replicas 2
     python benchmarks/bench_serving.py --duration-s 3 --warmup-s 2 --skip best   # smoke
+    python benchmarks/bench_serving.py --skip raw --skip ort --skip best --skip naive-bf16   # vs LitServe, Mosec
     python benchmarks/bench_serving.py --device cuda --dtype bfloat16   # on a GPU (see --device)
     python benchmarks/bench_serving.py --help                           # every flag
 
@@ -48,23 +64,29 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from http_load import closed_loop
-from shardserve.loadtest.local_server import free_port, stop, wait_ready
+
+from shardserve.loadtest.local_server import ServerNotReady, free_port, stop, wait_ready
 from shardserve.loadtest.overload import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +101,12 @@ DEFAULT_EXTRA_CONFIGS_CUDA = (  # several ranks sharing each GPU
     "--pp 2 --replicas 2 --ranks-per-gpu 4",
 )
 SMALL_BATCH = 8  # (a3): shardserve's CPU micro-batches average 4-6 windows at 32 clients
-SKIPPABLE = ("raw", "naive", "naive-bf16", "ort", "shardserve", "default", "best")
+SKIPPABLE = ("raw", "naive", "naive-bf16", "ort", "litserve", "mosec", "shardserve", "default", "best")
+FRAMEWORKS = (  # (e), (f): --skip part, row letter, name, server script in servers/
+    ("litserve", "e", "LitServe", "litserve_qa.py"),
+    ("mosec", "f", "Mosec", "mosec_qa.py"),
+)
+FRAMEWORK_TIMEOUT_S = 120  # LitServe's, Mosec's request limit (their defaults: 30 s, 3 s); naive: none
 DEFAULT_SQUAD = REPO.parent / "shared" / "data" / "squad" / "squad-v1.1-train-pool.json"
 BUILTIN = [
     (
@@ -150,6 +177,7 @@ def bench_raw(
     """Raw forward over the questions' windows, in whole passes over all of them for at least
     ``duration_s``; ``engine``: torch (at ``dtype``, on ``device``), ort-fp32 or ort-int8 (cpu)."""
     import torch
+
     from shardserve.models.build import build_model
     from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
     from shardserve.models.registry import resolve_model
@@ -297,39 +325,26 @@ def raw_in_subprocess(
 
 
 def run_naive_server(args: argparse.Namespace) -> None:
-    """The naive server (run in a subprocess by --naive-server PORT)."""
+    """The naive server (run in a subprocess by --naive-server PORT); its model work is
+    ``servers/qa_model.py``'s, which the LitServe and Mosec servers run too."""
     import torch
     import uvicorn
     from fastapi import FastAPI
-    from shardserve.models.build import build_model
-    from shardserve.models.qa_decoding import decode_spans
-    from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
-    from shardserve.models.registry import resolve_model
-    from shardserve.partitioner.precision import DTYPES
 
-    torch.set_num_threads(args.cores)
-    source = resolve_model(args.model)
-    tok = source.tokenizer()
-    model = build_model(source, dtype=DTYPES[args.naive_dtype], device=args.device)
-    types = source.config.uses_token_types
-    window = WindowConfig(max_seq_len=args.max_seq_len, doc_stride=128, max_question_len=64)
+    sys.path.insert(0, str(HERE / "servers"))
+    from qa_model import QAModel
+
+    qa = QAModel(args.model, dtype=args.naive_dtype, device=args.device, max_seq_len=args.max_seq_len,
+                 threads=args.cores)  # fmt: skip
     lock = threading.Lock()
     app = FastAPI()
 
-    def encode(question: str, context: str) -> tuple[Any, Any]:
-        enc = encode_qa(tok, [question], [context], window=window)
-        return enc, pad_windows(enc.windows, pad_token_id=enc.pad_token_id)
-
-    def forward(b: Any) -> Any:
-        tt = b.token_type_ids.to(args.device) if types else None
-        return model(b.input_ids.to(args.device), b.attention_mask.to(args.device), tt).cpu()  # (W, S, 2)
-
     if args.device == "cuda":  # before serving: every request shape the clients will send, once
-        batches = [encode(q, c)[1] for q, c in load_pairs(args.squad, args.questions)]
+        batches = [qa.pad([qa.encode(q, c)]) for q, c in load_pairs(args.squad, args.questions)]
         firsts = first_of_each_shape([b.input_ids for b in batches])
         with torch.inference_mode():
             for i in firsts:
-                forward(batches[i])
+                qa.forward(batches[i])
         logger.info("naive server warmed over %d request shapes", len(firsts))
 
     @app.get("/readyz")
@@ -337,16 +352,9 @@ def run_naive_server(args: argparse.Namespace) -> None:
         return {"status": "ready"}
 
     @app.post("/v1/qa")
-    def qa(body: dict[str, Any]) -> dict[str, Any]:
-        with lock, torch.inference_mode():  # one request at a time, end to end
-            enc, b = encode(body["question"], body["context"])
-            out = forward(b)
-            pred = decode_spans(enc.windows, out[..., 0], out[..., 1], body["context"], top_k=1)
-        return {
-            "answers": [
-                {"text": a.text, "score": a.score, "start": a.start, "end": a.end} for a in pred.answers
-            ]
-        }
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        with lock:  # one request at a time, end to end
+            return qa.answer(body["question"], body["context"])
 
     uvicorn.run(app, host="127.0.0.1", port=args.naive_server, log_level="warning")
 
@@ -366,14 +374,29 @@ def drive(port: int, pairs: list[tuple[str, str]], args: argparse.Namespace, nam
 
 
 def bench_server(
-    cmd: list[str], port: int, pairs: list, args: argparse.Namespace, name: str, note: str
+    cmd: list[str],
+    port: int,
+    pairs: list,
+    args: argparse.Namespace,
+    name: str,
+    note: str,
+    *,
+    ready: Callable[[subprocess.Popen], None] | None = None,
+    front_end: bool = False,
 ) -> Result:
+    """Start ``cmd`` (a server on ``port``), wait until it is ready (``ready(proc)``; by default its
+    /readyz with every replica started), drive it, and stop it (and whatever of its process tree
+    outlives it). ``front_end``: its descendants holding the listening socket are its front end
+    (LitServe, Mosec), counted with the server process's CPU as shardserve's API processes are."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     try:
-        # shardserve turns ready with its first gang: wait for every replica (none starting)
-        wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
-        api = api_pids(port)  # --api-workers: its API processes (HTTP, tokenizing, decoding)
+        if ready is not None:
+            ready(proc)
+        else:  # shardserve turns ready with its first gang: wait for every replica (none starting)
+            wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
+        # --api-workers: shardserve's API processes (HTTP, tokenizing, decoding)
+        api = listener_pids(process_tree(proc.pid)[1:], port) if front_end else api_pids(port)
         marks: list[tuple[float, float, float]] = []  # CPU seconds: server process, API processes, workers
         # at the measured window's two ends, as the answers counted are those that end inside it (not
         # after drive returns: the answers still in flight at the end are not counted)
@@ -392,7 +415,8 @@ def bench_server(
             result.server_cpu_ms = (own1 - own0 + api1 - api0) * per_q
             result.note += f"; CPU per answer: server process {(own1 - own0) * per_q:.1f} ms"
             if api:
-                result.note += f", its {len(api)} API processes {(api1 - api0) * per_q:.1f} ms"
+                what = "front-end" if front_end else "API"
+                result.note += f", its {len(api)} {what} processes {(api1 - api0) * per_q:.1f} ms"
             if kids1 > kids0:
                 result.note += f", workers {(kids1 - kids0) * per_q:.1f} ms"
         stats = batch_stats(port)
@@ -400,7 +424,89 @@ def bench_server(
             result.note += f"; {stats}"
         return result
     finally:
+        tree = process_tree(proc.pid)[1:]
         stop(proc)
+        reap(tree)
+
+
+def reap(pids: Sequence[int], *, timeout_s: float = 10.0) -> None:
+    """Wait up to ``timeout_s`` for the processes ``pids`` (a stopped server's workers) to exit,
+    then SIGKILL those left: a worker outliving its server would take the cores of the next row."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if _alive(p)]
+    for p in left:
+        logger.warning("process %d outlived its server: killed", p)
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_answering(
+    url: str, *, proc: subprocess.Popen, timeout_s: float = 300.0, body: bytes | None = None
+) -> None:
+    """Poll ``url`` (GET, or POST the JSON ``body``) until it answers 200: the readiness of servers
+    without shardserve's /readyz (LitServe's /health; Mosec's first answer to a question).
+    ``ServerNotReady`` after ``timeout_s``, or at once if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerNotReady(f"the server exited with {proc.returncode} before it was ready")
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.3)
+    raise ServerNotReady(f"{url} did not answer 200 after {timeout_s:g} s (last: {last})")
+
+
+def listener_pids(pids: Sequence[int], port: int) -> list[int]:
+    """Those of ``pids`` holding a TCP socket listening on ``port`` (Linux /proc; [] elsewhere): the
+    front end of a server whose processes do not say which does what (LitServe's uvicorn process and
+    the Manager forked after it bound the port; Mosec's Rust server)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:  # sl local_address rem_address st ... inode
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+
+    def holds(pid: int) -> bool:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours
+            return False
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in sockets:
+                    return True
+            except OSError:  # closed meanwhile
+                continue
+        return False
+
+    return [pid for pid in pids if sockets and holds(pid)]
 
 
 def process_cpu_s(path: str) -> float:
@@ -544,6 +650,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="shardserve buckets of the explicit configs (default: the server's own choice)",
     )
     p.add_argument(
+        "--model-workers",
+        type=int,
+        default=None,
+        help="model worker processes of the LitServe (e) and Mosec (f) rows, each with --cores / this many "
+        "torch threads (default: --cores on cpu, one single-thread worker per core; 1 on cuda)",
+    )
+    p.add_argument(
         "--extra-config",
         action="append",
         default=None,
@@ -564,8 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         choices=SKIPPABLE,
-        help="skip a part: raw (a), naive (b), naive-bf16 (b2), ort (d), default / best (the shardserve "
-        "rows with default / explicit flags), shardserve (both)",
+        help="skip a part: raw (a), naive (b), naive-bf16 (b2; also the bf16 rows (e2) and (f2)), ort (d), "
+        "litserve (e, e2), mosec (f, f2), default / best (the shardserve rows with default / explicit flags), "
+        "shardserve (both)",
     )
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument(
@@ -582,6 +696,7 @@ def machine_info(dtype: str, device: str = "cpu", *, model: str | None = None) -
     """CPU, its reduced-precision units, the GPU on cuda, and the dtype ``dtype`` resolves to on ``device``
     (for ``model``: auto picks int8 where it is calibrated, as the server does; printed with the table)."""
     import torch
+
     from shardserve.models.cpu import cpu_capabilities
     from shardserve.partitioner.precision import resolve_dtype
 
@@ -609,10 +724,18 @@ def machine_info(dtype: str, device: str = "cpu", *, model: str | None = None) -
         "dtype_reason": choice.reason,
         "torch": torch.__version__,
         "onnxruntime": ort_version,
+        **{part: _version(part) for part, *_ in FRAMEWORKS},  # litserve, mosec: None when not installed
         "cores": os.cpu_count(),
         "device": device,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def explicit_configs(args: argparse.Namespace) -> list[list[str]]:
@@ -645,6 +768,11 @@ def ratio_lines(results: list[Result], *, cores: int | None = None) -> list[str]
     limit = best(("(a) ", "(a') ", "(a2) ", "(a3) "))
     naive = best(("(b) ",))
     naive16 = best(("(b2) ",))
+    frameworks = [  # (e), (e2), (f), (f2)
+        (best((f"({letter}{suffix}) ",)), f"{title} {short} server ({letter}{suffix})")
+        for _, letter, title, _ in FRAMEWORKS
+        for suffix, short in (("", "fp32"), ("2", "bf16"))
+    ]
     ort = best(("(d) ",))
     ort_fp32 = best(("(d) ONNX Runtime fp32",))  # int8 is faster but breaks the accuracy bound
     lines = []
@@ -656,6 +784,7 @@ def ratio_lines(results: list[Result], *, cores: int | None = None) -> list[str]
             (limit, "raw forward limit (a)", 0.9),
             (naive, "naive fp32 server (b)", 4.0),
             (naive16, "naive bf16 server (b2)", None),
+            *((row, what, None) for row, what in frameworks),
             (ort, "ONNX Runtime best raw (d)", 2.0),
             (ort_fp32, "ONNX Runtime best accurate raw (d, fp32)", None),
         ):
@@ -768,6 +897,18 @@ def main(argv: list[str] | None = None) -> int:
             note += ", warmed over every request shape"
         logger.info("%s, 1 request at a time, %d clients", name, args.clients)
         results.append(bench_server(cmd, port, pairs, args, name, note))
+    precisions = [("float32", "fp32", "")] + ([] if "naive-bf16" in skip else [("bfloat16", "bf16", "2")])
+    for part, letter, title, _ in FRAMEWORKS:
+        if part in skip:
+            continue
+        if info[part] is None or importlib.util.find_spec(part) is None:
+            print(f"skipping ({letter}) {title}: {part} not installed (pip install -e '.[bench]')")
+            continue
+        for dtype_name, short, suffix in precisions:
+            name = f"({letter}{suffix}) {title} {short}"
+            cmd, ready, note = framework_server(part, args, pairs, dtype_name, port := free_port())
+            logger.info("%s: %s, %d clients", name, note, args.clients)
+            results.append(bench_server(cmd, port, pairs, args, name, note, ready=ready, front_end=True))
     base = [sys.executable, "-m", "shardserve.cli", "--log-level", "WARNING", "serve", "--model", args.model,
             "--host", "127.0.0.1", "--max-seq-len", str(args.max_seq_len),
             "--max-queue-size", str(max(256, 4 * args.clients)), "--device", args.device,
@@ -803,6 +944,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def framework_server(
+    part: str, args: argparse.Namespace, pairs: list[tuple[str, str]], dtype: str, port: int
+) -> tuple[list[str], Callable[[subprocess.Popen], None], str]:
+    """Row (e) / (f)'s server: its command (``servers/litserve_qa.py`` or ``servers/mosec_qa.py`` on
+    ``port``), how to wait until it is ready, and the row's note. Same batching bounds as shardserve's
+    explicit rows (--max-batch-size, here requests; --max-queue-delay-ms) and --model-workers x
+    (--cores / --model-workers) torch threads."""
+    workers = args.model_workers or (1 if args.device == "cuda" else args.cores)
+    threads = max(1, args.cores // workers)
+    bs, delay_ms = args.max_batch_size, args.max_queue_delay_ms
+    common = ["--model", args.model, "--dtype", dtype, "--device", args.device, "--max-seq-len",
+              str(args.max_seq_len), "--workers", str(workers), "--threads", str(threads),
+              "--max-batch-size", str(bs)]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    note = f"{workers} worker(s) x {threads} thread(s), {dtype} on {args.device}, batches of <= {bs} requests"
+    if part == "litserve":
+        cmd = [sys.executable, str(HERE / "servers" / "litserve_qa.py"), "--port", str(port), *common,
+               "--batch-timeout-ms", str(delay_ms), "--timeout-s", str(FRAMEWORK_TIMEOUT_S)]  # fmt: skip
+        note += f" within {delay_ms:g} ms, 1 API process"
+
+        def ready(proc: subprocess.Popen) -> None:
+            wait_answering(url + "/health", proc=proc)
+
+    else:
+        wait_ms = max(1, round(delay_ms))  # Mosec's max_wait_time: whole milliseconds, >= 1
+        cmd = [sys.executable, str(HERE / "servers" / "mosec_qa.py"), "--port", str(port), "--address",
+               "127.0.0.1", "--timeout", str(FRAMEWORK_TIMEOUT_S * 1000), "--log-level", "warning", *common,
+               "--max-wait-ms", str(wait_ms)]  # fmt: skip
+        note += f" within {wait_ms} ms"
+        probe = json.dumps({"question": pairs[0][0], "context": pairs[0][1]}).encode()
+
+        def ready(proc: subprocess.Popen) -> None:
+            wait_answering(url + "/v1/qa", proc=proc, body=probe)
+
+    if args.device == "cuda":
+        note += ", warmed only by --warmup-s of load"
+    return cmd, ready, note
+
+
 def _default_placement(device: str, model: str) -> str:
     """What `shardserve serve --model MODEL --device DEVICE` with no other flags picks on this machine
     (its own settings)."""
@@ -829,7 +1009,8 @@ def print_table(results: list[Result], args: argparse.Namespace, info: dict[str,
 
     print(
         f"\nmodel={args.model} clients={args.clients} duration={args.duration_s:g}s cores={info['cores']} "
-        f"questions={args.questions} torch={info['torch']} onnxruntime={info['onnxruntime'] or 'not installed'}"
+        f"questions={args.questions} torch={info['torch']} onnxruntime={info['onnxruntime'] or 'not installed'} "
+        + " ".join(f"{part}={info.get(part) or 'not installed'}" for part, *_ in FRAMEWORKS)
     )
     print(
         f"cpu: {info['cpu']}; bf16 units: {info['bf16_units']}, AMX: {info['amx']}, "

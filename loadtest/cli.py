@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
+
 from shardserve.loadtest.report import ReportError
 from shardserve.loadtest.runner import (
     DEFAULT_QUEUE_METRIC,

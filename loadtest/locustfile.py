@@ -31,6 +31,7 @@ from typing import Any
 import gevent
 from gevent import GreenletExit
 from locust import FastHttpUser, LoadTestShape, constant, events, task
+
 from shardserve.loadtest.checks import check_answers, is_loopback_host
 from shardserve.loadtest.data import QAItem, load_qa_items
 from shardserve.loadtest.scenarios import GammaArrivals, Scenario, ScenarioConfig

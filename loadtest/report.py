@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
 from shardserve.loadtest.data import read_json
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ model = build_model(resolve_model("tiny-bert"))   # eval mode, fp32, CPU
 from __future__ import annotations
 
 import torch
+
 from shardserve.models.config import EncoderConfig
 from shardserve.models.deberta import DebertaForQA
 from shardserve.models.decoder import DecoderForQA

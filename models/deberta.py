@@ -21,8 +21,9 @@ micro-batches, docs/benchmarks.md, "Packed inference for the families").
 from __future__ import annotations
 
 import torch
-from shardserve.models.hf_family import HFFamilyForQA
 from torch import nn
+
+from shardserve.models.hf_family import HFFamilyForQA
 
 
 class DebertaForQA(HFFamilyForQA):

@@ -16,9 +16,10 @@ them, else each rank keeps the one key/value head its query heads read.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from shardserve.models.hf_family import HFFamilyForQA
 from shardserve.models.packing import attention_layout
-from torch import nn
 
 
 class TokenEmbeddings(nn.Module):

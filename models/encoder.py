@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from shardserve.models.config import EncoderConfig
 from shardserve.models.packing import AttentionLayout, attention_layout
 from shardserve.models.span_model import SpanModel
-from torch import nn
 
 
 def activation_fn(name: str):

@@ -25,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from shardserve.models.config import EncoderConfig
 from shardserve.models.hf_attention import KERNEL, PackedSequences, register
 from shardserve.models.packing import AttentionLayout, PackedLayout
 from shardserve.models.span_model import SpanModel
-from torch import nn
 
 _DECODER_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
+
 from shardserve.models.config import HF_CLASSES, EncoderConfig
 from shardserve.models.hf_family import FAMILIES
-from torch import nn
 
 logger = logging.getLogger(__name__)
 

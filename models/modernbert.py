@@ -20,9 +20,10 @@ values; its units' inputs and gates), and transformers' own views split them as 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from shardserve.models.hf_family import HFFamilyForQA
 from shardserve.models.packing import attention_layout
-from torch import nn
 
 
 class ModernBertForQA(HFFamilyForQA):

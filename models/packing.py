@@ -35,6 +35,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
 from shardserve.models.cpu import cpu_capabilities
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.models.qa_windows import (
     EncodedBatch,
     QAWindow,

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
 from shardserve.models.context_cache import ContextCache
 
 logger = logging.getLogger(__name__)

@@ -25,6 +25,7 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
+
 from shardserve.models.config import EncoderConfig
 from shardserve.models.registry import MODEL_NAMES, resolve_model
 from shardserve.partitioner.command import Command, Settings, at_least, positive_number, split_list

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from shardserve.partitioner.host_copy import to_host
 
 

@@ -30,9 +30,10 @@ import time
 from collections.abc import Iterable
 
 import torch
+from tqdm import tqdm
+
 from shardserve.models.build import QAModel
 from shardserve.partitioner.precision import PrecisionError
-from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 

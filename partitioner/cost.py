@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from shardserve.models.config import EncoderConfig
 
 # A rank process's own resident memory before any weight: Python, torch, transformers' modules, gloo

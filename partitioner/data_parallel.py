@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from shardserve.partitioner.collectives import all_reduce_
 from torch import nn
+
+from shardserve.partitioner.collectives import all_reduce_
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator
+
 from shardserve.models.config import EncoderConfig
 from shardserve.partitioner.cost import (
     RANK_RUNTIME_BYTES,

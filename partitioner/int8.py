@@ -41,13 +41,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.packing import packed_rows, padded_inference
 from shardserve.models.registry import MODEL_NAMES, ModelSource, cache_dir
 from shardserve.partitioner.collectives import reduce_from_tp
 from shardserve.partitioner.shard_loading import ShardSlice
 from shardserve.partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
-from torch import nn
 
 logger = logging.getLogger(__name__)
 

@@ -33,11 +33,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from shardserve.models.build import QAModel
 from shardserve.partitioner.collectives import copy_to_tp, reduce_from_tp
 from shardserve.partitioner.shard_loading import ShardSlice
 from shardserve.partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear
-from torch import nn
 
 
 def lora_targets(model: QAModel) -> tuple[str, ...]:

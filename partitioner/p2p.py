@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 from shardserve.partitioner.host_copy import to_host
 
 KIND_DATA = 1

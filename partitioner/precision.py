@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from shardserve.models.cpu import cpu_capabilities
 
 logger = logging.getLogger(__name__)

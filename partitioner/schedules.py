@@ -53,6 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+
 from shardserve.partitioner.p2p import (
     KIND_DATA,
     KIND_GRAD,
@@ -61,7 +63,6 @@ from shardserve.partitioner.p2p import (
     Message,
     P2PCommunicator,
 )
-from torch import nn
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 

@@ -20,9 +20,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from shardserve.models.config import EncoderConfig
 from shardserve.models.hf_weights import LoadReport, Region, WeightSource, load_weights
-from torch import nn
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+
 from shardserve.models.build import QAModel, new_model
 from shardserve.models.registry import ModelSource
 from shardserve.partitioner.int8 import model_calibration, quantize_linears

@@ -17,9 +17,10 @@ is returned untouched.
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch import nn
+
 from shardserve.models.build import QAModel
 from shardserve.partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from torch import nn
 
 
 def _swap_linear(

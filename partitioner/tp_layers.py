@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
 from shardserve.partitioner.collectives import copy_to_tp, reduce_from_tp
 from shardserve.partitioner.shard_loading import ShardSlice
-from torch import nn
 
 
 def shard_range(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:

@@ -59,6 +59,8 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
+
 from shardserve.models.hf_weights import save_hf_checkpoint
 from shardserve.partitioner.lora import merged_state_dict
 from shardserve.partitioner.runtime.rank import RankContext
@@ -74,7 +76,6 @@ from shardserve.training.checkpoint_shards import (
 )
 from shardserve.training.config import RunInfo, TrainConfig
 from shardserve.training.run_files import RunFiles
-from torch import nn
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
+
 from shardserve.partitioner.shard_loading import ShardSlice, shard_specs_of
 from shardserve.training.config import TrainConfig
-from torch import nn
 
 
 class ResumeError(RuntimeError):

@@ -10,7 +10,7 @@ flags from the settings models (``shardserve.training.config.TrainSettings``, ``
     shardserve eval --model /tmp/run/final --data ../shared/data/squad/squad-v2.0-half.json --json
     shardserve export-overlay --checkpoint /tmp/run/final --base minilm --fp16
     shardserve train --help       # every flag explained
-    # stage 1 on another host (README "Gangs across hosts"): there, `MASTER_ADDR=10.0.0.1
+    # stage 1 on another host (docs: guides/deployment): there, `MASTER_ADDR=10.0.0.1
     # MASTER_PORT=29500 RANK=1 shardserve worker` with the same SHARDSERVE_GANG_KEY
     shardserve train ... --pp 2 --external-ranks 1 --gang-host 10.0.0.1 --gang-port 29500
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
+
 from shardserve.partitioner.command import Command, Settings
 from shardserve.partitioner.precision import DTYPE_CHOICES, PrecisionError
 from shardserve.training.config import TRAIN_GROUPS, TrainSettings, WindowSettings, dataclass_values

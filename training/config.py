@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.partitioner.command import Settings
 from shardserve.partitioner.fit import DEGREE_HELP, MEMORY_HELP, Degree, MemorySize

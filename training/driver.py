@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims, default_devices, make_plan
 from shardserve.partitioner.precision import DynamicLossScale, resolve_dtype

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from shardserve.models.qa_windows import WindowConfig
 
 if TYPE_CHECKING:
@@ -176,6 +177,8 @@ def predict_answers(
     """The scored questions and the model's answer to each (question id -> text, ``""`` = none)."""
     import os
 
+    from tqdm import tqdm
+
     from shardserve.models.build import build_model
     from shardserve.models.registry import resolve_model
     from shardserve.partitioner.int8 import calibration_path, model_calibration, quantize_linears
@@ -183,7 +186,6 @@ def predict_answers(
     from shardserve.partitioner.precision import resolve_dtype
     from shardserve.partitioner.stream.gang import StreamGang
     from shardserve.partitioner.stream.program import stream_spec
-    from tqdm import tqdm
 
     # Everything that can be refused is checked before any slow work and before the progress bar,
     # so an error is one line of its own: dtype, model, partition, window length, data, tokenizer.

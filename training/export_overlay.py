@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
 from shardserve.models.build import build_model
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.lora import lora_targets

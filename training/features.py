@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+
 from shardserve.models.context_cache import ContextCache
 from shardserve.models.qa_decoding import QAPrediction, decode_encoded
 from shardserve.models.qa_windows import (

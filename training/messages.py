@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from shardserve.partitioner.runtime.wire import register_messages
 
 

@@ -8,7 +8,7 @@ how far the logits moved. Calibrate on training data, never on what you score.
 
     shardserve quantize --model default --data ../shared/data/squad/squad-v1.1-train.json
     shardserve eval --model default --data ../shared/data/squad/squad-v1.1-train-pool.json --dtype int8
-    shardserve serve --model default --dtype int8       # auto picks it on x86 CPUs (AVX2 and up)
+    shardserve serve --model default --dtype int8       # auto picks it on x86 CPUs with AVX2 and no AMX
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import time
 
 import torch
 from pydantic import Field
+from tqdm import tqdm
+
 from shardserve.partitioner.command import Command
 from shardserve.partitioner.int8 import DEFAULT_ALPHA
 from shardserve.training.config import WindowSettings
-from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ QUANTIZE = Command(
     help="calibrate a model for --dtype int8 (static int8 Linear layers, SmoothQuant)",
     description="Run SQuAD questions through the model in fp32, record each Linear layer's input ranges, "
     "and write the model's int8 calibration, which serve, eval and verify read with --dtype int8 (and "
-    "--dtype auto on x86 CPUs with AVX2 or better). Calibrate on training data, not on what you score.",
+    "--dtype auto in serve and eval on x86 CPUs with AVX2 or better and no AMX, where int8 is faster than bf16). Calibrate on training data, not on what you score.",
     settings=QuantizeSettings,
     run=cmd_quantize,
 )

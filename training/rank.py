@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from shardserve.models.registry import ModelSource
 from shardserve.partitioner.data_parallel import GradReducer
 from shardserve.partitioner.lora import apply_lora, freeze_for_peft
@@ -67,7 +69,6 @@ from shardserve.training.features import EVAL_INPUTS, read_features
 from shardserve.training.messages import CheckpointSaved, EvalLogits, StepReport
 from shardserve.training.objective import MASK_FILL, lr_at, param_groups, span_loss
 from shardserve.training.run_files import RunFiles
-from torch import nn
 
 
 def batch_indices(

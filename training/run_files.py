@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from shardserve.partitioner.runtime.file_transfer import recv_files, send_files
 from shardserve.partitioner.runtime.rank import RankContext, before_hard_exit
 from shardserve.training.config import RunInfo

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from shardserve.partitioner.placement.latency import ModelProfile, PlacementError, by_name
 from shardserve.partitioner.placement.layout import Placement
 from shardserve.partitioner.placement.workload import Trace

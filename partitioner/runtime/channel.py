@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+
 from shardserve.partitioner.runtime.messages import DRIVER, Heartbeat
 from shardserve.partitioner.runtime.wire import WireError, decode, encode
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from shardserve.partitioner.runtime.channel import ENV_ENDPOINTS, ENV_KEY, DriverChannel
 from shardserve.partitioner.runtime.messages import (
     RankFailed,

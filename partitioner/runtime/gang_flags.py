@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
 from shardserve.partitioner.command import split_list
 from shardserve.partitioner.runtime.remote import GangNetwork
 

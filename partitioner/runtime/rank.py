@@ -36,6 +36,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
+
 from shardserve.models.registry import ModelSource
 from shardserve.partitioner.p2p import P2PCommunicator
 from shardserve.partitioner.plan import PartitionPlan

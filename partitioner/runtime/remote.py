@@ -43,6 +43,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
 from shardserve.models.registry import MODEL_NAMES, ModelSource, resolve_model
 from shardserve.partitioner.plan import ParallelDims, default_devices, make_plan
 from shardserve.partitioner.runtime.channel import ENV_ENDPOINTS, ENV_KEY

@@ -31,6 +31,7 @@ import secrets
 from typing import Any
 
 import numpy as np
+
 from shardserve.partitioner.runtime.messages import Heartbeat, RankFailed, RankReady, RankStopped
 
 MESSAGE_TYPES: dict[str, type] = {}

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 from pydantic import AfterValidator, Field
+
 from shardserve.partitioner.command import Command, Settings, positive_number
 from shardserve.partitioner.runtime.remote import JoinError, RemoteProgram, join_gang, read_gang_key
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.partitioner.runtime.channel import ChannelError
 from shardserve.partitioner.runtime.gang import Gang, GangError
 from shardserve.partitioner.runtime.messages import RankFailed

@@ -29,12 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from shardserve.models.registry import MODEL_NAMES, ModelSource, resolve_model
 from shardserve.partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
 from shardserve.partitioner.runtime.rank import GangSpec
 from shardserve.partitioner.runtime.remote import JoinError
 from shardserve.partitioner.schedules import MicroBatch, ScheduleError, StageExecutor
-from torch import nn
 
 MODEL_SHIFT = 40  # micro-batch ids below 2**40 (a trillion); model indices in the bits above
 MAX_MODELS = 1 << (62 - MODEL_SHIFT)  # the tagged id stays a positive int64

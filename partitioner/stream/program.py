@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.models.build import QAModel
 from shardserve.models.registry import ModelSource
 from shardserve.partitioner.compiled import compile_stage, warm_up

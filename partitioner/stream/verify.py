@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from shardserve.models.build import build_model
 from shardserve.models.registry import ModelSource
 from shardserve.partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan

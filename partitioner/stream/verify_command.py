@@ -14,6 +14,7 @@ import logging
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
+
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.cli import PartitionSettings
 from shardserve.partitioner.command import Command, at_least, positive_number

@@ -35,6 +35,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
 from shardserve.partitioner.runtime.wire import WireError, decode_many, encode_many
 from shardserve.serving.engine import core_wire as cw
 from shardserve.serving.engine.qa_types import EngineError

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
+
 from shardserve.partitioner.runtime.wire import WireError, decode_many, encode_many, new_key
 from shardserve.serving.engine import core_wire as cw
 from shardserve.serving.engine.core import Engine, Ticket

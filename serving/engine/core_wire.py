@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.models.qa_windows import EncodedBatch, QAWindow
 from shardserve.partitioner.runtime.wire import register_messages
 

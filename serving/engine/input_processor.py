@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from shardserve.models.context_cache import ContextCache
 from shardserve.models.qa_windows import EncodedBatch, WindowConfig, encode_qa
 from shardserve.serving.engine.qa_types import QAPair

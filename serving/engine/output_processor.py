@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from shardserve.models.qa_decoding import decode_spans
 from shardserve.models.qa_windows import EncodedBatch, QAWindow
 from shardserve.serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair

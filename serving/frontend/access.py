@@ -49,6 +49,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
+
 from shardserve.serving.frontend.json_body import JsonBodyRoute
 from shardserve.serving.frontend.openapi import unauthorized
 from shardserve.serving.frontend.schemas import ErrorResponse

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI
+
 from shardserve.serving.engine import core_wire as cw
 from shardserve.serving.engine.core_client import CoreClient
 from shardserve.serving.engine.remote_engine import RemoteLimits, RemoteRepository

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+
 from shardserve.serving.engine.core_server import CoreServer
 from shardserve.serving.frontend.api_role import CoreLink, reuseport_socket
 from shardserve.serving.frontend.http_protocol import uvicorn_config

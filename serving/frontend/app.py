@@ -48,6 +48,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Mount
+
+from shardserve import __version__
 from shardserve.partitioner.compiled import resolve_compile
 from shardserve.partitioner.precision import DtypeChoice
 from shardserve.serving.engine.builder import (
@@ -73,9 +78,6 @@ from shardserve.serving.frontend.settings import ServeSettings
 from shardserve.serving.frontend.status import StatusBoard
 from shardserve.serving.frontend.v2_statistics import router as statistics_router
 from shardserve.serving.metrics import ServingMetrics
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Mount
 
 logger = logging.getLogger(__name__)
 
@@ -411,7 +413,7 @@ def _api_app(settings: ServeSettings, core: CoreLink) -> FastAPI:
 def _fastapi(lifespan: Any) -> FastAPI:
     return FastAPI(
         title="shardserve",
-        version="0.1.0",
+        version=__version__,
         description="Model-parallel extractive question answering. Errors are JSON: {error, detail}.",
         lifespan=lifespan,
         docs_url=None,  # /docs and /redoc: serving/frontend/pages.py, with local assets (no CDN)

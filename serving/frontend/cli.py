@@ -31,6 +31,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import uvicorn
+
 from shardserve.partitioner.command import Command
 from shardserve.partitioner.runtime.gang_flags import GANG_FIELDS
 from shardserve.serving.frontend.http_protocol import uvicorn_config
@@ -344,9 +345,9 @@ SERVE = Command(
     settings=ServeSettings,
     run=cmd_serve,
     groups={
-        'batching, the queue, admission and deadlines (README "Batching")': SCHEDULER_FIELDS,
-        'a gang across hosts (README "Gangs across hosts")': GANG_FIELDS,
-        'many models on shared devices (README "Many models")': ("placement", *PLACEMENT_FIELDS),
+        'batching, the queue, admission and deadlines (docs: guides/serving)': SCHEDULER_FIELDS,
+        'a gang across hosts (docs: guides/deployment)': GANG_FIELDS,
+        'many models on shared devices (docs: guides/many-models)': ("placement", *PLACEMENT_FIELDS),
     },
     invalid="invalid serve settings",
 )

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI
+
 from shardserve.serving.engine.qa_types import EngineError
 from shardserve.serving.frontend.access import (
     API_KEY_401,

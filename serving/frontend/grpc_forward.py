@@ -20,8 +20,9 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI
-from shardserve.serving.frontend.grpc_service import InferenceService
 from tritonclient.grpc import service_pb2_grpc
+
+from shardserve.serving.frontend.grpc_service import InferenceService
 
 FORWARDED_RPCS = ("ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
 

@@ -24,10 +24,11 @@ import logging
 
 import grpc
 from fastapi import FastAPI
+from tritonclient.grpc import service_pb2_grpc
+
 from shardserve.serving.frontend.grpc_call import SERVICE
 from shardserve.serving.frontend.grpc_forward import ForwardingService
 from shardserve.serving.frontend.grpc_service import add_service
-from tritonclient.grpc import service_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

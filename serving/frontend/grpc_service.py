@@ -32,6 +32,8 @@ import grpc
 from fastapi import FastAPI
 from google.protobuf import json_format
 from pydantic import ValidationError
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
 from shardserve.serving.config import MODEL_NAME
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import EngineError
@@ -50,7 +52,6 @@ from shardserve.serving.frontend.v2_tensors import (
     parse_call,
     v2_field,
 )
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 _CONTENTS = service_pb2.InferTensorContents.DESCRIPTOR.fields_by_name
 

@@ -45,6 +45,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve import __version__
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import EngineError
 from shardserve.serving.engine.repository import ModelRepository
@@ -62,9 +65,6 @@ from shardserve.serving.frontend.v2_tensors import (
     parse_call,
     v2_field,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from shardserve import __version__
 
 logger = logging.getLogger(__name__)
 

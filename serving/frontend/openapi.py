@@ -23,10 +23,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
+from starlette.routing import Match
+
 from shardserve.serving.engine.builder import replica_cap as pool_replica_cap
 from shardserve.serving.frontend.schemas import ErrorResponse, ValidationErrorResponse
 from shardserve.serving.frontend.settings import ServeSettings
-from starlette.routing import Match
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+
 from shardserve.serving.frontend.status import collect_status
 from shardserve.serving.frontend.status_schemas import StatusResponse
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from shardserve.partitioner.placement.latency import MeasuredLatency, PlacementError
 from shardserve.partitioner.precision import compute_dtype
 from shardserve.serving.config import PLACEMENT_POLICIES, PlacementConfig

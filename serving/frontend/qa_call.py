@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
+
 from shardserve.serving.engine.answer import Answered, answer_pairs
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import QAPair

@@ -34,6 +34,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response, Securi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import EngineError
 from shardserve.serving.engine.repository import ModelRepository

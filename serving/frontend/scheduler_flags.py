@@ -16,6 +16,7 @@ from typing import Annotated
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
 from shardserve.serving.config import SchedulerConfig
 
 # windows of similar length batched together: a micro-batch's padding stays near 7 % on SQuAD, and

@@ -17,6 +17,7 @@ import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
 from shardserve.models.qa_windows import MAX_ANSWER_LENGTH_RANGE, NULL_THRESHOLD_RANGE, TOP_K_RANGE
 from shardserve.serving.engine.qa_types import PairResult, QAPair
 

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
+
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.partitioner.command import split_list
 from shardserve.partitioner.compiled import COMPILE_CHOICES

@@ -34,6 +34,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.replica_detail import ReplicaDetail
 from shardserve.serving.engine.repository import ModelEntry, ModelRepository

@@ -27,8 +27,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
-from shardserve.serving.frontend.json_body import JsonBodyRoute
 from starlette.exceptions import HTTPException
+
+from shardserve.serving.frontend.json_body import JsonBodyRoute
 
 HEADER = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"

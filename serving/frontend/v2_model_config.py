@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+
 from shardserve.serving.frontend.kserve_v2 import (
     MODEL_INPUTS,
     MODEL_OUTPUTS,

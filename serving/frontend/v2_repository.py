@@ -26,6 +26,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
 from shardserve.serving.config import MODEL_NAME
 from shardserve.serving.engine.qa_types import EngineError
 from shardserve.serving.engine.repository import ModelRepository

@@ -40,6 +40,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.metrics import MetricWrapperBase
 from pydantic import BaseModel, Field
+
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.repository import ModelRepository, model_version
 from shardserve.serving.frontend.kserve_v2 import V2ModelRoute, model_engine, v2_error, v2_responses

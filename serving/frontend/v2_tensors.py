@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from shardserve.serving.frontend import v2_binary
 from shardserve.serving.frontend.schemas import JsonInt, QAItem
 

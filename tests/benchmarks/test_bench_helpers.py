@@ -19,6 +19,7 @@ import bench_api_workers
 import bench_frontend_floor
 import bench_kernels
 import bench_serving
+
 from shardserve.loadtest.overload import process_tree
 from shardserve.models.cpu import cpu_capabilities
 
@@ -199,9 +200,10 @@ def test_big_model_checkpoint_is_sharded_and_loads_as_transformers_wrote_it(tmp_
     """bench_big_model's writer (tensor by tensor, 1 GB shards + index), at a tiny shape and shard
     size: shardserve loads it, and its forward equals transformers' on the same files."""
     import bench_big_model
+    from transformers import AutoModelForQuestionAnswering
+
     from shardserve.models.build import build_model
     from shardserve.models.registry import resolve_model
-    from transformers import AutoModelForQuestionAnswering
 
     tiny = {**bench_big_model.SHAPE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 3000}  # fmt: skip
@@ -417,3 +419,108 @@ def test_frontend_floor_bare_servers_answer_as_the_decoder_does():
             assert spans == [(a["text"], a["start"], a["end"]) for a in want]
             # the score went through JSON: equal within a float's round trip
             assert [a["score"] for a in answers] == pytest.approx([a["score"] for a in want], rel=1e-12)
+
+
+def test_ratio_lines_compare_shardserve_with_litserve_and_mosec():
+    rows = [
+        _result("(e) LitServe fp32", 20.0),
+        _result("(e2) LitServe bf16", 25.0),
+        _result("(f) Mosec fp32", 40.0),
+        _result("(c) shardserve default flags", 50.0),
+    ]
+    text = "\n".join(bench_serving.ratio_lines(rows))
+    assert "LitServe fp32 server (e) [(e) LitServe fp32]: 2.50x" in text
+    assert "LitServe bf16 server (e2) [(e2) LitServe bf16]: 2.00x" in text
+    assert "Mosec fp32 server (f) [(f) Mosec fp32]: 1.25x" in text
+    assert "(f2)" not in text  # not measured: no line
+
+
+def test_listener_pids_finds_the_process_holding_the_listening_socket():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert bench_serving.listener_pids([os.getpid()], port) == []  # bound, not listening
+        s.listen()
+        assert bench_serving.listener_pids([os.getpid()], port) == [os.getpid()]
+        assert bench_serving.listener_pids([os.getpid()], port + 1 if port < 65535 else port - 1) == []
+
+
+def test_reap_kills_the_processes_that_outlive_their_server():
+    import subprocess
+
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        bench_serving.reap([left.pid], timeout_s=0.2)
+        assert left.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        left.kill()
+        left.wait()
+
+
+def _same_answers(got: list[dict], want: list[dict]) -> None:
+    assert [[(a["text"], a["start"], a["end"]) for a in g["answers"]] for g in got] == [
+        [(a["text"], a["start"], a["end"]) for a in w["answers"]] for w in want
+    ]
+    for g, w in zip(got, want, strict=True):  # other padding in a batch: equal within float rounding
+        assert [a["score"] for a in g["answers"]] == pytest.approx(
+            [a["score"] for a in w["answers"]], abs=1e-3
+        )
+
+
+QA_SETTINGS = {"model": "default", "dtype": "float32", "max_seq_len": 384, "threads": 1}
+
+
+@pytest.fixture(scope="module")
+def naive_qa():
+    """The naive server's model work (servers/qa_model.py) and its answers to two questions of
+    different lengths, each alone (as the naive server answers)."""
+    servers = str(Path(bench_serving.HERE, "servers"))
+    if servers not in sys.path:
+        sys.path.insert(0, servers)
+    from qa_model import QAModel
+
+    threads = torch.get_num_threads()
+    naive = QAModel(device="cpu", **QA_SETTINGS)
+    asks = [{"question": q, "context": c} for q, c in (bench_serving.BUILTIN[0], bench_serving.BUILTIN[3])]
+    want = [naive.answer(a["question"], a["context"]) for a in asks]
+    assert all(w["answers"] for w in want)
+    yield naive, asks, want
+    torch.set_num_threads(threads)
+
+
+def test_qa_model_answers_a_batch_as_each_question_alone(naive_qa):
+    naive, asks, want = naive_qa
+    _same_answers(naive.answer_batch(asks), want)  # one forward, both padded to the longer
+
+
+def test_litserve_api_answers_as_the_naive_server(naive_qa):
+    """Row (e)'s hooks on a batch of two (decode_request, batch, predict, unbatch, encode_response),
+    and LitServe's unbatched loop (--max-batch-size 1: decode_request, predict, encode_response)."""
+    pytest.importorskip("litserve")
+    import litserve_qa
+
+    naive, asks, want = naive_qa
+    api = litserve_qa.QALitAPI(max_batch_size=8, batch_timeout_s=0.01, **QA_SETTINGS)
+    api.qa = naive  # what setup("cpu") loads in a worker
+    x = api.batch([api.decode_request(a) for a in asks])
+    _same_answers([api.encode_response(y) for y in api.unbatch(api.predict(x))], want)
+    one = litserve_qa.QALitAPI(max_batch_size=1, batch_timeout_s=0.0, **QA_SETTINGS)
+    one.qa = naive
+    _same_answers([one.encode_response(one.predict(one.decode_request(asks[1])))], want[1:])
+
+
+def test_mosec_worker_answers_as_the_naive_server(naive_qa, monkeypatch):
+    pytest.importorskip("mosec")
+    import mosec_qa
+
+    _, asks, want = naive_qa
+    threads = torch.get_num_threads()
+    monkeypatch.setenv(mosec_qa.SETTINGS_ENV, json.dumps({"device": "cpu", **QA_SETTINGS}))
+    try:
+        worker = mosec_qa.QAWorker()  # loads the model as a spawned worker does, from the environment
+    finally:
+        torch.set_num_threads(threads)
+    _same_answers(worker.forward(asks), want)
+    _same_answers([worker.forward(asks[0])], want[:1])  # --max-batch-size 1: one body, not a list

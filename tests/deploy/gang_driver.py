@@ -16,6 +16,7 @@ import json
 import sys
 
 import torch
+
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.runtime.gang import GangError

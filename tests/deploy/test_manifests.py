@@ -23,7 +23,6 @@ DEPLOY = REPO / "deploy"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
 from shardserve.serving.frontend.http_protocol import SHUTDOWN_GRACE_S  # noqa: E402
-
 from tests.deploy.crd_schemas import is_crd, validate_crd  # noqa: E402 (needs the skip above)
 
 

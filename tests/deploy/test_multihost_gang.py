@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from shardserve.partitioner.runtime.wire import new_key
 from shardserve.partitioner.stream.gang import StreamGang
-
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 from tests.netns import netns_available, virtual_hosts
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+
 from shardserve.partitioner.runtime.channel import DRIVER_TIMEOUT_S
 from shardserve.partitioner.runtime.wire import new_key
 from shardserve.training.checkpoint import list_checkpoints
 from shardserve.training.config import TrainConfig
-
 from tests.netns import REPO_ROOT, VirtualHost, netns_available, virtual_hosts
 from tests.training.test_trainer_parity import TOL, base_config, max_diff, reference_weights
 

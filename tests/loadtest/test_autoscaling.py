@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from shardserve.loadtest.local_server import local_server
 from shardserve.loadtest.report import read_metrics, read_requests, window_stats
 from shardserve.loadtest.runner import LoadTestConfig, run_loadtest

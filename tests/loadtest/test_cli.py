@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from shardserve.loadtest.local_server import free_port
-from shardserve.loadtest.runner import LoadTestConfig
 
 from shardserve.cli import build_parser
 from shardserve.cli import main as shardserve_main
+from shardserve.loadtest.local_server import free_port
+from shardserve.loadtest.runner import LoadTestConfig
 
 
 def _loadtest_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from shardserve.loadtest.checks import check_answers
 from shardserve.loadtest.data import generate_items, load_qa_items, read_squad
 

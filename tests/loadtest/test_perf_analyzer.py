@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
 from shardserve.loadtest.perf_analyzer import PerfAnalyzerUnavailable, install, run
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT
 from tests.serving.live import free_port, live_server

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from shardserve.loadtest.prom import MetricSelector, MetricsScraper, parse_prometheus_text
 
+from shardserve.loadtest.prom import MetricSelector, MetricsScraper, parse_prometheus_text
 from tests.loadtest.stub_server import StubServer
 
 TEXT = """# HELP shardserve_queue_depth Requests waiting.

@@ -10,7 +10,6 @@ import asyncio
 
 from shardserve.loadtest.replay import attainment, replay, summary
 from shardserve.partitioner.placement.workload import Trace
-
 from tests.loadtest.stub_server import StubServer
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from shardserve.loadtest.report import PLOTS, build_report
 
 T0 = 1_700_000_000.0

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from shardserve.cli import main as shardserve_main
 from shardserve.loadtest.checks import is_loopback_host
 from shardserve.loadtest.local_server import ServerNotReady, wait_ready
 from shardserve.loadtest.report import PLOTS
 from shardserve.loadtest.runner import LOCUSTFILE, LoadTestConfig, LoadTestError, run_loadtest
 from shardserve.loadtest.scenarios import GammaArrivals, ScenarioConfig
-
-from shardserve.cli import main as shardserve_main
 from tests.loadtest.stub_server import StubServer
 
 # locust is never imported here: it monkey-patches the process with gevent on import

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from shardserve.loadtest.scenarios import (
     GammaArrivals,
     Scenario,

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from shardserve.models.qa_windows import QAWindow
 
 

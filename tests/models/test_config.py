@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from shardserve.models.config import EncoderConfig, ModelConfigError
 from shardserve.models.registry import TINY_PRESETS, minilm_dir
 

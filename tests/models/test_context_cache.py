@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+
 from shardserve.models.context_cache import BYTES_PER_TOKEN, ContextCache
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.models.build import build_model
 from shardserve.models.packing import PaddedLayout, expand_mask
 from shardserve.models.registry import resolve_model
-
 from tests.models.qa_fixtures import right_padded, spare_rows
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.models.build import new_model
 from shardserve.models.config import EncoderConfig
 from shardserve.models.hf_family import FAMILIES
@@ -40,9 +41,10 @@ def test_every_family_names_its_checkpoint_tensors():
 def test_modernbert_reads_a_long_window_in_one_piece():
     """A window as long as ModernBERT's positions allow (1,000 of the tiny preset's 1,024 tokens,
     past its 32-token local windows), equal to transformers' forward."""
+    from transformers import AutoModelForQuestionAnswering
+
     from shardserve.models.build import build_model
     from shardserve.models.registry import resolve_model
-    from transformers import AutoModelForQuestionAnswering
 
     source = resolve_model("tiny-modernbert")
     assert source.config.max_seq_len == 1024
@@ -67,11 +69,11 @@ def test_a_packed_batch_gives_the_padded_batchs_logits(name, monkeypatch):
     tokens (oneDNN's row grid, forced here in fp32) change nothing. DeBERTa runs padded (its
     attention module projects the relative-position table on every call: packed was slower)."""
     import transformers.integrations.sdpa_attention as sdpa
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
+
     from shardserve.models.build import build_model
     from shardserve.models.packing import padded_inference
     from shardserve.models.registry import resolve_model
-    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
-
     from tests.models.qa_fixtures import right_padded, spare_rows
 
     calls = []

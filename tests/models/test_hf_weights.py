@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
 from shardserve.models.build import build_model
 from shardserve.models.config import EncoderConfig
 from shardserve.models.hf_weights import CheckpointError, save_hf_checkpoint, to_hf_state_dict

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import shardserve.models.packing as packing
 import torch
 import torch.nn.functional as F
+
+import shardserve.models.packing as packing
 from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.packing import (
     PackedLayout,
@@ -19,7 +20,6 @@ from shardserve.models.packing import (
     packed_rows,
     padded_inference,
 )
-
 from tests.models.qa_fixtures import right_padded
 
 FP32 = torch.float32  # Linear layers in MKL: no spare rows

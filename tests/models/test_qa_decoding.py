@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from shardserve.models.qa_decoding import Answer, decode_encoded, decode_spans
 from shardserve.models.qa_windows import (
     QAInputError,
@@ -19,7 +20,6 @@ from shardserve.models.qa_windows import (
     validate_null_threshold,
     validate_qa_inputs,
 )
-
 from tests.models.qa_fixtures import _long_context, _offs
 
 # ------------------------------------------------------------------------------------------

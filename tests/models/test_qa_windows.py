@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 import transformers
+
 from shardserve.models.context_cache import ContextCache
 from shardserve.models.qa_windows import (
     QAInputError,
@@ -21,7 +22,6 @@ from shardserve.models.qa_windows import (
     validate_qa_inputs,
     validate_top_k,
 )
-
 from tests.models.qa_fixtures import _long_context, _offs, _strip_accents_lower
 
 # ------------------------------------------------------------------------------------------
@@ -273,8 +273,9 @@ def test_a_tokenizer_whose_parts_do_not_join_encodes_pairs_whole(tok):
     """A post-processor that gives the second text type id 0 in the first window: the tokenizers
     library's further windows keep the 1s the context was encoded with, a joined encoding could not
     know that, so this tokenizer skips the cache and its windows stay the library's."""
-    from shardserve.models.qa_windows import _rust_encoders
     from tokenizers import processors
+
+    from shardserve.models.qa_windows import _rust_encoders
 
     odd = transformers.AutoTokenizer.from_pretrained(tok.name_or_path)
     cls, sep = odd.cls_token_id, odd.sep_token_id

@@ -13,10 +13,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from shardserve.models.config import ModelConfigError
-from shardserve.models.registry import minilm_dir, resolve_model
 
 from shardserve.cli import main
+from shardserve.models.config import ModelConfigError
+from shardserve.models.registry import minilm_dir, resolve_model
 
 
 def _config_only(tmp_path: Path, preset: str, **changes: object) -> Path:

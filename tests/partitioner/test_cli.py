@@ -7,11 +7,11 @@ import json
 import time
 
 import pytest
+
+from shardserve.cli import main
 from shardserve.loadtest.local_server import free_port
 from shardserve.partitioner.cost import RANK_RUNTIME_BYTES
 from shardserve.partitioner.stream.verify import verify_partitioned
-
-from shardserve.cli import main
 
 
 def test_plan_table(capsys):

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+
 from shardserve.models.build import build_model
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner import compiled
@@ -26,7 +28,6 @@ from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.precision import PrecisionError
 from shardserve.partitioner.stages import slice_stage
 from shardserve.partitioner.stream.verify import verify_partitioned
-from torch._dynamo.utils import counters
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ processes), plus each command refusing a too-small limit with exit 2 before any 
 from __future__ import annotations
 
 import pytest
+
+from shardserve.cli import main
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.fit import (
     AUTO,
@@ -21,8 +23,6 @@ from shardserve.partitioner.fit import (
 )
 from shardserve.partitioner.plan import ParallelDims
 from shardserve.partitioner.precision import resolve_dtype
-
-from shardserve.cli import main
 
 MIB = 2**20
 

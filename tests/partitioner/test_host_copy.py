@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.partitioner.host_copy import to_host
 
 

@@ -8,9 +8,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+
 import shardserve.partitioner.int8 as int8
 import shardserve.partitioner.precision as precision
-import torch
 from shardserve.models.build import build_model
 from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.packing import packed_rows
@@ -27,7 +29,6 @@ from shardserve.partitioner.int8 import (
     weight_max,
 )
 from shardserve.partitioner.precision import PrecisionError, resolve_dtype
-from torch import nn
 
 SQUAD = Path(__file__).resolve().parents[3] / "shared" / "data" / "squad"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.partitioner.p2p import HEADER_LEN, KIND_DATA, KIND_STOP, Message, decode_header, encode_header
 
 

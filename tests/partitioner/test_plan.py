@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from shardserve.models.build import new_model
 from shardserve.models.config import EncoderConfig
 from shardserve.models.registry import TINY_PRESETS, minilm_dir

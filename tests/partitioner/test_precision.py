@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+
 from shardserve.models.build import build_model
 from shardserve.models.cpu import CpuCapabilities
 from shardserve.models.encoder import SelfAttention

@@ -14,6 +14,8 @@ import contextlib
 
 import pytest
 import torch
+from torch import nn
+
 from shardserve.partitioner.p2p import KIND_DATA, KIND_GRAD, KIND_KEEPALIVE, KIND_STOP, Message
 from shardserve.partitioner.schedules import (
     IDLE,
@@ -25,7 +27,6 @@ from shardserve.partitioner.schedules import (
     run_schedule,
     run_stream,
 )
-from torch import nn
 
 
 class Recorder:

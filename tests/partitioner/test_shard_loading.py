@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
+
 from shardserve.models.build import build_model
 from shardserve.models.encoder import EncoderForQA
 from shardserve.models.hf_weights import CheckpointError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.models.build import build_model
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+
 from shardserve.partitioner.runtime.gang import GangError
 
 _pids = itertools.count(100000)

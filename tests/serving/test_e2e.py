@@ -24,6 +24,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+
 from shardserve.loadtest.local_server import local_server
 from shardserve.models.build import build_model
 from shardserve.models.qa_decoding import decode_spans
@@ -31,7 +32,6 @@ from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
 from shardserve.serving.fleet.replicas import ReplicaState
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.frontend.test_api import CONTEXT, TOKEN, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,7 +9,6 @@ import re
 
 from shardserve.serving.frontend.status import read_registry
 from shardserve.serving.metrics import ServingMetrics
-
 from tests.serving.frontend.test_api import ask, serving, wait_until
 
 BUSY = "shardserve_stage_busy_seconds_total"

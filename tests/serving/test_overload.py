@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from shardserve.loadtest.local_server import LocalServer, local_server
 from shardserve.loadtest.overload import (
     QUESTION,

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
+
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.frontend.test_api import wait_until
 from tests.serving.test_e2e import PAIRS, reference_answer
 

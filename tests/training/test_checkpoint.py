@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.training.checkpoint import (
     STATE_FILE,

@@ -18,6 +18,8 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from shardserve.cli import main as shardserve_main
 from shardserve.models.build import build_model
 from shardserve.models.registry import resolve_model
 from shardserve.training.driver import train
@@ -27,8 +29,6 @@ from shardserve.training.export_overlay import (
     export_overlay,
     low_rank_overlay,
 )
-
-from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config
 
 

@@ -15,8 +15,9 @@ import hashlib
 import json
 
 import pytest
-import shardserve.training.features as features
 import torch
+
+import shardserve.training.features as features
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.models.registry import resolve_model
 from shardserve.training.config import TrainConfig
@@ -27,7 +28,6 @@ from shardserve.training.features import (
     read_features,
     sha256_file,
 )
-
 from tests.training.test_trainer_parity import write_tiny_squad
 
 

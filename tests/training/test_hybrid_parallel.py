@@ -24,6 +24,8 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
+
 from shardserve.models.build import build_model
 from shardserve.models.encoder import EncoderForQA
 from shardserve.models.registry import resolve_model
@@ -37,8 +39,6 @@ from shardserve.training.checkpoint import ResumeError, list_checkpoints, resume
 from shardserve.training.checkpoint_shards import load_resharded, write_shard
 from shardserve.training.config import TrainConfig, TrainConfigError
 from shardserve.training.driver import train
-from torch import nn
-
 from tests.training.test_trainer_parity import base_config, max_diff, reference_weights
 
 TOL = 1e-5

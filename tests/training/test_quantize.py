@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from shardserve.models.registry import resolve_model
-from shardserve.partitioner.int8 import calibration_path, load_calibration
 
 from shardserve.cli import main
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.int8 import calibration_path, load_calibration
 from tests.training.test_cli import _squad_file_of
 
 

@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+
 from shardserve.partitioner.runtime.gang import bound_store
 from shardserve.partitioner.runtime.rank import GangSpec
 from shardserve.partitioner.runtime.remote import SPEC_KEY, GangNetwork, JoinError, publish_spec, read_spec
@@ -29,7 +30,6 @@ from shardserve.training.config import RunInfo, TrainConfigError
 from shardserve.training.driver import train
 from shardserve.training.rank import TRAIN_PROGRAM as TRAIN
 from shardserve.training.rank import train_rank, with_dropout
-
 from tests.training.test_cli import _one_line_error
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
 

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import transformers
+
 from shardserve.models.qa_windows import QAWindow, WindowConfig
 from shardserve.training.features import (
     build_eval_features,

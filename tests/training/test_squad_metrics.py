@@ -6,6 +6,7 @@ Run: ``python -m pytest tests/training/test_squad_metrics.py -q``.
 from __future__ import annotations
 
 import pytest
+
 from shardserve.training.squad_data import SquadExample
 from shardserve.training.squad_metrics import (
     compute_exact,

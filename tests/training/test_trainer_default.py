@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from shardserve.models.build import build_model
 from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.encoder import EncoderForQA

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
 from shardserve.models.build import build_model
 from shardserve.models.hf_weights import to_hf_state_dict
 from shardserve.models.qa_windows import WindowConfig

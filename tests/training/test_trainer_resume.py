@@ -21,6 +21,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from shardserve.cli import main as shardserve_main
 from shardserve.models.build import build_model
 from shardserve.models.hf_weights import to_hf_state_dict
 from shardserve.models.registry import resolve_model
@@ -32,8 +34,6 @@ from shardserve.partitioner.stream.program import stream_spec
 from shardserve.training.checkpoint import list_checkpoints
 from shardserve.training.driver import train
 from shardserve.training.export_overlay import export_overlay
-
-from shardserve.cli import main as shardserve_main
 from tests.training.test_trainer_parity import base_config, write_tiny_squad
 
 

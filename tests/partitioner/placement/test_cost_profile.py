@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from shardserve.models.config import EncoderConfig
 from shardserve.partitioner.cost import analytic_costs
 from shardserve.partitioner.placement.cost_profile import (

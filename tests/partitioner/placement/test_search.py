@@ -11,6 +11,7 @@ little batching gain; pp=2 halves a stage and adds a hop.
 from __future__ import annotations
 
 import pytest
+
 from shardserve.partitioner.placement.latency import LatencyModel, ModelProfile, PlacementError
 from shardserve.partitioner.placement.layout import Group, Placement
 from shardserve.partitioner.placement.search import auto, choose_placement, dedicated, multiplexed, replan

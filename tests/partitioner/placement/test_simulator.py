@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from shardserve.partitioner.placement.latency import (
     LatencyModel,
     MeasuredLatency,

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+
 from shardserve.partitioner.runtime.channel import ChannelError, DriverChannel, RankChannel
 from shardserve.partitioner.runtime.messages import Heartbeat, RankFailed, RankReady
 from shardserve.partitioner.runtime.wire import (
@@ -103,7 +104,7 @@ def test_only_registered_program_messages_cross_and_names_are_unique() -> None:
     with pytest.raises(WireError, match="not a wire message"):
         encode(Unregistered(1), new_key())
     clash = dataclasses.make_dataclass("Result", [("n", int)], frozen=True)  # the stream's message's name
-    with pytest.raises(ValueError, match=r"'Result' is taken by partitioner\.stream\.program\.Result"):
+    with pytest.raises(ValueError, match=r"'Result' is taken by shardserve\.partitioner\.stream\.program\.Result"):
         register_messages(clash)
     register_messages(Unregistered)
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from shardserve.models.encoder import EncoderForQA
 from shardserve.models.registry import ModelSource, resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan
@@ -37,7 +38,6 @@ from shardserve.partitioner.stream.gang import StreamGang
 from shardserve.partitioner.stream.program import stream_rank, stream_spec
 from shardserve.partitioner.stream.verify import compare, sample_batches, verify_partitioned
 from shardserve.training.messages import CheckpointSaved
-
 from tests.procs import all_gone, parent_of
 
 TOLERANCE = 1e-4

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
+
 from shardserve.partitioner.runtime.gang import rank_context
 from shardserve.partitioner.runtime.rank_process import UNKNOWN_STATUS, RankProcess, has_exited, pidfd_of
-
 from tests.procs import gone, parent_of
 
 needs_pidfd = pytest.mark.skipif(pidfd_of(os.getpid()) is None, reason="needs pidfds (Linux 5.3+)")

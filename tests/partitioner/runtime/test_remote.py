@@ -18,13 +18,13 @@ from datetime import timedelta
 
 import pytest
 import torch
+
 from shardserve.loadtest.local_server import free_port
 from shardserve.partitioner.runtime.gang import GangError, bound_store
 from shardserve.partitioner.runtime.remote import GangNetwork, JoinError, publish_spec, read_spec
 from shardserve.partitioner.runtime.wire import new_key
 from shardserve.partitioner.stream.gang import StreamGang
 from shardserve.partitioner.stream.program import STREAM_PROGRAM
-
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 
 

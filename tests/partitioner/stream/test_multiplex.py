@@ -14,6 +14,8 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.runtime.gang import bound_store
@@ -37,7 +39,6 @@ from shardserve.partitioner.stream.program import (
     stream_spec,
     stream_spec_multi,
 )
-from torch import nn
 
 BERT, ROBERTA = resolve_model("tiny-bert"), resolve_model("tiny-roberta")
 

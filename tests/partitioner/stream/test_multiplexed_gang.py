@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from shardserve.loadtest.local_server import free_port
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan

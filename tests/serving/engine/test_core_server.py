@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-import shardserve.serving.engine.core_client as cc
 import torch
 import tritonclient.grpc as grpcclient
 import zmq
 import zmq.asyncio
 from fastapi.testclient import TestClient
+from tritonclient.utils import InferenceServerException
+
+import shardserve.serving.engine.core_client as cc
 from shardserve.models.qa_windows import WindowConfig, encode_qa
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.runtime.wire import WireError, decode, decode_many, encode, encode_many, new_key
@@ -34,8 +36,6 @@ from shardserve.serving.engine.core_client import CoreClient
 from shardserve.serving.frontend.api_role import CoreLink
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tritonclient.utils import InferenceServerException
-
 from tests.serving.fakes import FakeFactory, fake_logits
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, wait_until
 

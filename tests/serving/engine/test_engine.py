@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
+
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims
@@ -27,8 +29,6 @@ from shardserve.serving.fleet.gangs import ModelGeneration, OwnGangs
 from shardserve.serving.fleet.pool import DevicePool
 from shardserve.serving.fleet.replicas import ReplicaManager
 from shardserve.serving.metrics import ServingMetrics
-from transformers import AutoTokenizer
-
 from tests.serving.fakes import FakeFactory
 
 SHORT = QAPair("Who?", "Ann met Bob.")

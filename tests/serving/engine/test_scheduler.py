@@ -6,6 +6,7 @@ Run: python -m pytest tests/serving/engine/test_scheduler.py -q
 from __future__ import annotations
 
 import pytest
+
 from shardserve.serving.config import SchedulerConfig
 from shardserve.serving.engine.batcher import ReplicaView
 from shardserve.serving.engine.scheduler import Outcome, Scheduler

@@ -6,6 +6,7 @@ Run: python -m pytest tests/serving/fleet/test_autoscaler.py -q
 from __future__ import annotations
 
 import pytest
+
 from shardserve.serving.config import AutoscalingConfig
 from shardserve.serving.fleet.autoscaler import Autoscaler, Decision, pipeline_capacity
 

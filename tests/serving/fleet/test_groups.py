@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.placement.layout import Group, Placement
 from shardserve.partitioner.plan import ParallelDims
@@ -22,8 +24,6 @@ from shardserve.serving.fleet.gangs import ModelGeneration
 from shardserve.serving.fleet.groups import DeviceGroups
 from shardserve.serving.fleet.replicas import ReplicaManager, ReplicaState
 from shardserve.serving.metrics import ServingMetrics
-from transformers import AutoTokenizer
-
 from tests.serving.fakes import FakeFactory
 
 MUX = Placement((Group((0, 1), pp=2, models=("a", "b")),))

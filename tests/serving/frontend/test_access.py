@@ -16,10 +16,10 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
-from shardserve.serving.frontend.access import ApiKeyRoute, include_protected, valid_request_id
-from shardserve.serving.frontend.settings import ServeSettings
 
 from shardserve.cli import add_serve_arguments
+from shardserve.serving.frontend.access import ApiKeyRoute, include_protected, valid_request_id
+from shardserve.serving.frontend.settings import ServeSettings
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving
 
 KEY = "api-key-123"

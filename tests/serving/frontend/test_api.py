@@ -22,13 +22,13 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+
 from shardserve.serving.engine import input_processor
 from shardserve.serving.engine.qa_types import QAPair
 from shardserve.serving.fleet.replicas import ReplicaState
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
 from shardserve.serving.frontend.settings import ServeSettings, available_cores
-
 from tests.serving.fakes import FakeFactory
 
 CONTEXT = (

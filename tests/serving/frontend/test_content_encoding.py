@@ -12,8 +12,8 @@ import json
 import zlib
 
 import pytest
-from shardserve.serving.frontend.content_encoding import BodyEncodingError, inflate
 
+from shardserve.serving.frontend.content_encoding import BodyEncodingError, inflate
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, serving
 
 BODY = json.dumps({"question": QUESTION, "context": CONTEXT}).encode()

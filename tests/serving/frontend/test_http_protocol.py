@@ -12,10 +12,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.http_protocol import header_deadline_protocol
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.fakes import FakeFactory
 from tests.serving.live import live_server
 

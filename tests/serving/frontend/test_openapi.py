@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.schemas import PRINTABLE, ValidationErrorResponse
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving import live
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving

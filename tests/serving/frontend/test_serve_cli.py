@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from shardserve.models.registry import resolve_model
-from shardserve.partitioner.precision import resolve_dtype
 
 from shardserve.cli import build_parser, main
+from shardserve.models.registry import resolve_model
+from shardserve.partitioner.precision import resolve_dtype
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import wait_until
 

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from pydantic import ValidationError
+
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.serving.fleet.model_loader import device_pool
 from shardserve.serving.frontend import settings as settings_mod

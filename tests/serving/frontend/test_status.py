@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
-from shardserve.serving.frontend.status import buckets, histogram_quantile, read_registry
 
+from shardserve.serving.frontend.status import buckets, histogram_quantile, read_registry
 from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.test_openapi import _report, live_server, run_schemathesis  # noqa: F401
 

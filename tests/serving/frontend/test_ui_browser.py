@@ -4,7 +4,7 @@ A real server (the shipped ``default`` QA model, one gang of pp=2 worker process
 uvicorn on 127.0.0.1; Playwright drives Debian's ``chromium`` (``apt-get install chromium``; no
 ``playwright install``). Every request the browser makes is intercepted: one that leaves the
 server's own origin is aborted and fails the test. Screenshots go to the test's tmp folder;
-``SHARDSERVE_UPDATE_SCREENSHOTS=1`` also refreshes ``docs/status-page.png``.
+``SHARDSERVE_UPDATE_SCREENSHOTS=1`` also refreshes ``docs/images/status-page.png``.
 
 Run: python -m pytest tests/serving/frontend/test_ui_browser.py -q      (~40 s on 2 cores; skips without chromium)
 """
@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.fakes import FakeFactory
 from tests.serving.live import live_server
 
@@ -207,7 +207,7 @@ def test_playground_answers_the_readme_question_with_the_span_highlighted(
     shot = tmp_path / "status-page.png"
     page.screenshot(path=str(shot), full_page=True)
     if os.environ.get("SHARDSERVE_UPDATE_SCREENSHOTS") == "1":
-        shutil.copyfile(shot, REPO / "docs" / "status-page.png")
+        shutil.copyfile(shot, REPO / "docs" / "images" / "status-page.png")
     offline.check()
 
 

@@ -8,9 +8,9 @@ Run: python -m pytest tests/serving/frontend/test_v2_model_config.py -q
 from __future__ import annotations
 
 import pytest
+
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import serving
 from tests.serving.live import live_server

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from shardserve.models.registry import materialise_preset
 from shardserve.serving.frontend.settings import ServeSettings
-
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, ask, serving, wait_until
 

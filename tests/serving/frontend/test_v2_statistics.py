@@ -14,9 +14,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from shardserve.serving.frontend.v2_statistics import model_statistics
 from shardserve.serving.metrics import ServingMetrics
-
 from tests.serving.frontend.test_api import ask, serving, wait_until
 from tests.serving.frontend.test_kserve_v2 import assert_v2_error, infer, infer_body
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import litserve as ls
-from qa_model import QAModel
+from qa_model import QAModel, add_model_arguments
 
 logger = logging.getLogger("bench_serving.litserve")
 
@@ -108,16 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
-    p.add_argument("--model", default="default", help="model name or HF directory (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="model precision (default: %(default)s)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=384, help="window length (default: %(default)s)")
-    p.add_argument("--workers", type=int, default=2, help="inference worker processes (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
+    add_model_arguments(p)
     p.add_argument("--api-servers", type=int, default=1, help="uvicorn API processes (default: %(default)s)")
-    p.add_argument(
-        "--max-batch-size", type=int, default=32, help="requests per batch, at most (default: %(default)s)"
-    )
     p.add_argument(
         "--batch-timeout-ms",
         type=float,

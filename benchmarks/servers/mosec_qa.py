@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mosec import Server, Worker
-from qa_model import QAModel
+from qa_model import QAModel, add_model_arguments
 
 logger = logging.getLogger("bench_serving.mosec")
 
@@ -64,15 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Mosec on /v1/qa (row (f) of bench_serving.py; see module doc). Mosec's own flags "
         "(--port, --address, --timeout, --log-level, ...) are read by Mosec from the same command line."
     )
-    p.add_argument("--model", default="default", help="model name or HF directory (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="model precision (default: %(default)s)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=384, help="window length (default: %(default)s)")
-    p.add_argument("--workers", type=int, default=2, help="model worker processes (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
-    p.add_argument(
-        "--max-batch-size", type=int, default=32, help="requests per batch, at most (default: %(default)s)"
-    )
+    add_model_arguments(p)
     p.add_argument(
         "--max-wait-ms",
         type=int,

@@ -11,6 +11,7 @@ Not run on its own: the naive server is ``bench_serving.py --naive-server``, the
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -88,3 +89,17 @@ class QAModel:
         encs = [self.encode(a["question"], a["context"]) for a in asks]
         logits = self.split(self.forward(self.pad(encs)), encs)
         return [self.decode(e.windows, x, a["context"]) for e, x, a in zip(encs, logits, asks, strict=True)]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags LitServe's and Mosec's server scripts share: the model, its windows, the workers
+    running it and their batches."""
+    p.add_argument("--model", default="default", help="model name or HF directory (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="model precision (default: %(default)s)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=384, help="window length (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="model worker processes (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=32, help="requests per batch, at most (default: %(default)s)"
+    )

@@ -128,6 +128,14 @@ PRECISION = [
 ]
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out, write at the docs' resolution and close one figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_serving(plt, out: Path) -> Path:
     """shardserve, the naive server and ONNX Runtime as a share of the raw limit, per CPU."""
     fig, ax = plt.subplots(figsize=(9, 4.2))
@@ -163,11 +171,7 @@ def plot_serving(plt, out: Path) -> Path:
     ax.set_title("bench_serving: 32 clients, 2 cores, one run per CPU (bar labels: questions/s)", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out / "bench-serving-vs-raw.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "bench-serving-vs-raw.png")
 
 
 def plot_floor(plt, out: Path) -> Path:
@@ -199,11 +203,7 @@ def plot_floor(plt, out: Path) -> Path:
     ax.set_title("bench_frontend_floor, Intel Xeon with AMX, 2 vCPUs, 2026-12-04", fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out / "bench-frontend-floor.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "bench-frontend-floor.png")
 
 
 def plot_precision(plt, out: Path) -> Path:
@@ -230,11 +230,7 @@ def plot_precision(plt, out: Path) -> Path:
     )
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out / "bench-precision-speed.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "bench-precision-speed.png")
 
 
 def main() -> None:

@@ -216,12 +216,12 @@ def metrics_page() -> str:
     for value in vars(metrics).values():
         if isinstance(value, MetricWrapperBase):
             seen.setdefault(value._name, value)
-    suffixes = {"counter": "_total", "histogram": "_bucket, _sum, _count", "summary": "_sum, _count"}
+    suffixes = {"histogram": "_bucket, _sum, _count", "summary": "_sum, _count"}  # the series they expose
     rows = []
     for name in sorted(seen):
         m = seen[name]
         full = name + "_total" if m._type == "counter" and not name.endswith("_total") else name
-        series = f"`{full}`" + (f" ({suffixes[m._type]})" if m._type in ("histogram", "summary") else "")
+        series = f"`{full}`" + (f" ({suffixes[m._type]})" if m._type in suffixes else "")
         labels = ", ".join(f"`{label}`" for label in m._labelnames)
         rows.append((series, m._type, labels, m._documentation))
     out = [

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +31,7 @@ from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
 from shardserve.serving.fleet.replicas import ReplicaState
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
+from tests.clients import closed_loop
 from tests.serving.frontend.test_api import CONTEXT, TOKEN, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -175,19 +175,16 @@ def test_kill9_of_a_rank_under_concurrent_requests(live: TestClient) -> None:
     victim_pids = victim.backend.pids()
     statuses: list[int] = []
     ready_codes: list[int] = []
-    stop = threading.Event()
 
-    def client_loop(i: int) -> None:
-        while not stop.is_set():
-            q, c = PAIRS[i % len(PAIRS)]
-            r = live.post("/v1/qa", json={"question": q, "context": c})
-            statuses.append(r.status_code)
-            if r.status_code == 200:
-                a = r.json()["answers"][0]
-                assert c[a["start"] : a["end"]] == a["text"]
+    def ask(i: int) -> None:
+        q, c = PAIRS[i % len(PAIRS)]
+        r = live.post("/v1/qa", json={"question": q, "context": c})
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            a = r.json()["answers"][0]
+            assert c[a["start"] : a["end"]] == a["text"]
 
-    with ThreadPoolExecutor(8) as pool:
-        loops = [pool.submit(client_loop, i) for i in range(6)]
+    with closed_loop(ask, n=6):
         wait_until(lambda: len(statuses) > 20, timeout=30, what="traffic")
         os.kill(victim_pids[1], signal.SIGKILL)  # the last stage of one gang
         wait_until(lambda: victim.state is not ReplicaState.READY, timeout=10, what="victim marked failed")
@@ -195,9 +192,6 @@ def test_kill9_of_a_rank_under_concurrent_requests(live: TestClient) -> None:
         n_at_kill = len(statuses)
         wait_until(lambda: manager.ready == 2 and manager.restarts >= 1, timeout=90, what="gang restarted")
         wait_until(lambda: len(statuses) > n_at_kill + 20, timeout=30, what="traffic after restart")
-        stop.set()
-        for f in loops:
-            f.result(timeout=60)
     assert set(statuses) <= {200, 503}, sorted(set(statuses))
     assert statuses.count(200) > 40
     assert ready_codes == [200]
@@ -223,25 +217,19 @@ def test_hot_reload_under_load_fails_no_request(live: TestClient) -> None:
     wait_until(lambda: live.app.state.manager.ready == 2, timeout=90, what="2 ready")
     statuses: list[int] = []
     models: set[str] = set()
-    stop = threading.Event()
 
-    def client_loop(i: int) -> None:
-        while not stop.is_set():
-            q, c = PAIRS[i % len(PAIRS)]
-            r = live.post("/v1/qa", json={"question": q, "context": c})
-            statuses.append(r.status_code)
-            if r.status_code == 200:
-                models.add(r.json()["model"])
+    def ask(i: int) -> None:
+        q, c = PAIRS[i % len(PAIRS)]
+        r = live.post("/v1/qa", json={"question": q, "context": c})
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            models.add(r.json()["model"])
 
-    with ThreadPoolExecutor(6) as pool:
-        loops = [pool.submit(client_loop, i) for i in range(4)]
+    with closed_loop(ask, n=4):
         wait_until(lambda: len(statuses) > 10, timeout=30, what="traffic")
         r = live.post("/admin/reload", json={"model": "tiny-roberta"}, headers=AUTH)
         n = len(statuses)
         wait_until(lambda: len(statuses) > n + 10, timeout=30, what="traffic after reload")
-        stop.set()
-        for f in loops:
-            f.result(timeout=60)
     assert r.status_code == 200, r.text
     assert set(statuses) == {200}
     assert models == {"tiny-bert"}  # the public name stays: the reload is the model's next generation
@@ -279,18 +267,15 @@ def test_a_frozen_rank_is_failed_within_2s_and_its_requests_retried(live: TestCl
     victim = manager.routable()[0]
     pid = victim.backend.pids()[1]
     done: list[tuple[float, float, int]] = []  # (sent, answered, status) per request
-    stop = threading.Event()
 
-    def client_loop(i: int) -> None:
-        while not stop.is_set():
-            q, c = PAIRS[i % len(PAIRS)]
-            t0 = time.monotonic()
-            r = live.post("/v1/qa", json={"question": q, "context": c})
-            done.append((t0, time.monotonic(), r.status_code))
+    def ask(i: int) -> None:
+        q, c = PAIRS[i % len(PAIRS)]
+        t0 = time.monotonic()
+        r = live.post("/v1/qa", json={"question": q, "context": c})
+        done.append((t0, time.monotonic(), r.status_code))
 
     try:
-        with ThreadPoolExecutor(16) as pool:
-            loops = [pool.submit(client_loop, i) for i in range(16)]
+        with closed_loop(ask, n=16):
             wait_until(lambda: len(done) > 40, timeout=60, what="traffic")
             frozen_at = time.monotonic()
             os.kill(pid, signal.SIGSTOP)
@@ -299,11 +284,7 @@ def test_a_frozen_rank_is_failed_within_2s_and_its_requests_retried(live: TestCl
             failed_after_s = time.monotonic() - frozen_at
             n_at_failure = len(done)
             wait_until(lambda: len(done) > n_at_failure + 40, timeout=60, what="traffic after the failure")
-            stop.set()
-            for f in loops:
-                f.result(timeout=60)
     finally:
-        stop.set()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # the fleet killed it already, unless the test failed first
     assert victim.state is not ReplicaState.READY and "sent no heartbeat" in (victim.error or "")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
+from tests.clients import closed_loop
 from tests.serving.frontend.test_api import wait_until
 from tests.serving.test_e2e import PAIRS, reference_answer
 
@@ -79,20 +79,17 @@ def test_kill9_of_a_shared_rank_fails_no_request_of_either_model(shared: TestCli
     managers = _managers(shared)
     victim_pids = managers["bert"].routable()[0].backend.pids()
     statuses: dict[str, list[int]] = {name: [] for name in MODELS}
-    stop = threading.Event()
 
-    def client_loop(i: int) -> None:
+    def ask(i: int) -> None:
         name = MODELS[i % 2]
-        while not stop.is_set():
-            q, c = PAIRS[i % len(PAIRS)]
-            r = shared.post("/v1/qa", json={"model": name, "question": q, "context": c})
-            statuses[name].append(r.status_code)
-            if r.status_code == 200:
-                a = r.json()["answers"][0]
-                assert c[a["start"] : a["end"]] == a["text"]
+        q, c = PAIRS[i % len(PAIRS)]
+        r = shared.post("/v1/qa", json={"model": name, "question": q, "context": c})
+        statuses[name].append(r.status_code)
+        if r.status_code == 200:
+            a = r.json()["answers"][0]
+            assert c[a["start"] : a["end"]] == a["text"]
 
-    with ThreadPoolExecutor(4) as pool:
-        loops = [pool.submit(client_loop, i) for i in range(4)]
+    with closed_loop(ask, n=4):
         wait_until(lambda: min(map(len, statuses.values())) > 5, timeout=30, what="traffic of both")
         os.kill(victim_pids[1], signal.SIGKILL)  # the last stage of the shared gang
         wait_until(
@@ -104,9 +101,6 @@ def test_kill9_of_a_shared_rank_fails_no_request_of_either_model(shared: TestCli
         wait_until(
             lambda: all(len(statuses[n]) > counts[n] + 5 for n in MODELS), timeout=30, what="traffic after"
         )
-        stop.set()
-        for f in loops:
-            f.result(timeout=60)
     for name, codes in statuses.items():
         assert set(codes) <= {200, 503}, (name, sorted(set(codes)))
         assert codes[-1] == 200 and codes.count(200) > 10, name

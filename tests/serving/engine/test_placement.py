@@ -6,7 +6,6 @@ Run: python -m pytest tests/serving/engine/test_placement.py -q
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,6 +16,7 @@ from fastapi.testclient import TestClient
 from shardserve.partitioner.placement.workload import alternating_bursts
 from shardserve.serving.frontend.cli import startup_line
 from shardserve.serving.frontend.settings import ServeSettings
+from tests.clients import closed_loop
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.test_v2_repository import AUTH, v2_body
@@ -90,15 +90,9 @@ def test_a_placement_that_cannot_fit_fails_the_start_with_the_numbers() -> None:
 def test_load_and_unload_roll_the_shared_gang_while_the_other_model_serves_every_request() -> None:
     factory = FakeFactory()
     statuses: list[int] = []
-    stop = threading.Event()
 
-    def keep_asking(client: TestClient) -> None:
-        while not stop.is_set():
-            statuses.append(ask(client, model="a").status_code)
-
-    with placed(factory, placement="multiplexed") as (client, _), ThreadPoolExecutor(2) as pool:
-        loops = [pool.submit(keep_asking, client) for _ in range(2)]
-        try:
+    with placed(factory, placement="multiplexed") as (client, _):
+        with closed_loop(lambda _: statuses.append(ask(client, model="a").status_code), n=2):
             wait_until(lambda: len(statuses) > 5, what="traffic")
             loaded = client.post(
                 "/v2/repository/models/c/load", json={"parameters": {"path": "tiny-bert"}}, headers=AUTH
@@ -113,10 +107,6 @@ def test_load_and_unload_roll_the_shared_gang_while_the_other_model_serves_every
             assert groups(client) == [([0, 1], 2, ["a", "b"])]
             n = len(statuses)
             wait_until(lambda: len(statuses) > n + 5, what="traffic after the unload")
-        finally:
-            stop.set()
-            for f in loops:
-                f.result(timeout=10)
         assert len(factory.gangs) == 3 and sum(not g._stopped for g in factory.gangs) == 1
         history = client.get("/ui/status").json()["placement"]["history"]
         assert [h.get("reason") for h in history] == [None, "model c loaded", "model c unloaded"]

@@ -29,6 +29,7 @@ from shardserve.serving.fleet.replicas import ReplicaState
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
 from shardserve.serving.frontend.settings import ServeSettings, available_cores
+from tests.clients import closed_loop
 from tests.serving.fakes import FakeFactory
 
 CONTEXT = (
@@ -572,22 +573,13 @@ def test_autoscaler_scales_up_under_a_load_step_and_back_down() -> None:
 def test_hot_reload_switches_model_without_failed_requests() -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with serving(replicas=1) as (client, factory):
-        stop = threading.Event()
         statuses: list[int] = []
 
-        def load() -> None:
-            while not stop.is_set():
-                statuses.append(ask(client).status_code)
-
-        with ThreadPoolExecutor(4) as pool:
-            loaders = [pool.submit(load) for _ in range(3)]
+        with closed_loop(lambda _: statuses.append(ask(client).status_code), n=3):
             wait_until(lambda: len(statuses) > 5, what="traffic")
             r = client.post("/admin/reload", json={"model": "tiny-roberta"}, headers=auth)
             n_at_switch = len(statuses)
             wait_until(lambda: len(statuses) > n_at_switch + 5, what="traffic after reload")
-            stop.set()
-            for f in loaders:
-                f.result(timeout=10)
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "tiny-roberta" and r.json()["generation"] == 1
         assert set(statuses) == {200}
@@ -986,18 +978,15 @@ def test_a_maximal_request_does_not_starve_a_steady_stream_of_small_ones() -> No
         batches = cfg.max_inflight_per_replica + 2 + 1 + 0.5  # in flight, one tie, own, one missed, allowance
         bound_s = batches * FAIR_BATCH_S + cfg.max_queue_delay_ms / 1000
         items = _maximal_items(client)
-        stop = threading.Event()
         spans: list[tuple[float, float]] = []  # (sent, answered) of every small request
 
-        def small_client() -> None:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                r = ask(client)
-                assert r.status_code == 200, r.text
-                spans.append((t0, time.monotonic()))
+        def small_question(_: int) -> None:
+            t0 = time.monotonic()
+            r = ask(client)
+            assert r.status_code == 200, r.text
+            spans.append((t0, time.monotonic()))
 
-        with ThreadPoolExecutor(FAIR_CLIENTS + 1) as pool:
-            clients = [pool.submit(small_client) for _ in range(FAIR_CLIENTS)]
+        with closed_loop(small_question, n=FAIR_CLIENTS), ThreadPoolExecutor(1) as pool:
             wait_until(lambda: len(spans) >= FAIR_CLIENTS, what="the small clients running")
             sent = time.monotonic()
             big = pool.submit(lambda: (client.post("/v1/qa/batch", json={"items": items}), time.monotonic()))
@@ -1007,9 +996,6 @@ def test_a_maximal_request_does_not_starve_a_steady_stream_of_small_ones() -> No
             )
             admitted = time.monotonic()
             big_response, big_done = big.result(timeout=60)
-            stop.set()
-            for c in clients:
-                c.result(timeout=30)
         # served, not rejected: 413 would be "rejected up front", but nothing is measured before it
         assert big_response.status_code == 200, big_response.text
         assert sum(r["windows"] for r in big_response.json()["results"]) == cfg.max_windows_per_request

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from tests.clients import closed_loop
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, wait_until
 from tests.serving.frontend.test_serve_cli_signals import _session_processes
 from tests.serving.live import free_port
@@ -66,9 +67,20 @@ def metric(base: str, line: str) -> float | None:
     return None if m is None else float(m.group(1))
 
 
+def api_workers(base: str) -> list[dict]:
+    """The status JSON's API processes. A new connection may still land in the accept queue of one
+    just killed (the kernel resets those): such a read is tried again on a new connection."""
+    for _ in range(20):
+        try:
+            return httpx.get(f"{base}/ui/status").json()["api_workers"]
+        except httpx.TransportError:
+            continue
+    raise AssertionError("the status page did not answer 20 connections in a row")
+
+
 def api_pids(base: str) -> list[int]:
     """The live API processes, as the status JSON lists them."""
-    return sorted(w["pid"] for w in httpx.get(f"{base}/ui/status").json()["api_workers"] if w["alive"])
+    return sorted(w["pid"] for w in api_workers(base) if w["alive"])
 
 
 @pytest.fixture(scope="module")
@@ -133,30 +145,25 @@ def test_a_killed_api_process_is_replaced_and_the_others_requests_are_answered(
     victim, survivor = api_pids(base)
     restarts = metric(base, "shardserve_api_worker_restarts_total") or 0.0
     statuses: list[int | str] = []
-    stop = threading.Event()
 
-    def load() -> None:
-        while not stop.is_set():
-            try:
-                statuses.append(httpx.post(f"{base}/v1/qa", json=ONE, timeout=30).status_code)
-            except httpx.TransportError as err:  # a connection the dead process had accepted
-                statuses.append(type(err).__name__)
+    def ask(_: int) -> None:
+        try:
+            statuses.append(httpx.post(f"{base}/v1/qa", json=ONE, timeout=30).status_code)
+        except httpx.TransportError as err:  # a connection the dead process had accepted
+            statuses.append(type(err).__name__)
 
-    with ThreadPoolExecutor(4) as pool:
-        for _ in range(4):
-            pool.submit(load)
+    with closed_loop(ask, n=4):
         wait_until(lambda: len(statuses) >= 8, timeout=20, what="load")
         os.kill(victim, signal.SIGKILL)
         wait_until(
-            lambda: len(api_pids(base)) == 2 and victim not in api_pids(base),
+            lambda: (pids := api_pids(base)) and len(pids) == 2 and victim not in pids,
             timeout=30,
             what="a replacement",
         )
-        connected = lambda: all(w["connected"] for w in httpx.get(f"{base}/ui/status").json()["api_workers"])  # noqa: E731
+        connected = lambda: all(w["connected"] for w in api_workers(base))  # noqa: E731
         wait_until(connected, timeout=30, what="the replacement connected")
         n = len(statuses)
         wait_until(lambda: len(statuses) >= n + 8, timeout=20, what="load after")
-        stop.set()
     lost = [s for s in statuses if s != 200]
     assert all(isinstance(s, str) for s in lost), lost  # only connections the dead one held
     assert len(lost) <= 4, statuses  # at most one per client in flight there

@@ -6,7 +6,6 @@ Run: python -m pytest tests/serving/frontend/test_v2_repository.py -q
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shardserve.models.registry import materialise_preset
 from shardserve.serving.frontend.settings import ServeSettings
+from tests.clients import closed_loop
 from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, ask, serving, wait_until
 
@@ -138,16 +138,10 @@ def test_a_model_that_fails_to_load_is_reported_and_the_other_serves(tmp_path: P
 def test_load_and_unload_under_load_fail_no_request_of_the_other_model() -> None:
     factory = FakeFactory()
     factory.batch_s = 0.005
-    stop = threading.Event()
     statuses: list[int] = []
 
-    def keep_asking(client: Any) -> None:
-        while not stop.is_set():
-            statuses.append(ask(client, model="a").status_code)
-
     with serving(factory, model=["a=tiny-bert"], max_replicas=2, cpu_slots=4) as (client, _):
-        with ThreadPoolExecutor(2) as pool:
-            loops = [pool.submit(keep_asking, client) for _ in range(2)]
+        with closed_loop(lambda _: statuses.append(ask(client, model="a").status_code), n=2):
             wait_until(lambda: len(statuses) > 5, what="traffic")
             loaded = client.post(
                 "/v2/repository/models/b/load",
@@ -164,9 +158,6 @@ def test_load_and_unload_under_load_fail_no_request_of_the_other_model() -> None
             assert unloaded.status_code == 200, unloaded.text
             n = len(statuses)
             wait_until(lambda: len(statuses) > n + 5, what="traffic after the unload")
-            stop.set()
-            for f in loops:
-                f.result(timeout=10)
         assert set(statuses) == {200}, sorted(set(statuses))
         assert ask(client, model="b").status_code == 404
         assert "b" not in series(client.get("/metrics").text, "shardserve_model_info")  # its series went

@@ -15,7 +15,10 @@ Each model is in one state (Triton's names): ``LOADING`` (checked, its first gan
 ``READY`` (a gang answers), ``UNLOADING`` (draining), ``UNAVAILABLE`` (failed to load, or a folder of
 the repository not loaded; ``reason`` says which, without server paths). ``load`` adds a model (or
 reloads one: its new gangs are ready before the old ones drain, ``Engine.reload``), ``unload`` drains
-and stops one; the others keep serving throughout.
+and stops one; the others keep serving throughout. Unload is not forget (Triton's repository extension
+behaves alike): an unloaded model, or one whose load failed, stays in the index as ``UNAVAILABLE`` and
+loads again by its name alone, from what declared it (``--model NAME=...``, a folder of the
+repository, or the path of its last load).
 
     repo = ModelRepository(load=check_model, build=make_engine, metrics=metrics, root=None)
     await repo.start([("a", "default"), ("b", "minilm")])   # each failure is reported, the rest serve
@@ -357,7 +360,8 @@ class ModelRepository:
 
     async def unload(self, name: str) -> None:
         """Stop serving ``name``: new requests for it are refused (503), admitted ones finish (within
-        the drain time), then its gangs stop and its series leave /metrics. EngineError 404 / 409."""
+        the drain time), then its gangs stop and its series leave /metrics; it stays known (UNAVAILABLE,
+        "unloaded"). EngineError 404 / 409."""
         entry = self.entries.get(name)
         if entry is None or entry.engine is None:
             raise EngineError(
@@ -370,10 +374,7 @@ class ModelRepository:
             await self._stop_entry(entry, timeout_s=self.drain_timeout_s)
         finally:
             self._busy.discard(name)
-        if self.root is not None and name in repository_models(self.root):
-            entry.unavailable = "unloaded"
-        else:
-            del self.entries[name]
+        entry.unavailable = "unloaded"  # still known: a load by name alone serves it again
         logger.info("model %s unloaded", name)
 
     async def _stop_entry(self, entry: ModelEntry, *, timeout_s: float) -> None:

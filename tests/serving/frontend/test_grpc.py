@@ -289,7 +289,16 @@ def test_repository_unload_and_load_over_grpc() -> None:
         assert triton.is_model_ready("a")
         with pytest.raises(InferenceServerException) as gone:
             triton.infer("b", pairs())
-        assert status_of(gone.value) == "StatusCode.NOT_FOUND", gone.value.message()
+        assert status_of(gone.value) == "StatusCode.UNAVAILABLE", gone.value.message()  # known, unloaded
+        [entry] = [
+            m
+            for m in triton.get_model_repository_index(headers=admin, as_json=True)["models"]
+            if m["name"] == "b"
+        ]
+        assert (entry["state"], entry["reason"]) == ("UNAVAILABLE", "unloaded")
+        triton.load_model("b", headers=admin)  # by name alone: as --model declared it
+        assert triton.is_model_ready("b")
+        triton.unload_model("b", headers=admin)
         stub, channel = raw_stub(client)
         with channel:  # from a path (tritonclient's load_model sends no parameters but config and files)
             path = service_pb2.ModelRepositoryParameter(string_param="tiny-bert")

@@ -6,6 +6,7 @@ Run: python -m pytest tests/serving/frontend/test_v2_repository.py -q
 
 from __future__ import annotations
 
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,6 +134,10 @@ def test_a_model_that_fails_to_load_is_reported_and_the_other_serves(tmp_path: P
         assert str(tmp_path) not in entry["reason"]  # no server paths
         assert client.get("/v2/models/bad/ready").status_code == 400
         assert client.get("/readyz").status_code == 200  # the server serves its other model
+        shutil.copytree(materialise_preset("tiny-bert"), broken, dirs_exist_ok=True)  # mended
+        again = client.post("/v2/repository/models/bad/load", headers=AUTH)  # by name: what declared it
+        assert again.status_code == 200 and again.json()["state"] == "READY", again.text
+        assert ask(client, model="bad").status_code == 200
 
 
 def test_load_and_unload_under_load_fail_no_request_of_the_other_model() -> None:
@@ -159,8 +164,14 @@ def test_load_and_unload_under_load_fail_no_request_of_the_other_model() -> None
             n = len(statuses)
             wait_until(lambda: len(statuses) > n + 5, what="traffic after the unload")
         assert set(statuses) == {200}, sorted(set(statuses))
-        assert ask(client, model="b").status_code == 404
+        gone = ask(client, model="b")  # known, not served: unload is not forget
+        assert gone.status_code == 503 and gone.json()["error"] == "model_unavailable", gone.text
         assert "b" not in series(client.get("/metrics").text, "shardserve_model_info")  # its series went
+        index = {e["name"]: e for e in client.get("/v2/repository/index", headers=AUTH).json()}
+        assert (index["b"]["state"], index["b"]["reason"]) == ("UNAVAILABLE", "unloaded")
+        again = client.post("/v2/repository/models/b/load", headers=AUTH)  # by name alone: its last path
+        assert again.status_code == 200 and again.json() == {"name": "b", "state": "READY"}, again.text
+        assert ask(client, model="b").json()["model"] == "b"
 
 
 def test_repository_routes_need_the_admin_token_and_answer_v2_errors() -> None:

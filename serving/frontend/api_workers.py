@@ -12,8 +12,8 @@ fork) and watched: one that dies is replaced (its requests given back in the cor
 ``CoreServer.forget_worker``; other processes' requests never notice), after a back-off that
 doubles from ``RESTART_MIN_S`` to ``RESTART_MAX_S``. A process that dies ``GIVE_UP_AFTER`` times
 in a row before it connects is not restarted again; when none is left, ``fatal_error`` stops the
-server. ``stop`` sends SIGTERM (uvicorn's graceful stop: answers in flight go out) and kills what is
-left after ``timeout_s``.
+server. ``begin_drain`` (the server's first signal) sends each a SIGTERM, once: it drains its
+connections as the server does (``DrainingHttpServer``); ``stop`` kills what is left after ``timeout_s``.
 
     held = hold_ports(app, config)      # the CLI, before uvicorn runs the core without a socket
     pool = ApiWorkerPool(count=4, settings=settings, core=core, host="0.0.0.0", port=8000, metrics=metrics)
@@ -38,7 +38,7 @@ import uvicorn
 
 from shardserve.serving.engine.core_server import CoreServer
 from shardserve.serving.frontend.api_role import CoreLink, reuseport_socket
-from shardserve.serving.frontend.http_protocol import uvicorn_config
+from shardserve.serving.frontend.http_protocol import DrainingHttpServer, uvicorn_config
 from shardserve.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class WorkerSpec:
 
 def run_api_worker(spec: WorkerSpec) -> None:
     """An API process (spawned): the server's app in its API role, uvicorn on its own reuseport socket;
-    SIGTERM: uvicorn's graceful stop."""
+    SIGTERM: its connections drained as the server's (``DrainingHttpServer``), then uvicorn's stop."""
     from shardserve.serving.frontend.app import build_app
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the core decides
@@ -77,7 +77,8 @@ def run_api_worker(spec: WorkerSpec) -> None:
     torch.set_num_threads(1)  # tokenizing and decoding: the cores are the ranks'
     app = build_app(spec.settings, core=spec.link)
     sock = reuseport_socket(spec.host, spec.port, listen=True)
-    uvicorn.Server(uvicorn_config(spec.settings, app)).run(sockets=[sock])
+    config = uvicorn_config(spec.settings, app)
+    DrainingHttpServer(config, drain_timeout_s=spec.settings.drain_timeout_s).run(sockets=[sock])
 
 
 @dataclass
@@ -117,6 +118,7 @@ class ApiWorkerPool:
         self.slots = [_Slot(i) for i in range(count)]
         self._ctx = multiprocessing.get_context("spawn")
         self._stopping = False
+        self._terminated: set[int] = set()  # pids sent SIGTERM (a second one would cut their drain short)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -149,13 +151,21 @@ class ApiWorkerPool:
             for s in self.slots
         ]
 
-    async def stop(self, *, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    def begin_drain(self) -> None:
+        """The server drains (signal-safe): none is restarted from now on, and each drains its
+        connections (SIGTERM: their answers under way go out, then they exit)."""
         self._stopping = True
+        for s in self.slots:
+            if s.process is not None and s.process.pid not in self._terminated and s.process.is_alive():
+                self._terminated.add(s.process.pid)
+                s.process.terminate()  # SIGTERM
+
+    async def stop(self, *, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Drain (``begin_drain``, once) and wait ``timeout_s`` for the processes to exit; kill the rest."""
+        self.begin_drain()
         if self._task is not None:
             self._task.cancel()
-        live = [s.process for s in self.slots if s.process is not None and s.process.is_alive()]
-        for p in live:
-            p.terminate()  # SIGTERM
+        live = [s.process for s in self.slots if s.process is not None and s.process.pid in self._terminated]
         deadline = time.monotonic() + timeout_s
         while any(p.is_alive() for p in live) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -34,7 +34,7 @@ import uvicorn
 
 from shardserve.partitioner.command import Command
 from shardserve.partitioner.runtime.gang_flags import GANG_FIELDS
-from shardserve.serving.frontend.http_protocol import uvicorn_config
+from shardserve.serving.frontend.http_protocol import DrainingHttpServer, uvicorn_config
 from shardserve.serving.frontend.layout import fit_serve_layout
 from shardserve.serving.frontend.placement_flags import PLACEMENT_FIELDS
 from shardserve.serving.frontend.scheduler_flags import SCHEDULER_FIELDS
@@ -238,12 +238,13 @@ def startup_line(state: Any, url: str) -> str:
     )
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose SIGTERM/SIGINT first flips readiness to 503, then shuts down gracefully
-    and exits 0 (plain uvicorn re-raises the signal after shutdown: the process would end with -15)."""
+class DrainingServer(DrainingHttpServer):
+    """uvicorn.Server whose SIGTERM/SIGINT first flips readiness to 503 and drains (the models and
+    the HTTP connections, ``DrainingHttpServer``), then shuts down gracefully and exits 0 (plain
+    uvicorn re-raises the signal after shutdown: the process would end with -15)."""
 
     def __init__(self, config: uvicorn.Config, app: Any) -> None:
-        super().__init__(config)
+        super().__init__(config, drain_timeout_s=app.state.settings.drain_timeout_s)
         self._app = app
         self.url: str | None = None
         self.fatal_error: str | None = None
@@ -315,7 +316,11 @@ class DrainingServer(uvicorn.Server):
             state.shutting_down = True
             if models is not None:
                 models.begin_drain(within_s=state.settings.drain_timeout_s)
-        elif self.signals == 2:
+            if (pool := getattr(state, "api_pool", None)) is not None:
+                pool.begin_drain()  # the API processes drain their connections as this one does
+            self.begin_drain()
+            return
+        if self.signals == 2:
             logger.warning("signal %d again: stopping now, admitted requests are answered 503", sig)
             if models is not None:
                 models.abort()
@@ -345,9 +350,9 @@ SERVE = Command(
     settings=ServeSettings,
     run=cmd_serve,
     groups={
-        'batching, the queue, admission and deadlines (docs: guides/serving)': SCHEDULER_FIELDS,
-        'a gang across hosts (docs: guides/deployment)': GANG_FIELDS,
-        'many models on shared devices (docs: guides/many-models)': ("placement", *PLACEMENT_FIELDS),
+        "batching, the queue, admission and deadlines (docs: guides/serving)": SCHEDULER_FIELDS,
+        "a gang across hosts (docs: guides/deployment)": GANG_FIELDS,
+        "many models on shared devices (docs: guides/many-models)": ("placement", *PLACEMENT_FIELDS),
     },
     invalid="invalid serve settings",
 )

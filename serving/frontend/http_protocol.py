@@ -1,4 +1,5 @@
-"""The server's HTTP/1.1 connection protocol: uvicorn's httptools protocol with a request-header deadline.
+"""The server's HTTP/1.1 connections: uvicorn's httptools protocol with a request-header deadline, and
+a server whose stop drains the connections instead of cutting idle ones.
 
 uvicorn arms no timer while a request's headers arrive: a client that opens a connection and sends
 nothing, or half a header block ("slowloris"), held it for ever. Here a request's headers must arrive
@@ -6,8 +7,19 @@ within ``timeout_s`` of the connection opening, or of the previous answer on a k
 (uvicorn's own keep-alive timer still closes idle connections sooner); else the server answers
 ``408`` and closes the connection. The body has its own deadline (``shardserve.serving.frontend.app.RequestGuard``).
 
+A drain (``DrainingHttpServer``, the first SIGTERM) never closes a connection a request may be on:
+uvicorn's own stop closes every connection that has no answer under way, racing a client that sends
+its next request on it just then (a kept-alive connection of a closed-loop client: the request is
+lost without an answer). Here the listener closes (new connections are refused), every answer from
+then on carries ``Connection: close`` (a request arriving on a kept-alive connection gets its answer,
+or the engine's 503 with ``Retry-After``, then the connection closes), and uvicorn's stop begins only
+once no connection has a request under way, not even its first bytes, and each has been idle for
+``DRAIN_IDLE_S`` since the drain began, or at the drain's deadline. What remains is HTTP/1.1's own
+race: a client that sends on a connection idle that long at the very moment it closes.
+
     config = uvicorn.Config(app, http=header_deadline_protocol(30.0))
     config = uvicorn_config(settings, app)       # the server's: address, shutdown, this protocol
+    server = DrainingHttpServer(config, drain_timeout_s=30.0)   # server.begin_drain(): signal-safe
 
 ``uvicorn_config`` is every server process's uvicorn settings (the server, each ``--api-workers``
 process).
@@ -18,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import uvicorn
@@ -26,15 +39,41 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # C parser:
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # after --drain-timeout-s: time to write the 503s before uvicorn cancels requests
+DRAIN_IDLE_S = 1.0  # a drain closes a connection once it has been this long without a request
 
 
 class _HeaderDeadlineHttpTools(HttpToolsProtocol):
     timeout_s: float = 30.0  # set by header_deadline_protocol
     _header_timer: asyncio.TimerHandle | None = None
+    _partial = False  # a request's first bytes arrived, its headers are not complete yet
+    _idle_since = 0.0  # time.monotonic() of the connection's last answer (or its opening)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._idle_since = time.monotonic()
         self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._partial = True
+
+    def on_headers_complete(self) -> None:
+        self._partial = False
+        super().on_headers_complete()
+        if getattr(self.server_state, "draining", False) and self.cycle is not None:
+            self.cycle.keep_alive = False  # its answer says Connection: close
+
+    def idle_since(self) -> float | None:
+        """When the connection's last answer went out (or it opened); None while a request is on it."""
+        return None if self._partial or not self._waiting_for_headers() else self._idle_since
+
+    def shutdown(self) -> None:
+        """uvicorn's stop: as uvicorn's, except that a request whose first bytes arrived is answered
+        (with Connection: close) rather than cut off with its connection."""
+        if self._partial:
+            self.server_state.draining = True  # type: ignore[attr-defined]
+            return
+        super().shutdown()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -43,6 +82,7 @@ class _HeaderDeadlineHttpTools(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._idle_since = time.monotonic()
         if self._waiting_for_headers():  # a pipelined request may have started already
             self._arm()
 
@@ -105,3 +145,51 @@ def uvicorn_config(settings: Any, app: Any) -> uvicorn.Config:
         http=header_deadline_protocol(settings.client_timeout_s),
         access_log=False,  # serving/frontend/access.py writes one line per request (logger shardserve.access)
     )
+
+
+class DrainingHttpServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM (``begin_drain``) drains its HTTP connections before
+    uvicorn's stop (the module doc); a second signal is uvicorn's own stop."""
+
+    def __init__(self, config: uvicorn.Config, *, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_from: float | None = None  # time.monotonic() of the drain's start
+
+    def begin_drain(self) -> None:
+        """Drain, from the next tick on (signal-safe: only a time is set here)."""
+        if self._drain_from is None:
+            self._drain_from = time.monotonic()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain_from is None and self.started:
+            self.begin_drain()
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_from is not None and not self.should_exit:
+            self.should_exit = self._drained()
+        return await super().on_tick(counter)
+
+    def _drained(self) -> bool:
+        """Close the listener and mark the connections on the drain's first tick; then whether every
+        connection has been idle ``DRAIN_IDLE_S`` since the drain began (or its time is out)."""
+        assert self._drain_from is not None
+        state = self.server_state
+        if not getattr(state, "draining", False):
+            state.draining = True  # type: ignore[attr-defined]
+            for server in getattr(self, "servers", []):
+                server.close()  # new connections are refused; the open ones stay
+            for conn in list(state.connections):
+                cycle = getattr(conn, "cycle", None)
+                if cycle is not None and not cycle.response_complete:
+                    cycle.keep_alive = False  # the answer under way closes its connection
+        now = time.monotonic()
+        if now - self._drain_from >= self.drain_timeout_s:
+            return True
+        for conn in list(state.connections):
+            since = conn.idle_since() if hasattr(conn, "idle_since") else self._drain_from
+            if since is None or now - max(since, self._drain_from) < DRAIN_IDLE_S:
+                return False
+        return True

@@ -1,0 +1,455 @@
+"""Faults in the box: ``shardserve serve`` started as a user starts it, closed-loop load, one fault per
+run; per fault what the clients saw, when the server saw the fault and when it was whole again.
+
+    python benchmarks/bench_chaos.py                                   # every fault, the default model
+    python benchmarks/bench_chaos.py --model tiny-bert --fault sigterm --fault kill9-api --json out.json
+
+Each run starts a fresh server (``--replicas 2``; ``--api-workers 2`` for the API-process faults; two
+models a and b for the repository faults), drives it with ``--clients`` keep-alive HTTP/1.1 clients
+(each sends its next question when its answer is back) for ``--duration-s``, and injects the fault
+``--fault-at-s`` in:
+
+- ``kill9-rank`` / ``sigstop-rank``: SIGKILL / SIGSTOP of the last rank of one replica gang;
+- ``sigterm`` / ``sigterm-twice``: the server's drain, and a second signal 0.5 s later (stop now);
+- ``sigterm-api``: the drain through two API processes (``--api-workers 2``);
+- ``kill9-api``: SIGKILL of one of two API processes;
+- ``unload-load``: under load of model a, unload model b, then load it again by its name alone;
+- ``bad-load``: under load of model a, load a model whose folder is broken.
+
+Every request ends as one kind: ``answered`` (200); ``turned away`` (429 or 503: an answer that says
+to come back, with Retry-After); ``refused`` (the connection was refused: nothing was sent, the client
+may go elsewhere); or lost: ``dropped`` (sent, and the connection ended without an answer), ``5xx``
+(another error status), ``timeout`` (no answer within ``--timeout-s``). A client closes its
+connection when an answer says ``Connection: close`` and, as httpx does, does not reuse one the
+server has closed. Detection and recovery come from the status JSON polled every 50 ms: the victim
+seen failed, and every replica (or API process) ready again; p99 is of the answers sent from the
+fault until the recovery (at least 5 s).
+
+Not here yet (issue 62): a remote ``shardserve worker`` in a network namespace and a network cut, a
+rank over a cgroup memory limit. Tests: ``tests/benchmarks/test_bench_chaos.py`` (the pure parts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from bench_serving import machine_info  # noqa: E402
+
+from shardserve.loadtest.data import load_qa_items  # noqa: E402
+from shardserve.loadtest.http11 import post_request, read_response  # noqa: E402
+from shardserve.loadtest.local_server import local_server  # noqa: E402
+
+logger = logging.getLogger("bench_chaos")
+TOKEN = "chaos-admin-token"
+POLL_S = 0.05
+REFUSED_PAUSE_S = 0.05  # a refused client tries its next question after this
+MIN_FAULT_WINDOW_S = 5.0
+LOST = ("dropped", "5xx", "timeout")
+KINDS = ("answered", "turned_away", "refused", *LOST)
+FAULTS = (
+    "kill9-rank",
+    "sigstop-rank",
+    "sigterm",
+    "sigterm-twice",
+    "sigterm-api",
+    "kill9-api",
+    "unload-load",
+    "bad-load",
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as its client saw it."""
+
+    sent: float  # time.monotonic()
+    done: float
+    kind: str  # one of KINDS
+    status: int | None = None
+
+
+def kind_of(status: int) -> str:
+    """The kind of a request answered with ``status``."""
+    if status == 200:
+        return "answered"
+    if status in (429, 503):
+        return "turned_away"
+    return "5xx" if status >= 500 else f"{status}"
+
+
+def counts(requests: Sequence[Request]) -> dict[str, int]:
+    """Requests per kind (every kind of ``KINDS`` present, others as they come: a 4xx by its status)."""
+    out = dict.fromkeys(KINDS, 0)
+    for r in requests:
+        out[r.kind] = out.get(r.kind, 0) + 1
+    return out
+
+
+def p99_ms(requests: Sequence[Request], *, start: float, end: float) -> float | None:
+    """p99 latency (ms) of the answers to requests sent in [start, end); None without any."""
+    lat = sorted(1000 * (r.done - r.sent) for r in requests if r.kind == "answered" and start <= r.sent < end)
+    if not lat:
+        return None
+    return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+# ------------------------------------------------------------------------------------------ the load
+
+
+async def _client(
+    url: str, bodies: Sequence[bytes], offset: int, until: float, timeout_s: float, out: list[Request]
+) -> None:
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    reader: asyncio.StreamReader | None = None
+    writer: asyncio.StreamWriter | None = None
+    i = offset
+    while (t0 := time.monotonic()) < until:
+        request = post_request(url, "/v1/qa", bodies[i % len(bodies)])
+        i += 1
+        if writer is not None and (reader is None or reader.at_eof() or writer.is_closing()):
+            writer.close()  # the server closed it while idle: not reused (httpx does the same)
+            reader = writer = None
+        if writer is None:
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+            except (OSError, TimeoutError):
+                out.append(Request(t0, time.monotonic(), "refused"))
+                await asyncio.sleep(REFUSED_PAUSE_S)
+                continue
+        assert reader is not None
+        try:
+            writer.write(request)
+            await writer.drain()
+            status, headers, _ = await asyncio.wait_for(read_response(reader), timeout_s)
+        except TimeoutError:
+            out.append(Request(t0, time.monotonic(), "timeout"))
+        except (OSError, EOFError, asyncio.IncompleteReadError, ValueError, IndexError):
+            out.append(Request(t0, time.monotonic(), "dropped"))
+        else:
+            out.append(Request(t0, time.monotonic(), kind_of(status), status))
+            if headers.get("connection", "").lower() != "close":
+                continue
+        writer.close()
+        reader = writer = None
+    if writer is not None:
+        writer.close()
+
+
+def run_load(
+    url: str, bodies: Sequence[bytes], *, clients: int, until: float, timeout_s: float
+) -> list[Request]:
+    """``clients`` closed-loop clients until ``until`` (time.monotonic()): every request they sent."""
+    out: list[Request] = []
+
+    async def main() -> None:
+        await asyncio.gather(*(_client(url, bodies, 7 * c, until, timeout_s, out) for c in range(clients)))
+
+    asyncio.run(main())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the server's view
+
+
+def http_json(
+    url: str, *, method: str = "GET", token: str | None = None, timeout_s: float = 5.0
+) -> tuple[int, Any]:
+    """(status, JSON body) of one request; (0, error text) when there is no answer."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = b"{}" if method == "POST" else None
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={**headers, "Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        try:
+            return err.code, json.loads(err.read() or b"null")
+        except ValueError:
+            return err.code, None
+    except (OSError, ValueError) as err:
+        return 0, str(err)
+
+
+@dataclass
+class Monitor:
+    """The status JSON every ``POLL_S`` in a thread: (time, status) samples; the server's exit time."""
+
+    url: str
+    proc: Any
+    samples: list[tuple[float, dict]] = field(default_factory=list)
+    exited_at: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            if self.proc.poll() is not None:
+                self.exited_at = self.exited_at or time.monotonic()
+                return
+            status, body = http_json(f"{self.url}/ui/status", timeout_s=2.0)
+            if status == 200 and isinstance(body, dict):
+                self.samples.append((time.monotonic(), body))
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def ready_replicas(status: dict) -> set[str]:
+    return {r["id"] for r in status.get("replicas", []) if r["state"] == "ready"}
+
+
+def live_api(status: dict) -> set[int]:
+    return {w["pid"] for w in status.get("api_workers", []) if w["alive"] and w["connected"]}
+
+
+def detect_and_recover(
+    samples: Sequence[tuple[float, dict]],
+    *,
+    after: float,
+    failed: Callable[[dict], bool],
+    whole: Callable[[dict], bool],
+) -> tuple[float | None, float | None]:
+    """Seconds from ``after`` until a sample shows the fault (``failed``), and until a later one shows
+    the server whole again (``whole``); None where no sample did."""
+    seen = back = None
+    for t, status in samples:
+        if t < after:
+            continue
+        if seen is None and failed(status):
+            seen = t - after
+        elif seen is not None and whole(status):
+            back = t - after
+            break
+    return seen, back
+
+
+# ------------------------------------------------------------------------------------------ the faults
+
+
+@dataclass
+class Run:
+    fault: str
+    kinds: dict[str, int]
+    lost: int
+    detected_s: float | None = None
+    recovered_s: float | None = None
+    p99_before_ms: float | None = None
+    p99_fault_ms: float | None = None
+    exit_code: int | None = None
+    note: str = ""
+
+
+def serve_args(fault: str, args: argparse.Namespace, tmp: Path) -> list[str]:
+    common = ["--admin-token", TOKEN, "--drain-timeout-s", str(args.drain_timeout_s), *args.serve_arg]
+    if fault in ("unload-load", "bad-load"):
+        return ["--model", f"a={args.model}", "--model", f"b={args.model}", "--replicas", "1", *common]
+    extra = ["--api-workers", "2"] if fault.endswith("-api") else []
+    return ["--model", args.model, "--replicas", str(args.replicas), *extra, *common]
+
+
+def inject(fault: str, url: str, proc: Any, first: dict, tmp: Path) -> tuple[Callable, Callable, str]:
+    """Inject ``fault``; (failed, whole) tests of a status sample for detection and recovery, and a note."""
+    if fault in ("kill9-rank", "sigstop-rank"):
+        victim = next(r for r in first["replicas"] if r["state"] == "ready")
+        pid = victim["ranks"][-1]["pid"]
+        os.kill(pid, signal.SIGKILL if fault == "kill9-rank" else signal.SIGSTOP)
+        n = len(ready_replicas(first))
+        return (
+            lambda s: victim["id"] not in ready_replicas(s),
+            lambda s: len(ready_replicas(s)) >= n,
+            f"rank {victim['ranks'][-1]['rank']} of {victim['id']} (pid {pid})",
+        )
+    if fault.startswith("sigterm"):
+        proc.send_signal(signal.SIGTERM)
+        if fault == "sigterm-twice":
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+        return (lambda s: False, lambda s: False, "")
+    if fault == "kill9-api":
+        victim_pid = min(live_api(first))
+        os.kill(victim_pid, signal.SIGKILL)
+        return (
+            lambda s: victim_pid not in live_api(s),
+            lambda s: len(live_api(s)) >= 2 and victim_pid not in live_api(s),
+            f"API process pid {victim_pid}",
+        )
+    base = f"{url}/v2/repository/models"
+    if fault == "unload-load":
+        t0 = time.monotonic()
+        unloaded, _ = http_json(f"{base}/b/unload", method="POST", token=TOKEN, timeout_s=120)
+        index = {e["name"]: e["state"] for e in http_json(f"{url}/v2/repository/index", token=TOKEN)[1]}
+        loaded, _ = http_json(f"{base}/b/load", method="POST", token=TOKEN, timeout_s=300)
+        asked = ask(url, "b")
+        note = (
+            f"unload {unloaded}, b then {index.get('b', 'not in the index')}, load by name {loaded} "
+            f"in {time.monotonic() - t0:.1f} s, b answers {asked}"
+        )
+        return (lambda s: False, lambda s: False, note)
+    broken = tmp / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "config.json").write_text("{}")
+    req = urllib.request.Request(
+        f"{base}/c/load",
+        data=json.dumps({"parameters": {"path": str(broken)}}).encode(),
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    try:
+        code = urllib.request.urlopen(req, timeout=120).status
+    except urllib.error.HTTPError as err:
+        code = err.code
+    return (lambda s: False, lambda s: False, f"load of a broken folder: {code}")
+
+
+def ask(url: str, model: str) -> int:
+    body = json.dumps({"model": model, "question": "Who won?", "context": "Bob won the game."}).encode()
+    req = urllib.request.Request(f"{url}/v1/qa", data=body, headers={"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(req, timeout=60).status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return 0
+
+
+def run_fault(fault: str, args: argparse.Namespace, bodies: Sequence[bytes], tmp: Path) -> Run:
+    with (
+        open(tmp / f"{fault}.log", "w") as log,
+        local_server(serve_args(fault, args, tmp), all_replicas=True, log=log, ready_timeout_s=300) as srv,
+    ):
+        monitor = Monitor(srv.url, srv.proc)
+        t_start = time.monotonic()
+        until = t_start + args.duration_s
+        box: list[list[Request]] = []
+        load = threading.Thread(
+            target=lambda: box.append(
+                run_load(srv.url, bodies, clients=args.clients, until=until, timeout_s=args.timeout_s)
+            )
+        )
+        load.start()
+        time.sleep(args.fault_at_s)
+        while not monitor.samples:
+            time.sleep(POLL_S)
+        first = monitor.samples[-1][1]
+        t_fault = time.monotonic()
+        failed, whole, note = inject(fault, srv.url, srv.proc, first, tmp)
+        load.join()
+        monitor.stop()
+        exit_code = srv.proc.poll()
+    requests = box[0]
+    seen, back = detect_and_recover(monitor.samples, after=t_fault, failed=failed, whole=whole)
+    if fault.startswith("sigterm") and monitor.exited_at is not None:
+        back = monitor.exited_at - t_fault
+    window_end = t_fault + max(back or 0.0, MIN_FAULT_WINDOW_S)
+    kinds = counts(requests)
+    return Run(
+        fault=fault,
+        kinds=kinds,
+        lost=sum(kinds[k] for k in LOST),
+        detected_s=seen,
+        recovered_s=back,
+        p99_before_ms=p99_ms(requests, start=t_start, end=t_fault),
+        p99_fault_ms=p99_ms(requests, start=t_fault, end=window_end),
+        exit_code=exit_code,
+        note=note,
+    )
+
+
+def table(runs: Sequence[Run]) -> str:
+    """The markdown table of the runs."""
+
+    def s(x: float | None, unit: str = "s") -> str:
+        return "-" if x is None else f"{x:.2f} {unit}" if unit == "s" else f"{x:.0f}"
+
+    lines = [
+        "| fault | answered | turned away | refused | dropped | 5xx | timeout | seen | whole / exit | p99 before / during (ms) | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        k = r.kinds
+        end = s(r.recovered_s) + (f" (exit {r.exit_code})" if r.exit_code is not None else "")
+        lines.append(
+            f"| {r.fault} | {k['answered']} | {k['turned_away']} | {k['refused']} | {k['dropped']} | {k['5xx']} "
+            f"| {k['timeout']} | {s(r.detected_s)} | {end} | {s(r.p99_before_ms, 'ms')} / "
+            f"{s(r.p99_fault_ms, 'ms')} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--fault", action="append", choices=FAULTS, help="a fault to run (repeat; default: all)")
+    p.add_argument("--model", default="default", help="the model served (default: %(default)s)")
+    p.add_argument("--replicas", type=int, default=2, help="replica gangs (default: %(default)s)")
+    p.add_argument("--clients", type=int, default=16, help="closed-loop clients (default: %(default)s)")
+    p.add_argument("--duration-s", type=float, default=15.0, help="load per run (default: %(default)s)")
+    p.add_argument(
+        "--fault-at-s", type=float, default=4.0, help="the fault this far in (default: %(default)s)"
+    )
+    p.add_argument("--timeout-s", type=float, default=30.0, help="a request unanswered this long is lost")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0, help="the server's --drain-timeout-s")
+    p.add_argument("--serve-arg", action="append", default=[], help="one more `shardserve serve` argument")
+    p.add_argument(
+        "--squad", type=Path, default=None, help="SQuAD JSON (default: the shared pool if present)"
+    )
+    p.add_argument("--json", type=Path, help="also write the runs and the machine here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    items = load_qa_items(args.squad, limit=600)
+    bodies = [json.dumps({"question": it.question, "context": it.context}).encode() for it in items]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
+        for fault in args.fault or FAULTS:
+            logger.info("fault %s: starting a server", fault)
+            runs.append(run_fault(fault, args, bodies, Path(tmp)))
+            logger.info("fault %s: %s", fault, runs[-1])
+    info = machine_info("auto", model=args.model)
+    print(f"\n{info}\n\n{table(runs)}")
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "args": vars(args) | {"squad": str(args.squad), "json": str(args.json)},
+                    "runs": [asdict(r) for r in runs],
+                },
+                indent=1,
+            )
+        )
+    return 0 if all(r.lost == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,10 +10,13 @@ models a and b for the repository faults), drives it with ``--clients`` keep-ali
 ``--fault-at-s`` in:
 
 - ``kill9-rank`` / ``sigstop-rank``: SIGKILL / SIGSTOP of the last rank of one replica gang;
+- ``oom-rank``: that rank moved into a memory cgroup of its own whose limit (``OOM_LIMIT_BYTES`` of
+  new memory) its next micro-batch exceeds: the kernel's OOM killer ends it;
 - ``sigterm`` / ``sigterm-twice``: the server's drain, and a second signal 0.5 s later (stop now);
 - ``sigterm-api``: the drain through two API processes (``--api-workers 2``);
 - ``kill9-api``: SIGKILL of one of two API processes;
 - ``unload-load``: under load of model a, unload model b, then load it again by its name alone;
+- ``reload``: model a reloaded under its own load (new gangs ready before the old ones drain);
 - ``bad-load``: under load of model a, load a model whose folder is broken.
 
 Every request ends as one kind: ``answered`` (200); ``turned away`` (429 or 503: an answer that says
@@ -25,8 +28,7 @@ server has closed. Detection and recovery come from the status JSON polled every
 seen failed, and every replica (or API process) ready again; p99 is of the answers sent from the
 fault until the recovery (at least 5 s).
 
-Not here yet (issue 62): a remote ``shardserve worker`` in a network namespace and a network cut, a
-rank over a cgroup memory limit. Tests: ``tests/benchmarks/test_bench_chaos.py`` (the pure parts).
+Not here yet (issue 62): a remote ``shardserve worker`` in a network namespace and a network cut. Tests: ``tests/benchmarks/test_bench_chaos.py`` (the pure parts).
 """
 
 from __future__ import annotations
@@ -64,16 +66,19 @@ TOKEN = "chaos-admin-token"
 POLL_S = 0.05
 REFUSED_PAUSE_S = 0.05  # a refused client tries its next question after this
 MIN_FAULT_WINDOW_S = 5.0
+OOM_LIMIT_BYTES = 1 << 20  # new memory a rank may take in its cgroup: less than one micro-batch's
 LOST = ("dropped", "5xx", "timeout")
 KINDS = ("answered", "turned_away", "refused", *LOST)
 FAULTS = (
     "kill9-rank",
     "sigstop-rank",
+    "oom-rank",
     "sigterm",
     "sigterm-twice",
     "sigterm-api",
     "kill9-api",
     "unload-load",
+    "reload",
     "bad-load",
 )
 
@@ -268,7 +273,7 @@ class Run:
 
 def serve_args(fault: str, args: argparse.Namespace, tmp: Path) -> list[str]:
     common = ["--admin-token", TOKEN, "--drain-timeout-s", str(args.drain_timeout_s), *args.serve_arg]
-    if fault in ("unload-load", "bad-load"):
+    if fault in ("unload-load", "reload", "bad-load"):
         return ["--model", f"a={args.model}", "--model", f"b={args.model}", "--replicas", "1", *common]
     extra = ["--api-workers", "2"] if fault.endswith("-api") else []
     return ["--model", args.model, "--replicas", str(args.replicas), *extra, *common]
@@ -276,10 +281,13 @@ def serve_args(fault: str, args: argparse.Namespace, tmp: Path) -> list[str]:
 
 def inject(fault: str, url: str, proc: Any, first: dict, tmp: Path) -> tuple[Callable, Callable, str]:
     """Inject ``fault``; (failed, whole) tests of a status sample for detection and recovery, and a note."""
-    if fault in ("kill9-rank", "sigstop-rank"):
+    if fault in ("kill9-rank", "sigstop-rank", "oom-rank"):
         victim = next(r for r in first["replicas"] if r["state"] == "ready")
         pid = victim["ranks"][-1]["pid"]
-        os.kill(pid, signal.SIGKILL if fault == "kill9-rank" else signal.SIGSTOP)
+        if fault == "oom-rank":
+            memory_cgroup(pid, tmp, limit_bytes=OOM_LIMIT_BYTES)
+        else:
+            os.kill(pid, signal.SIGKILL if fault == "kill9-rank" else signal.SIGSTOP)
         n = len(ready_replicas(first))
         return (
             lambda s: victim["id"] not in ready_replicas(s),
@@ -312,6 +320,12 @@ def inject(fault: str, url: str, proc: Any, first: dict, tmp: Path) -> tuple[Cal
             f"in {time.monotonic() - t0:.1f} s, b answers {asked}"
         )
         return (lambda s: False, lambda s: False, note)
+    if fault == "reload":
+        t0 = time.monotonic()
+        reloaded, _ = http_json(f"{base}/a/load", method="POST", token=TOKEN, timeout_s=300)
+        version = next((e["version"] for e in http_json(f"{url}/v2/repository/index", token=TOKEN)[1]), "?")
+        note = f"reload of a {reloaded} in {time.monotonic() - t0:.1f} s, a now version {version}"
+        return (lambda s: False, lambda s: False, note)
     broken = tmp / "broken"
     broken.mkdir(exist_ok=True)
     (broken / "config.json").write_text("{}")
@@ -325,6 +339,44 @@ def inject(fault: str, url: str, proc: Any, first: dict, tmp: Path) -> tuple[Cal
     except urllib.error.HTTPError as err:
         code = err.code
     return (lambda s: False, lambda s: False, f"load of a broken folder: {code}")
+
+
+def memory_cgroup(pid: int, tmp: Path, *, limit_bytes: int) -> Path:
+    """Move ``pid`` into a new memory cgroup (v1, or v2) beside this process's, limited to
+    ``limit_bytes``; its path (``tmp/cgroup`` names it for the clean-up). Memory the process already
+    holds stays charged where it was: only what it allocates from now on counts."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    if v2.is_file() and "memory" in v2.read_text().split():
+        own = Path("/sys/fs/cgroup") / Path(
+            Path("/proc/self/cgroup").read_text().split("::", 1)[1].strip()
+        ).relative_to("/")
+        group, limit_file = own.parent / f"bench-chaos-{os.getpid()}", "memory.max"
+    else:
+        line = next(ln for ln in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in ln)
+        own = Path("/sys/fs/cgroup/memory") / Path(line.split(":", 2)[2]).relative_to("/")
+        group, limit_file = own / f"bench-chaos-{os.getpid()}", "memory.limit_in_bytes"
+    group.mkdir(exist_ok=True)
+    (group / limit_file).write_text(str(limit_bytes))
+    (group / "cgroup.procs").write_text(str(pid))
+    (tmp / "cgroup").write_text(str(group))
+    return group
+
+
+def remove_cgroup(tmp: Path) -> None:
+    """Remove the cgroup ``memory_cgroup`` made, once its process is gone (a few tries)."""
+    marker = tmp / "cgroup"
+    if not marker.is_file():
+        return
+    group = Path(marker.read_text())
+    for _ in range(50):
+        try:
+            group.rmdir()
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.1)
+    marker.unlink()
 
 
 def ask(url: str, model: str) -> int:
@@ -361,6 +413,7 @@ def run_fault(fault: str, args: argparse.Namespace, bodies: Sequence[bytes], tmp
         failed, whole, note = inject(fault, srv.url, srv.proc, first, tmp)
         load.join()
         monitor.stop()
+        remove_cgroup(tmp)
         exit_code = srv.proc.poll()
     requests = box[0]
     seen, back = detect_and_recover(monitor.samples, after=t_fault, failed=failed, whole=whole)

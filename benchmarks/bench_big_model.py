@@ -68,7 +68,7 @@ def write_checkpoint(out: Path) -> Path:
     import transformers
     from safetensors.torch import save_file
 
-    from shardserve.models.registry import tiny_bpe_tokenizer
+    from shardserve.models.presets import tiny_bpe_tokenizer
 
     if (out / "model.safetensors.index.json").is_file():
         return out

@@ -60,9 +60,10 @@ from bench_serving import machine_info
 from shardserve.loadtest.local_server import local_server
 from shardserve.loadtest.replay import Sent, replay, summary
 from shardserve.models.build import build_model
+from shardserve.models.bundled import minilm_dir
 from shardserve.models.hf_weights import save_hf_checkpoint
 from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
-from shardserve.models.registry import minilm_dir, resolve_model
+from shardserve.models.registry import resolve_model
 from shardserve.partitioner.placement.cost_profile import cost_profiles
 from shardserve.partitioner.placement.latency import LatencyModel, MeasuredLatency, ModelProfile
 from shardserve.partitioner.placement.layout import MIB, Group, Placement

@@ -43,9 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.models.bundled import cache_dir
 from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.packing import packed_rows, padded_inference
-from shardserve.models.registry import MODEL_NAMES, ModelSource, cache_dir
+from shardserve.models.registry import MODEL_NAMES, ModelSource
 from shardserve.partitioner.collectives import reduce_from_tp
 from shardserve.partitioner.shard_loading import ShardSlice
 from shardserve.partitioner.tp_layers import ColumnParallelLinear, RowParallelLinear

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from shardserve.models.bundled import minilm_dir
 from shardserve.models.config import EncoderConfig, ModelConfigError
-from shardserve.models.registry import TINY_PRESETS, minilm_dir
+from shardserve.models.presets import TINY_PRESETS
 
 
 def test_minilm_config_maps_fields():

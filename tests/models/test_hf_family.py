@@ -10,7 +10,7 @@ from shardserve.models.build import new_model
 from shardserve.models.config import EncoderConfig
 from shardserve.models.hf_family import FAMILIES
 from shardserve.models.hf_weights import hf_name
-from shardserve.models.registry import TINY_PRESETS
+from shardserve.models.presets import TINY_PRESETS
 
 ON_TRANSFORMERS = sorted(n for n, spec in TINY_PRESETS.items() if spec["model_type"] in FAMILIES)
 
@@ -80,7 +80,9 @@ def test_a_packed_batch_gives_the_padded_batchs_logits(name, monkeypatch):
     real_sdpa = sdpa.sdpa_attention_forward
     monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real_sdpa(*a, **k))
     real_deberta = DisentangledSelfAttention.forward  # DeBERTa's own (eager) attention
-    monkeypatch.setattr(DisentangledSelfAttention, "forward", lambda *a, **k: calls.append(1) or real_deberta(*a, **k))
+    monkeypatch.setattr(
+        DisentangledSelfAttention, "forward", lambda *a, **k: calls.append(1) or real_deberta(*a, **k)
+    )
     torch.manual_seed(0)
     model = build_model(resolve_model(name)).eval()
     lengths = [70, 5, 41, 1]

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from shardserve.models.build import build_model
 from shardserve.models.config import EncoderConfig
 from shardserve.models.hf_weights import CheckpointError, save_hf_checkpoint, to_hf_state_dict
-from shardserve.models.registry import TINY_PRESETS, ModelSource, resolve_model
+from shardserve.models.presets import TINY_PRESETS
+from shardserve.models.registry import ModelSource, resolve_model
 from shardserve.partitioner.stream.verify import sample_batches
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from shardserve.cli import main
+from shardserve.models.bundled import minilm_dir
 from shardserve.models.config import ModelConfigError
-from shardserve.models.registry import minilm_dir, resolve_model
+from shardserve.models.registry import resolve_model
 
 
 def _config_only(tmp_path: Path, preset: str, **changes: object) -> Path:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from shardserve.models.build import new_model
+from shardserve.models.bundled import minilm_dir
 from shardserve.models.config import EncoderConfig
-from shardserve.models.registry import TINY_PRESETS, minilm_dir
+from shardserve.models.presets import TINY_PRESETS
 from shardserve.partitioner.cost import (
     InfeasiblePlanError,
     UnitCost,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from shardserve.models.registry import DEFAULT_OVERLAY_DIR
+from shardserve.models.bundled import DEFAULT_OVERLAY_DIR
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
 from shardserve.training.evaluate import EvalConfig, predict_answers

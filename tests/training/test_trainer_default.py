@@ -24,10 +24,11 @@ import torch
 from safetensors.torch import load_file
 
 from shardserve.models.build import build_model
+from shardserve.models.bundled import DEFAULT_OVERLAY_DIR
 from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.encoder import EncoderForQA
 from shardserve.models.hf_weights import load_weights
-from shardserve.models.registry import DEFAULT_OVERLAY_DIR, resolve_model
+from shardserve.models.registry import resolve_model
 from shardserve.training.evaluate import evaluate_model
 from shardserve.training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES
 from shardserve.training.squad_metrics import evaluate

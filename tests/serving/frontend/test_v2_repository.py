@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardserve.models.registry import materialise_preset
+from shardserve.models.presets import materialise_preset
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
 from tests.serving.fakes import FakeFactory

@@ -1,6 +1,6 @@
-"""The HTTP load generators of the serving benchmarks: a minimal keep-alive HTTP/1.1 client of
-``POST /v1/qa`` on asyncio (no httpx: the load generator must take little of the cores the server
-under test uses).
+"""The HTTP load generators of the serving benchmarks: keep-alive ``POST /v1/qa`` clients on asyncio
+over ``shardserve.loadtest.http11`` (no httpx: the load generator must take little of the cores the
+server under test uses).
 
 - ``closed_loop``: N clients, each posting its next question as soon as its answer is back
   (``bench_serving.py``);
@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from shardserve.loadtest.http11 import post_request, read_response
+
 logger = logging.getLogger("http_load")
 
 IDLE_S = 2.0  # a kept-alive connection idle for longer is not reused (uvicorn closes them after 5 s)
@@ -27,19 +29,12 @@ IDLE_S = 2.0  # a kept-alive connection idle for longer is not reused (uvicorn c
 async def post_qa(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
 ) -> tuple[int, bytes]:
-    """One ``POST /v1/qa`` with a JSON ``body`` on a kept-alive connection: (status, response body)."""
-    writer.write(
-        b"POST /v1/qa HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
+    """One ``POST /v1/qa`` with a JSON ``body`` on a kept-alive connection: (status, response body);
+    the bytes on the wire are ``shardserve.loadtest.http11``'s (EOFError: the server had closed it)."""
+    writer.write(post_request("http://bench", "/v1/qa", body))
     await writer.drain()
-    status = int((await reader.readline()).split()[1])
-    length = 0
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    return status, await reader.readexactly(length)
+    status, _, payload = await read_response(reader)
+    return status, payload
 
 
 def closed_loop(
@@ -113,7 +108,7 @@ class OpenLoopClient:
                     status, payload = await post_qa(*conn, body)
                     self.idle.append((*conn, time.monotonic()))
                     break
-                except (OSError, asyncio.IncompleteReadError, IndexError, ValueError) as e:
+                except (OSError, EOFError, asyncio.IncompleteReadError, IndexError, ValueError) as e:
                     conn[1].close()
                     status, payload = 599, repr(e).encode()
                     if fresh:

@@ -29,7 +29,14 @@ rate of the rate sweep with >= 99 % measured attainment, at ``--cv`` and ``--slo
 no swept rate reaches it) and ``--plots DIR/multimodel.png`` (attainment vs rate, vs CV, vs SLO
 scale; measured solid, predicted dashed).
 
+``--paired`` measures instead dedicated against auto in alternating pairs on one seeded trace per
+point (``multimodel_paired.py``): CV 4, SLO 10x and 20x, at the rate where the simulator predicts
+the widest gap and one where it predicts none, 3 pairs of runs of >= 1,000 requests each; it
+prints the per-pair differences and their spread beside the predictions (``"paired"`` in the JSON,
+``multimodel-paired.png``). ``--paired --quick``: SLO 10x only, runs of at most 45 s.
+
     python benchmarks/bench_multimodel.py --json /tmp/mm.json --plots /tmp          # ~45 min, 2 cores
+    python benchmarks/bench_multimodel.py --paired --quick --json /tmp/mmp.json --plots /tmp
     python benchmarks/bench_multimodel.py --quick                                   # ~10 min
     python benchmarks/bench_multimodel.py --models 4 --rates 4,8,16 --duration-s 60
 """
@@ -56,6 +63,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import machine_info
+from multimodel_paired import report_paired, run_paired
+from multimodel_report import POLICIES, report
 
 from shardserve.loadtest.local_server import local_server
 from shardserve.loadtest.replay import Sent, replay, summary
@@ -67,6 +76,7 @@ from shardserve.models.registry import resolve_model
 from shardserve.partitioner.placement.cost_profile import cost_profiles
 from shardserve.partitioner.placement.latency import LatencyModel, MeasuredLatency, ModelProfile
 from shardserve.partitioner.placement.layout import MIB, Group, Placement
+from shardserve.partitioner.placement.search import choose_placement
 from shardserve.partitioner.placement.simulator import SimConfig, simulate
 from shardserve.partitioner.placement.workload import ArrivalSpec, Trace, Workload
 from shardserve.partitioner.plan import ParallelDims, make_plan
@@ -77,7 +87,6 @@ from shardserve.training.sigterm import Terminated, raise_on_sigterm
 
 logger = logging.getLogger("bench_multimodel")
 
-POLICIES = ("dedicated", "multiplexed", "auto")
 QUESTION = "Which river carries the most water into the sea?"
 CONTEXT = (
     "The delta region is crossed by several rivers. The Lenna, the longest of them, runs 840 kilometres "
@@ -308,10 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, default=None, help="write every point and the summary here")
     p.add_argument("--plots", type=Path, default=None, help="write multimodel.png into this folder")
+    p.add_argument(
+        "--paired", action="store_true", help="dedicated vs auto in alternating pairs (multimodel_paired.py)"
+    )
+    p.add_argument("--pairs", type=int, default=3, help="--paired: pairs per point")
+    p.add_argument("--paired-rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                   help="--paired: total rates (default: the widest predicted gap and one with none)")  # fmt: skip
+    p.add_argument("--min-requests", type=int, default=1000, help="--paired: requests per run at least")
+    p.add_argument("--max-run-s", type=float, default=300.0, help="--paired: longest run (s)")
     args = p.parse_args(argv)
+    args.paired_policies, args.paired_slos = ("dedicated", "auto"), [10.0, 20.0]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.quick:
         args.duration_s, args.cvs, args.slo_scales = 20.0, [1.0, 4.0], [2.0, 5.0]
+        args.paired_slos, args.max_run_s = [10.0], 45.0
     args.dtype = resolve_dtype(args.dtype, "cpu").name
     info = machine_info(args.dtype)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-multimodel-"))
@@ -362,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = {n: resolve_model(str(f)).config for n, f in zip(names, folders, strict=True)}
     rows: list[dict[str, Any]] = []
 
-    def record(policy: str, point: Point, url: str, seed: int) -> None:
-        trace = point.trace(names, args.duration_s, seed)
+    def record(policy: str, point: Point, url: str, seed: int, duration_s: float) -> dict[str, Any]:
+        trace = point.trace(names, duration_s, seed)
         slo_s = point.slo_scale * single
         placement = placement_of(url)
         # the stage times as the server paces them now (the VM's speed drifts; its own work shares
@@ -416,141 +435,65 @@ def main(argv: list[str] | None = None) -> int:
             pace,
             row["statuses"],
         )
+        return row
+
+    def measure(policy: str, pt: Point, seed: int, duration_s: float) -> dict[str, Any]:
+        """A fresh server of ``policy`` told the point's workload (auto chooses its whole placement by
+        it, dedicated and multiplexed which models get replicas), warmed, then the point's trace."""
+        workload = [
+            "--workload-rate",
+            str(pt.rate),
+            "--workload-cv",
+            str(pt.cv),
+            "--slo-scale",
+            str(pt.slo_scale),
+        ]
+        cmd = server_args(args, folders, profile_path, memory, policy) + workload
+        with local_server(cmd, ready_timeout_s=600) as srv:
+            run_point(srv.url, pt.trace(names, 5.0, 999), pt.slo_scale * single)  # warm
+            return record(policy, pt, srv.url, seed, duration_s)
+
+    if args.paired:
+        profiles, _, _ = cost_profiles(
+            configs,
+            devices=2,
+            seq_len=384,
+            max_batch_size=args.max_batch_size,
+            dtype_bytes=DTYPES[args.dtype].itemsize,
+            measured=MeasuredLatency(latency, overhead),
+        )
+
+        def predict(policy: str, rate: float, cv: float, slo: float, seed: int) -> float:
+            trace = Point(rate, cv, slo, "paired").trace(names, args.max_run_s, seed)
+            choice = choose_placement(
+                policy,
+                profiles,
+                trace,
+                num_devices=2,
+                device_memory_bytes=memory,
+                slo_s=slo * single,
+                config=sim_cfg,
+            )
+            return choice.result.attainment
+
+        entries = run_paired(
+            args,
+            measure=lambda policy, rate, cv, slo, seed, d: measure(
+                policy, Point(rate, cv, slo, "paired"), seed, d
+            ),
+            predict=predict,
+            capacity=capacity,
+        )
+        return report_paired(
+            entries, args, info, single=single, memory=memory, measured=MeasuredLatency(latency, overhead)
+        )
 
     # point by point, the policies one after the other: each point's runs see the machine alike
     for k, pt in enumerate(points):
         for policy in policies:
-            # every server is told the point's workload: auto chooses its whole placement by it,
-            # dedicated (and multiplexed, when not every model fits a group) which models get replicas
-            workload = [
-                "--workload-rate",
-                str(pt.rate),
-                "--workload-cv",
-                str(pt.cv),
-                "--slo-scale",
-                str(pt.slo_scale),
-            ]
-            cmd = server_args(args, folders, profile_path, memory, policy) + workload
-            with local_server(cmd, ready_timeout_s=600) as srv:
-                run_point(srv.url, pt.trace(names, 5.0, 999), pt.slo_scale * single)  # warm
-                record(policy, pt, srv.url, args.seed + k)
+            measure(policy, pt, args.seed + k, args.duration_s)
     measured = MeasuredLatency(latency, overhead)
     return report(rows, args, info, single=single, overhead=overhead, memory=memory, measured=measured)
-
-
-def max_rate(rows: list[dict[str, Any]], policy: str, *, threshold: float = 0.99) -> float | None:
-    rates = [
-        r["rate"]
-        for r in rows
-        if r["policy"] == policy and r["sweep"] == "rate" and r["measured"] >= threshold
-    ]
-    return max(rates) if rates else None
-
-
-def report(
-    rows: list[dict[str, Any]],
-    args: argparse.Namespace,
-    info: dict[str, Any],
-    *,
-    single: float,
-    overhead: float,
-    memory: int,
-    measured: MeasuredLatency,
-) -> int:
-    print(
-        f"\n{info['cpu']}, dtype {args.dtype}; {args.models} models, 2 devices of {memory / MIB:.0f} MiB; "
-        f"single-request latency {1e3 * single:.1f} ms; {args.duration_s:g} s per point"
-    )
-    header = (
-        f"{'policy':<11} {'sweep':<5} {'rate':>6} {'cv':>4} {'slo':>4} {'measured':>9} {'predicted':>9} "
-        f"{'diff':>6} {'bound':>6}  placement"
-    )
-    print(header + "\n" + "-" * len(header))
-    for r in rows:
-        print(
-            f"{r['policy']:<11} {r['sweep']:<5} {r['rate']:>6.1f} {r['cv']:>4g} {r['slo_scale']:>4g} "
-            f"{r['measured']:>9.3f} {r['predicted']:>9.3f} {100 * (r['predicted'] - r['measured']):>+6.1f} "
-            f"{r.get('bound', math.nan):>6.3f}  {r['placement']}"
-        )
-    worst = max((abs(r["predicted"] - r["measured"]) for r in rows), default=0.0)
-    summary_ = {f"{p}_max_rate": max_rate(rows, p) for p in POLICIES}
-    summary_.update({f"{p}_max_rate_90": max_rate(rows, p, threshold=0.9) for p in POLICIES})
-    summary_["worst_prediction_error_points"] = round(100 * worst, 2)
-    print("\n" + json.dumps(summary_))
-    if args.json is not None:
-        out = {
-            **summary_,
-            "machine": info,
-            "models": args.models,
-            "device_memory_bytes": memory,
-            "single_latency_ms": round(1e3 * single, 3),
-            "overhead_ms": round(1e3 * overhead, 3),
-            "profile": measured.to_dict(),
-            "duration_s": args.duration_s,
-            "max_batch_size": args.max_batch_size,
-            "max_inflight": args.max_inflight,
-            "admission_margin": args.admission_margin,
-            "cv": args.cv,
-            "slo_scale": args.slo_scale,
-            "points": rows,
-        }
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-    if args.plots is not None:
-        plot(rows, args, args.plots / "multimodel.png")
-    return 0
-
-
-def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = []  # (x key, x label, title, {policy: its rows}) of each curve with at least 2 points
-    for sweep, key, label, title in (
-        ("rate", "rate", "total rate (req/s)", f"CV {args.cv:g}, SLO {args.slo_scale:g}x"),
-        ("cv", "cv", "CV of arrivals", f"{args.fixed_rate:g} req/s, SLO {args.slo_scale:g}x"),
-        ("slo", "slo_scale", "SLO scale (x single latency)", f"{args.fixed_rate:g} req/s, CV {args.cv:g}"),
-    ):
-        curves = {
-            policy: sorted(
-                (
-                    r
-                    for r in rows
-                    if r["policy"] == policy and (r["sweep"] == sweep or _on_curve(r, sweep, args))
-                ),
-                key=lambda r, key=key: r[key],
-            )
-            for policy in POLICIES
-        }
-        if max(map(len, curves.values())) >= 2:
-            panels.append((key, label, title, curves))
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(7.5, 5 * len(panels)), 4.2), squeeze=False)
-    for ax, (key, label, title, curves) in zip(axes[0], panels, strict=True):
-        for k, (policy, mine) in enumerate(curves.items()):
-            xs = [r[key] for r in mine]
-            ax.plot(xs, [r["measured"] for r in mine], "-o", color=f"C{k}", label=f"{policy} measured")
-            ax.plot(
-                xs,
-                [r["predicted"] for r in mine],
-                "--",
-                color=f"C{k}",
-                alpha=0.7,
-                label=f"{policy} predicted",
-            )
-        ax.axhline(0.99, color="grey", lw=0.8, ls=":")
-        ax.set(title=title, xlabel=label, ylabel="SLO attainment", ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
-    axes = axes[0]
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{args.models} models on 2 CPU devices: measured (solid) vs simulated (dashed)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def _on_curve(r: dict[str, Any], sweep: str, args: argparse.Namespace) -> bool:
-    """The rate sweep's point at the fixed rate also lies on the CV and SLO curves."""
-    return r["sweep"] == "rate" and r["rate"] == args.fixed_rate and sweep in ("cv", "slo")
 
 
 if __name__ == "__main__":

@@ -524,3 +524,55 @@ def test_mosec_worker_answers_as_the_naive_server(naive_qa, monkeypatch):
         torch.set_num_threads(threads)
     _same_answers(worker.forward(asks), want)
     _same_answers([worker.forward(asks[0])], want[:1])  # --max-batch-size 1: one body, not a list
+
+
+# ------------------------------------------------------------------------------ multimodel --paired
+
+
+def test_paired_runs_alternate_and_the_rates_come_from_the_predicted_gap() -> None:
+    import multimodel_paired as mp
+
+    assert mp.run_order(3) == [0, 1, 1, 0, 0, 1]
+    gap = {2.0: (1.0, 1.0), 4.0: (0.99, 0.995), 8.0: (0.6, 0.9), 16.0: (0.3, 0.4)}  # (a, b) predicted
+    assert mp.choose_rates(lambda r: gap[r], list(gap)) == (8.0, 2.0)
+    wide_everywhere = {2.0: (0.5, 0.9), 4.0: (0.5, 0.95), 8.0: (0.5, 0.7)}
+    assert mp.choose_rates(lambda r: wide_everywhere[r], list(wide_everywhere)) == (4.0, 8.0)  # the least gap
+
+
+def test_run_paired_measures_each_point_in_alternating_pairs_on_one_trace() -> None:
+    import argparse
+
+    import multimodel_paired as mp
+
+    calls = []
+
+    def measure(policy: str, rate: float, cv: float, slo: float, seed: int, duration_s: float) -> dict:
+        calls.append((policy, rate, seed, duration_s))
+        drift = 0.01 * len(calls)  # the machine slows run by run: a steady drift favours neither side
+        att = (0.95 if policy == "auto" else 0.80) - drift
+        return {
+            "measured": att,
+            "predicted": att + 0.02,
+            "requests": int(rate * duration_s),
+            "placement": policy,
+        }
+
+    def predict(policy: str, rate: float, cv: float, slo: float, seed: int) -> float:
+        return 1.0 if rate < 5 or policy == "auto" else 0.5
+
+    args = argparse.Namespace(
+        paired_policies=("dedicated", "auto"), paired_slos=[10.0], paired_rates=None, seed=7, cv=4.0,
+        min_requests=100, max_run_s=45.0, pairs=3,
+    )  # fmt: skip
+    entries = mp.run_paired(args, measure=measure, predict=predict, capacity=40.0)
+    assert [e["rate"] for e in entries] == [6.0, 4.0]  # the widest predicted gap, then none (2: too few)
+    first = [c for c in calls if c[1] == 6.0]
+    assert [c[0] for c in first] == ["dedicated", "auto", "auto", "dedicated", "dedicated", "auto"]
+    assert {c[2] for c in calls} == {7}  # one trace for every run
+    assert first[0][3] == 20.0  # 100 requests at 6 req/s take 17 s: 20 s at the least
+    e = entries[0]
+    assert len(e["att_a"]) == len(e["att_b"]) == len(e["pred_a"]) == 3
+    assert e["diff_points"] == [14.0, 16.0, 14.0] and e["diff_mean_points"] == pytest.approx(14.67, abs=0.01)
+    assert e["diff_spread_points"] == 2.0
+    assert mp.prediction_errors(e) == {"dedicated": 2.0, "auto": 2.0}
+    assert "+14.0 +16.0 +14.0" in mp.paired_table(entries)

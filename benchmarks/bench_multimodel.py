@@ -33,7 +33,7 @@ scale; measured solid, predicted dashed).
 point (``multimodel_paired.py``): CV 4, SLO 10x and 20x, at the rate where the simulator predicts
 the widest gap and one where it predicts none, 3 pairs of runs of >= 1,000 requests each; it
 prints the per-pair differences and their spread beside the predictions (``"paired"`` in the JSON,
-``multimodel-paired.png``). ``--paired --quick``: SLO 10x only, runs of at most 45 s.
+``multimodel-paired.png``). ``--paired --quick``: SLO 10x only, runs of at most 45 s and >= 300 requests.
 
     python benchmarks/bench_multimodel.py --json /tmp/mm.json --plots /tmp          # ~45 min, 2 cores
     python benchmarks/bench_multimodel.py --paired --quick --json /tmp/mmp.json --plots /tmp
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.quick:
         args.duration_s, args.cvs, args.slo_scales = 20.0, [1.0, 4.0], [2.0, 5.0]
-        args.paired_slos, args.max_run_s = [10.0], 45.0
+        args.paired_slos, args.max_run_s, args.min_requests = [10.0], 45.0, min(args.min_requests, 300)
     args.dtype = resolve_dtype(args.dtype, "cpu").name
     info = machine_info(args.dtype)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-multimodel-"))

@@ -30,6 +30,8 @@ def choose_rates(
     """(the rate whose predicted gap b - a is widest, a rate where it predicts none): ``predict(rate)``
     gives (attainment of a, of b). "None": the lowest rate whose gap is under ``flat_points`` points,
     else the one with the smallest gap."""
+    if len(candidates) < 2:
+        raise ValueError(f"two rates are needed to choose from, got {list(candidates)}: lower --min-requests")
     gaps = {r: (lambda ab: ab[1] - ab[0])(predict(r)) for r in candidates}
     widest = max(candidates, key=lambda r: (gaps[r], -r))
     flat = [r for r in sorted(candidates) if r != widest and abs(gaps[r]) * 100 < flat_points]

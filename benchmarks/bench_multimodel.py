@@ -381,6 +381,18 @@ def main(argv: list[str] | None = None) -> int:
     configs = {n: resolve_model(str(f)).config for n, f in zip(names, folders, strict=True)}
     rows: list[dict[str, Any]] = []
 
+    def profiles_at(pace: dict[int, float]) -> list[ModelProfile]:
+        """The models' profiles, each pp's stage times scaled by ``pace[pp]`` (none: as measured)."""
+        profiles, _, _ = cost_profiles(
+            configs,
+            devices=2,
+            seq_len=384,
+            max_batch_size=args.max_batch_size,
+            dtype_bytes=DTYPES[args.dtype].itemsize,
+            measured=MeasuredLatency(scaled(latency, pace), overhead),
+        )
+        return profiles
+
     def record(policy: str, point: Point, url: str, seed: int, duration_s: float) -> dict[str, Any]:
         trace = point.trace(names, duration_s, seed)
         slo_s = point.slo_scale * single
@@ -396,14 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             * burst_pace(url, probe, batch=args.max_batch_size)
             / max(latency.stages(pp, 1, args.max_batch_size))
         )
-        profiles, _, _ = cost_profiles(
-            configs,
-            devices=2,
-            seq_len=384,
-            max_batch_size=args.max_batch_size,
-            dtype_bytes=DTYPES[args.dtype].itemsize,
-            measured=MeasuredLatency(scaled(latency, {pp: pace}), overhead),
-        )
+        profiles = profiles_at({pp: pace})
         sent = run_point(url, trace, slo_s)
         predicted = simulate(placement, profiles, trace, slo_s=slo_s, config=sim_cfg)
         got = summary(sent, slo_s=slo_s)
@@ -454,14 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             return record(policy, pt, srv.url, seed, duration_s)
 
     if args.paired:
-        profiles, _, _ = cost_profiles(
-            configs,
-            devices=2,
-            seq_len=384,
-            max_batch_size=args.max_batch_size,
-            dtype_bytes=DTYPES[args.dtype].itemsize,
-            measured=MeasuredLatency(latency, overhead),
-        )
+        profiles = profiles_at({})
 
         def predict(policy: str, rate: float, cv: float, slo: float, seed: int) -> float:
             trace = Point(rate, cv, slo, "paired").trace(names, args.max_run_s, seed)

@@ -177,11 +177,12 @@ def run_load(
 
 
 def http_json(
-    url: str, *, method: str = "GET", token: str | None = None, timeout_s: float = 5.0
+    url: str, *, method: str = "GET", body: Any = None, token: str | None = None, timeout_s: float = 5.0
 ) -> tuple[int, Any]:
-    """(status, JSON body) of one request; (0, error text) when there is no answer."""
+    """(status, JSON body) of one request (a POST sends ``body`` as JSON, ``{}`` by default); (0,
+    error text) when there is no answer."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    data = b"{}" if method == "POST" else None
+    data = json.dumps({} if body is None else body).encode() if method == "POST" else None
     req = urllib.request.Request(
         url, data=data, method=method, headers={**headers, "Content-Type": "application/json"}
     )
@@ -329,15 +330,8 @@ def inject(fault: str, url: str, proc: Any, first: dict, tmp: Path) -> tuple[Cal
     broken = tmp / "broken"
     broken.mkdir(exist_ok=True)
     (broken / "config.json").write_text("{}")
-    req = urllib.request.Request(
-        f"{base}/c/load",
-        data=json.dumps({"parameters": {"path": str(broken)}}).encode(),
-        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
-    )
-    try:
-        code = urllib.request.urlopen(req, timeout=120).status
-    except urllib.error.HTTPError as err:
-        code = err.code
+    load = {"parameters": {"path": str(broken)}}
+    code, _ = http_json(f"{base}/c/load", method="POST", body=load, token=TOKEN, timeout_s=120)
     return (lambda s: False, lambda s: False, f"load of a broken folder: {code}")
 
 
@@ -380,14 +374,9 @@ def remove_cgroup(tmp: Path) -> None:
 
 
 def ask(url: str, model: str) -> int:
-    body = json.dumps({"model": model, "question": "Who won?", "context": "Bob won the game."}).encode()
-    req = urllib.request.Request(f"{url}/v1/qa", data=body, headers={"Content-Type": "application/json"})
-    try:
-        return urllib.request.urlopen(req, timeout=60).status
-    except urllib.error.HTTPError as err:
-        return err.code
-    except OSError:
-        return 0
+    """The status of one question to ``model`` (0: no answer)."""
+    body = {"model": model, "question": "Who won?", "context": "Bob won the game."}
+    return http_json(f"{url}/v1/qa", method="POST", body=body, timeout_s=60)[0]
 
 
 def run_fault(fault: str, args: argparse.Namespace, bodies: Sequence[bytes], tmp: Path) -> Run:

@@ -18,6 +18,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from multimodel_report import json_header
+
+from shardserve.partitioner.placement.latency import MeasuredLatency
+
 
 def run_order(pairs: int) -> list[int]:
     """Which of the two policies (0: a, 1: b) each of the ``2 * pairs`` runs measures: 0 1 1 0 0 1 ..."""
@@ -145,7 +149,7 @@ def plot_paired(entries: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("paired runs: measured (dots: runs, line: mean) vs simulated (dashed)")
+    fig.suptitle("paired runs: measured (dots: runs, line: mean)\nvs simulated (dashed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -193,7 +197,7 @@ def report_paired(
     *,
     single: float,
     memory: int,
-    profile: dict[str, Any],
+    measured: MeasuredLatency,
 ) -> int:
     """The paired points' table, prediction errors, JSON (``"paired"``) and plot."""
     print(f"\n{info['cpu']}, dtype {args.dtype}; single-request latency {1e3 * single:.1f} ms; paired runs")
@@ -202,11 +206,7 @@ def report_paired(
     print("prediction - measurement (points): " + json.dumps(errors))
     if args.json is not None:
         out = {
-            "machine": info,
-            "models": args.models,
-            "device_memory_bytes": memory,
-            "single_latency_ms": round(1e3 * single, 3),
-            "profile": profile,
+            **json_header(args, info, single=single, memory=memory, measured=measured),
             "pairs": args.pairs,
             "min_requests": args.min_requests,
             "paired": entries,

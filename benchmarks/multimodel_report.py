@@ -59,12 +59,8 @@ def report(
     if args.json is not None:
         out = {
             **summary_,
-            "machine": info,
-            "models": args.models,
-            "device_memory_bytes": memory,
-            "single_latency_ms": round(1e3 * single, 3),
+            **json_header(args, info, single=single, memory=memory, measured=measured),
             "overhead_ms": round(1e3 * overhead, 3),
-            "profile": measured.to_dict(),
             "duration_s": args.duration_s,
             "max_batch_size": args.max_batch_size,
             "max_inflight": args.max_inflight,
@@ -77,6 +73,19 @@ def report(
     if args.plots is not None:
         plot(rows, args, args.plots / "multimodel.png")
     return 0
+
+
+def json_header(
+    args: Any, info: dict[str, Any], *, single: float, memory: int, measured: MeasuredLatency
+) -> dict[str, Any]:
+    """The keys every ``--json`` of bench_multimodel starts with: machine, models, memory, latency, profile."""
+    return {
+        "machine": info,
+        "models": args.models,
+        "device_memory_bytes": memory,
+        "single_latency_ms": round(1e3 * single, 3),
+        "profile": measured.to_dict(),
+    }
 
 
 def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:

@@ -10,7 +10,9 @@ the scale. For each ``(pp, tp)``:
                  + 2 * layers_k * allreduce_s      (tp > 1: two all-reduces per layer)
 
 ``fixed_share`` is the part of a micro-batch's time that does not grow with its size (weights read,
-kernel launches): 0 means no batching gain, as on a CPU that is already compute bound. Memory:
+kernel launches): 0 means no batching gain, as on a CPU that is already compute bound. A named GPU
+(``gpu=``, ``partitioner/placement/gpus.py``) replaces ``single_latency_s * (fixed_share + ...)`` by
+its roofline time of a micro-batch of ``b`` and its own ``hop_s``. Memory:
 weights at ``dtype_bytes`` per parameter (the largest tensor rank of each stage, so stage 0 carries
 the embeddings) and an activation allowance of one ``max_batch_size x seq_len`` micro-batch.
 
@@ -28,7 +30,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from shardserve.models.config import EncoderConfig
 from shardserve.partitioner.cost import (
@@ -38,6 +40,7 @@ from shardserve.partitioner.cost import (
     stage_costs,
     stage_param_counts,
 )
+from shardserve.partitioner.placement.gpus import GpuSpec, roofline_batch_time
 from shardserve.partitioner.placement.latency import (
     LatencyModel,
     MeasuredLatency,
@@ -94,8 +97,11 @@ def profile_from_cost_model(
     max_batch_size: int = 32,
     dtype_bytes: int = 4,
     batch_sizes: Sequence[int] = BATCH_SIZES,
+    batch_time: Callable[[int], float] | None = None,
 ) -> ModelProfile:
-    """The profile of ``config`` for ``configs`` (default: ``parallel_configs(max_devices)``; see module doc)."""
+    """The profile of ``config`` for ``configs`` (default: ``parallel_configs(max_devices)``; see module
+    doc). ``batch_time``: seconds of a whole-model micro-batch of ``b`` requests at pp=1 (default:
+    ``single_latency_s * (fixed_share + (1 - fixed_share) * b)``)."""
     problems = []
     if not (math.isfinite(single_latency_s) and single_latency_s > 0):
         problems.append(f"single_latency_s={single_latency_s!r} must be > 0")
@@ -110,6 +116,7 @@ def profile_from_cost_model(
         raise PlacementError(f"invalid cost profile for {name!r}: " + "; ".join(problems))
     costs = analytic_costs(config, seq_len=seq_len)
     total = sum(u.cost for u in costs)
+    whole = batch_time or (lambda b: single_latency_s * (fixed_share + (1 - fixed_share) * b))
     wanted = list(configs) if configs is not None else parallel_configs(config, max_devices=max_devices)
     table: dict[ParallelConfig, dict[int, tuple[float, ...]]] = {}
     stage_bytes: dict[ParallelConfig, tuple[int, ...]] = {}
@@ -122,10 +129,7 @@ def profile_from_cost_model(
             (hop_s if pp > 1 else 0.0) + (2 * (b - a) * allreduce_s if tp > 1 else 0.0) for a, b in bounds
         ]
         table[(pp, tp)] = {
-            bs: tuple(
-                single_latency_s * share * (fixed_share + (1 - fixed_share) * bs) / tp + extra
-                for share, extra in zip(shares, fixed, strict=True)
-            )
+            bs: tuple(whole(bs) * share / tp + extra for share, extra in zip(shares, fixed, strict=True))
             for bs in batch_sizes
         }
         stage_bytes[(pp, tp)] = tuple(p * dtype_bytes for p in stage_param_counts(costs, bounds, tp))
@@ -150,20 +154,34 @@ def cost_profiles(
     dtype_bytes: int,
     device: str = "cpu",
     single_latency_s: float | None = None,
-    hop_s: float = 0.001,
+    hop_s: float | None = None,
     measured: MeasuredLatency | None = None,
+    gpu: GpuSpec | None = None,
 ) -> tuple[list[ModelProfile], dict[str, float], str]:
     """Each model's profile for groups of up to ``devices`` devices, its single-request latency (s:
-    ``single_latency_s`` as measured, else ``estimated_single_latency_s``) and where that came from.
-    ``measured``: stage times measured for every model (a ``MeasuredLatency`` profile) instead of the
-    cost model's; the single-request latency is then its pp=1 time plus its overhead."""
+    ``single_latency_s`` as measured, else ``gpu``'s roofline time of one request, else
+    ``estimated_single_latency_s``) and where that came from. ``measured``: stage times measured for
+    every model (a ``MeasuredLatency`` profile) instead of the cost model's; the single-request
+    latency is then its pp=1 time plus its overhead. ``gpu`` (without ``single_latency_s``): every
+    micro-batch at its roofline time (``partitioner/placement/gpus.py``), stages passing activations
+    on in its ``hop_s`` (unless ``hop_s`` is given; else 1 ms)."""
     if measured is not None:
         single_latency_s = measured.latency.latency(1, 1, 1) + measured.overhead_s
+    roofline = gpu if single_latency_s is None else None
+    if hop_s is None:
+        hop_s = roofline.hop_s if roofline is not None else 0.001
     profiles, single = [], {}
     for name, config in configs.items():
+        batch_time = (
+            None
+            if roofline is None
+            else roofline_batch_time(config, roofline, seq_len=seq_len, dtype_bytes=dtype_bytes)
+        )
         single[name] = (
             single_latency_s
             if single_latency_s is not None
+            else batch_time(1)
+            if batch_time is not None
             else estimated_single_latency_s(config, seq_len=seq_len, device=device)
         )
         profiles.append(
@@ -176,6 +194,7 @@ def cost_profiles(
                 hop_s=hop_s,
                 max_batch_size=max_batch_size,
                 dtype_bytes=dtype_bytes,
+                batch_time=batch_time,
             )
         )
     if measured is not None:
@@ -185,6 +204,8 @@ def cost_profiles(
         if measured is not None
         else "as measured"
         if single_latency_s is not None
+        else f"roofline of {roofline.name} (datasheet figures, {roofline.efficiency:.0%} of peak FLOP/s)"
+        if roofline is not None
         else f"estimated from analytic FLOPs at {ASSUMED_FLOPS[device] / 1e9:g} GFLOP/s"
     )
     return profiles, single, how

@@ -21,6 +21,15 @@ per-device memory budget (``Placement.check_memory``); deterministic for a given
 - ``replan``: ``auto`` on an observed trace (or workload), kept only when it beats the current
   placement on that trace by ``min_gain`` attainment.
 
+At cluster scale (a greedy step with more than ``EXACT_CANDIDATES`` (model, group) candidates, e.g.
+64 devices and 32 models) a step simulates a pruned set: while models are unplaced, the busiest of
+them (most requests) on the ``GROUPS_PER_MODEL`` groups least loaded after taking it; then, for the
+``WIDTH`` models losing the most requests in turn, a replica on each one's ``GROUPS_PER_MODEL``
+least-loaded groups, the first model whose best replica raises the attainment taking the step (load:
+each model's request rate, shared evenly by its replicas, times its batch-1 bottleneck stage);
+``dedicated`` gives each device the busiest unplaced model, then the best of the ``WIDTH`` losing the
+most. Every placement is simulated by ``partitioner/placement/evaluate.py`` (only the components a step changes).
+
     choice = auto(profiles, trace, num_devices=4, device_memory_bytes=8 * 2**30, slo_s=0.1)
     choice.placement.describe(), choice.result.attainment
     python -m pytest tests/partitioner/placement/test_search.py -q
@@ -31,12 +40,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shardserve.partitioner.placement.evaluate import Evaluator
 from shardserve.partitioner.placement.latency import ModelProfile, PlacementError, by_name
 from shardserve.partitioner.placement.layout import MIB, Group, Placement, uniform_groups
-from shardserve.partitioner.placement.simulator import SimConfig, SimResult, simulate
+from shardserve.partitioner.placement.simulator import SimConfig, SimResult
 from shardserve.partitioner.placement.workload import Trace, Workload
 
 logger = logging.getLogger(__name__)
@@ -44,6 +54,9 @@ logger = logging.getLogger(__name__)
 PolicyName = Literal["dedicated", "multiplexed", "auto"]
 POLICIES: tuple[str, ...] = ("dedicated", "multiplexed", "auto")
 EPS = 1e-9  # attainment differences below this are ties
+EXACT_CANDIDATES = 16  # a greedy step with more (model, group) candidates is pruned (module doc)
+WIDTH = 4  # models tried per pruned step
+GROUPS_PER_MODEL = 2  # groups tried per model in a pruned step
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,8 @@ class _Problem:
     device_memory_bytes: int
     slo_s: float | Mapping[str, float]
     config: SimConfig
+    evaluator: Evaluator = field(init=False, repr=False, compare=False)
+    counts: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -87,9 +102,12 @@ class _Problem:
             problems.append("no model profiles")
         if problems:
             raise PlacementError("invalid placement problem: " + "; ".join(problems))
+        ev = Evaluator(self.profiles, self.trace, slo_s=self.slo_s, config=self.config)
+        object.__setattr__(self, "evaluator", ev)
+        object.__setattr__(self, "counts", self.trace.counts())
 
     def run(self, placement: Placement) -> SimResult:
-        return simulate(placement, self.profiles, self.trace, slo_s=self.slo_s, config=self.config)
+        return self.evaluator.run(placement)
 
     def fits(self, group: Group) -> bool:
         return all(b <= self.device_memory_bytes for b in group.device_bytes(self.profiles).values())
@@ -121,38 +139,92 @@ def _greedy_fill(pb: _Problem, start: Placement) -> tuple[Placement, SimResult]:
     holds; each step places one of them, where it does best), so a replica of a busy model never takes
     the memory a model without any would need; then replicas, while the attainment rises."""
     current, best = start, pb.run(start)
-    while True:
-        unplaced = [m for m in pb.profiles if not current.replicas(m)]
-        candidates = _candidates(pb, current, unplaced) if unplaced else []
-        if not candidates:
-            unplaced = []
-            candidates = _candidates(pb, current, list(pb.profiles))
-        if not candidates:
-            return current, best
-        scored = [(pb.run(c), c) for c in candidates]
-        result, chosen = max(scored, key=lambda rc: _key(rc[0]))  # max keeps the first of equals
-        if not (unplaced or result.attainment > best.attainment + EPS):
-            return current, best
-        current, best = chosen, result
+    while (step := _next(pb, current, best)) is not None:
+        current, best = step
         logger.debug("greedy: %s -> attainment %.4f", current.describe(), best.attainment)
+    return current, best
 
 
-def _candidates(pb: _Problem, current: Placement, models: list[str]) -> list[Placement]:
-    """``current`` with one of ``models`` added to one group, where it fits and has latencies."""
-    out: list[Placement] = []
+def _next(pb: _Problem, current: Placement, best: SimResult) -> tuple[Placement, SimResult] | None:
+    """The greedy's next placement and its result; None when no step raises the attainment. Exact:
+    the best of every (model, group) pair; at cluster scale the pruned candidates (module doc), model
+    by model, the first model whose best candidate raises the attainment."""
+    unplaced = [m for m in pb.profiles if not current.replicas(m)]
+    distinct = _distinct_groups(current)
+    exact = len(distinct) * len(pb.profiles) <= EXACT_CANDIDATES
+    if unplaced:  # placed whether or not the attainment rises
+        tries = [unplaced] if exact else [[m] for m in sorted(unplaced, key=lambda m: -pb.counts.get(m, 0))]
+        for models in tries:
+            groups = distinct if exact else _least_loaded(pb, current, models[0], distinct)
+            if candidates := _candidates(pb, current, models, groups):
+                return _best(pb, candidates)
+    if exact:
+        tries = [list(pb.profiles)]
+    else:
+        lost = {m: st.requests - st.good for m, st in best.per_model.items()}
+        tries = [[m] for m in sorted((m for m in lost if lost[m] > 0), key=lambda m: -lost[m])[:WIDTH]]
+    for models in tries:
+        groups = distinct if exact else _least_loaded(pb, current, models[0], distinct)
+        if candidates := _candidates(pb, current, models, groups):
+            chosen, result = _best(pb, candidates)
+            if result.attainment > best.attainment + EPS:
+                return chosen, result
+    return None
+
+
+def _best(pb: _Problem, candidates: list[Placement]) -> tuple[Placement, SimResult]:
+    """The candidate with the best simulated result (``_key``; ties: the first)."""
+    scored = [(pb.run(c), c) for c in candidates]
+    result, chosen = max(scored, key=lambda rc: _key(rc[0]))  # max keeps the first of equals
+    return chosen, result
+
+
+def _distinct_groups(current: Placement) -> list[int]:
+    """Indexes of the groups that differ (equal groups are interchangeable: the first stands for all)."""
     seen: set[tuple[int, int, frozenset[str]]] = set()
+    out = []
     for k, g in enumerate(current.groups):
-        state = (g.pp, g.tp, frozenset(g.models))  # equal groups are interchangeable: try one
-        if state in seen:
-            continue
-        seen.add(state)
-        for m in models:
-            if m in g.models or not pb.profiles[m].latency.has(g.pp, g.tp):
-                continue
-            grown = g.with_model(m)
-            if pb.fits(grown):
-                out.append(current.replace(k, grown))
+        state = (g.pp, g.tp, frozenset(g.models))
+        if state not in seen:
+            seen.add(state)
+            out.append(k)
     return out
+
+
+def _least_loaded(pb: _Problem, current: Placement, model: str, groups: list[int]) -> list[int]:
+    """The ``GROUPS_PER_MODEL`` of ``groups`` that can take ``model`` with the least load after taking it:
+    each model's requests shared evenly by its replicas, times its batch-1 bottleneck stage."""
+    replicas = {m: len(current.replicas(m)) + (m == model) for m in pb.profiles}
+    rates = pb.counts
+
+    def load(k: int) -> float:
+        g = current.groups[k]
+        return sum(
+            rates.get(m, 0) / replicas[m] * max(pb.profiles[m].latency.stages(g.pp, g.tp, 1))
+            for m in (*g.models, model)
+        )
+
+    able = [k for k in groups if _can_take(pb, current.groups[k], model)]
+    return sorted(able, key=lambda k: (load(k), k))[:GROUPS_PER_MODEL]
+
+
+def _candidates(pb: _Problem, current: Placement, models: list[str], groups: list[int]) -> list[Placement]:
+    """``current`` with one of ``models`` added to one of ``groups``, where it fits and has latencies."""
+    return [
+        current.replace(k, current.groups[k].with_model(m))
+        for k in groups
+        for m in models
+        if _can_take(pb, current.groups[k], m)
+    ]
+
+
+def _can_take(pb: _Problem, group: Group, model: str) -> bool:
+    """``group`` does not hold ``model``, has its latencies, and has the memory for it."""
+    return (
+        model not in group.models
+        and pb.profiles[model].latency.has(group.pp, group.tp)
+        and pb.fits(group.with_model(model))
+    )
 
 
 def dedicated(
@@ -182,13 +254,19 @@ def dedicated(
     groups: tuple[Group, ...] = ()
     result = pb.run(Placement(groups))
     order = list(pb.profiles)
+    pruned = pb.num_devices * len(order) > EXACT_CANDIDATES
     for d in range(pb.num_devices):
         placed = {m for g in groups for m in g.models}
         unplaced = [m for m in order if m not in placed]
+        tried = unplaced or order  # every model gets a device before any gets a replica
+        if pruned:  # the busiest unplaced model; then the WIDTH losing the most requests
+            lost = {m: st.requests - st.good for m, st in result.per_model.items()}
+            ranked = sorted(tried, key=lambda m: -(pb.counts.get(m, 0) if unplaced else lost.get(m, 0)))
+            tried = ranked[:1] if unplaced else ranked[:WIDTH]
         options = []
         for i, m in enumerate(order):
-            if unplaced and m not in unplaced:
-                continue  # every model gets a device before any gets a replica
+            if m not in tried:
+                continue
             cand = Placement((*groups, Group((d,), 1, 1, (m,))))
             res = pb.run(cand)
             replicas = sum(1 for g in groups if m in g.models)

@@ -56,6 +56,7 @@ from shardserve.partitioner.placement.workload import Trace
 logger = logging.getLogger(__name__)
 
 _COMPLETE, _TIMER, _ENTER = 0, 1, 2
+COUNT_KEYS = ("requests", "good", "late", "rejected", "expired")
 RATE_TAU_S = 10.0  # the service rate's averaging time (busy seconds), as the server's ledger
 
 
@@ -176,6 +177,20 @@ def simulate(
     config: SimConfig | None = None,
 ) -> SimResult:
     """Serve ``trace`` with ``placement`` (see module doc); per-model ``slo_s`` or one for all."""
+    models, counts, latencies = simulate_parts(placement, profiles, trace, slo_s=slo_s, config=config)
+    return _result(models, counts, latencies, trace.duration_s)
+
+
+def simulate_parts(
+    placement: Placement,
+    profiles: Sequence[ModelProfile] | Mapping[str, ModelProfile],
+    trace: Trace,
+    *,
+    slo_s: float | Mapping[str, float],
+    config: SimConfig | None = None,
+) -> tuple[tuple[str, ...], dict[str, dict[str, int]], dict[str, list[float]]]:
+    """``simulate``'s raw outcome: the models (profile order first), each one's counts (requests,
+    good, late, rejected, expired) and the latencies of its finished requests."""
     cfg = config or SimConfig()
     prof = by_name(profiles)
     models = tuple(dict.fromkeys((*(m for m in prof if m in trace.models), *trace.models, *placement.models)))
@@ -206,10 +221,10 @@ def simulate(
     rate_done, rate_busy = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0)
     busy_since: dict[str, float] = {}
     latencies: dict[str, list[float]] = {m: [] for m in models}
-    counts = {m: {"requests": 0, "good": 0, "late": 0, "rejected": 0, "expired": 0} for m in models}
+    counts = {m: dict.fromkeys(COUNT_KEYS, 0) for m in models}
     events: list[tuple[float, int, int, int, str, tuple[float, ...]]] = []
     seq = 0
-    delay, max_b = cfg.max_queue_delay_s, cfg.max_batch_size
+    delay, max_b, max_inflight = cfg.max_queue_delay_s, cfg.max_batch_size, cfg.max_inflight
     front_s = cfg.overhead_s / 2  # the front's time per request on its way in, and again on its way out
     front_free = 0.0  # when the front (one at a time) is done with what it has
 
@@ -224,17 +239,23 @@ def simulate(
             if not q:
                 return
             ready_at = q[0][0] + delay
-            idle = not cfg.wait_when_idle and any(groups[k].inflight[m] == 0 for k in holders[m])
-            if len(q) < max_b and ready_at > now and not idle:  # a partial batch waits for more
+            if (
+                len(q) < max_b
+                and ready_at > now
+                and (cfg.wait_when_idle or all(groups[k].inflight[m] for k in holders[m]))
+            ):  # a partial batch waits for more (unless a replica is idle)
                 if ready_at < timer_at[m]:
                     timer_at[m] = ready_at
                     heapq.heappush(events, (ready_at, seq, _TIMER, -1, m, ()))
                     seq += 1
                 return
-            room = [k for k in holders[m] if groups[k].inflight[m] < cfg.max_inflight]
-            if not room:
+            k = -1  # the replica with room and the fewest of m's batches in flight (ties: lowest index)
+            for h in holders[m]:
+                n = groups[h].inflight[m]
+                if n < max_inflight and (k < 0 or n < groups[k].inflight[m]):
+                    k = h
+            if k < 0:
                 return
-            k = min(room, key=lambda k: (groups[k].inflight[m], k))
             g = groups[k]
             batch = [q.popleft() for _ in range(min(max_b, len(q)))]
             t = now
@@ -311,7 +332,13 @@ def simulate(
         seq += 1
     for m, q in queues.items():  # still queued at the end: unreachable (the loop drains), kept honest
         counts[m]["expired"] += len(q)
-    return _result(models, counts, latencies, trace.duration_s)
+    return models, counts, latencies
+
+
+def model_stats(name: str, c: Mapping[str, int], lat: Sequence[float] | np.ndarray) -> ModelStats:
+    """``ModelStats`` from counts and the finished requests' latencies."""
+    p50, p99 = np.percentile(lat, [50, 99]).tolist() if len(lat) else (math.nan, math.nan)
+    return ModelStats(name, c["requests"], c["good"], c["late"], c["rejected"], c["expired"], p50, p99)
 
 
 def _result(
@@ -320,13 +347,7 @@ def _result(
     latencies: dict[str, list[float]],
     duration_s: float,
 ) -> SimResult:
-    def stats(name: str, c: Mapping[str, int], lat: list[float]) -> ModelStats:
-        p50, p99 = np.percentile(lat, [50, 99]).tolist() if lat else (math.nan, math.nan)
-        return ModelStats(name, c["requests"], c["good"], c["late"], c["rejected"], c["expired"], p50, p99)
-
-    per_model = {m: stats(m, counts[m], latencies[m]) for m in models if counts[m]["requests"]}
-    total = {
-        k: sum(counts[m][k] for m in models) for k in ("requests", "good", "late", "rejected", "expired")
-    }
-    overall = stats("*", total, [x for m in models for x in latencies[m]])
+    per_model = {m: model_stats(m, counts[m], latencies[m]) for m in models if counts[m]["requests"]}
+    total = {k: sum(counts[m][k] for m in models) for k in COUNT_KEYS}
+    overall = model_stats("*", total, [x for m in models for x in latencies[m]])
     return SimResult(per_model, overall, duration_s)

@@ -17,6 +17,7 @@ models take turns at a high rate (AlpaServe's case for multiplexing). PURE LOGIC
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -96,7 +97,7 @@ class Trace:
                 f"trace times span [{times[0]:g}, {times[-1]:g}] s, outside [0, duration_s={self.duration_s:g}]"
             )
 
-    @property
+    @functools.cached_property
     def models(self) -> tuple[str, ...]:
         """The models that receive requests, in order of first arrival."""
         return tuple(dict.fromkeys(m for _, m in self.requests))
@@ -145,13 +146,24 @@ class Workload:
 
 
 def steady(
-    models: Sequence[str], *, rate: float, cv: float = 1.0, duration_s: float, seed: int = 0
+    models: Sequence[str],
+    *,
+    rate: float,
+    cv: float = 1.0,
+    duration_s: float,
+    seed: int = 0,
+    skew: float = 0.0,
 ) -> Workload:
-    """Every model at ``rate / len(models)`` req/s with inter-arrival CV ``cv`` (``rate`` is the total)."""
+    """The models share ``rate`` req/s (the total), each with inter-arrival CV ``cv``: evenly, or with
+    ``skew`` > 0 Zipf-like, the ``k``-th model (from 1) in proportion to ``1 / k**skew``."""
     if not models:
         raise WorkloadError("steady() needs at least one model")
-    share = rate / len(models)
-    return Workload(tuple(ArrivalSpec(m, share, cv) for m in models), duration_s=duration_s, seed=seed)
+    if not (math.isfinite(skew) and skew >= 0):
+        raise WorkloadError(f"skew={skew!r} must be a finite number >= 0")
+    weights = [1.0 / (k + 1) ** skew for k in range(len(models))]
+    shares = [rate * w / sum(weights) for w in weights]
+    specs = tuple(ArrivalSpec(m, share, cv) for m, share in zip(models, shares, strict=True))
+    return Workload(specs, duration_s=duration_s, seed=seed)
 
 
 def alternating_bursts(

@@ -539,7 +539,7 @@ def test_paired_runs_alternate_and_the_rates_come_from_the_predicted_gap() -> No
     assert mp.choose_rates(lambda r: wide_everywhere[r], list(wide_everywhere)) == (4.0, 8.0)  # the least gap
 
 
-def test_run_paired_measures_each_point_in_alternating_pairs_on_one_trace() -> None:
+def test_run_paired_measures_each_point_in_alternating_pairs_on_one_trace(tmp_path) -> None:
     import argparse
 
     import multimodel_paired as mp
@@ -576,3 +576,16 @@ def test_run_paired_measures_each_point_in_alternating_pairs_on_one_trace() -> N
     assert e["diff_spread_points"] == 2.0
     assert mp.prediction_errors(e) == {"dedicated": 2.0, "auto": 2.0}
     assert "+14.0 +16.0 +14.0" in mp.paired_table(entries)
+    # the report's JSON: bench_multimodel's header keys and the "paired" shape
+    from shardserve.partitioner.placement.latency import LatencyModel, MeasuredLatency
+
+    out = tmp_path / "paired.json"
+    report_args = argparse.Namespace(json=out, plots=None, models=2, dtype="float32", pairs=3, min_requests=100)
+    measured = MeasuredLatency(LatencyModel({(1, 1): {1: 0.05}}), overhead_s=0.001)
+    info = {"cpu": "test cpu"}
+    assert mp.report_paired(entries, report_args, info, single=0.051, memory=2**20, measured=measured) == 0
+    body = json.loads(out.read_text())
+    assert body["profile"] == measured.to_dict() and body["single_latency_ms"] == 51.0
+    p = body["paired"][0]
+    assert {"slo_scale", "cv", "rate", "a", "b", "att_a", "att_b", "pred_a", "pred_b"} <= set(p)
+    assert (p["a"], p["b"]) == ("dedicated", "auto")

@@ -248,7 +248,7 @@ def test_plan_without_placement_ignores_the_placement_flags(capsys) -> None:
         (["--hop-ms", "-1"], "argument --hop-ms: must be a number >= 0 (got -1)"),
         (
             ["--models", "a=default,b="],
-            "argument --models (item 2): must be NAME=MODEL or a model name (got 'b=')",
+            "argument --models (item 2): must be NAME=MODEL, a model name, or either with :COUNT >= 1 (got 'b=')",
         ),
         (
             ["--models", "a=default,a=minilm"],
@@ -260,3 +260,45 @@ def test_plan_without_placement_ignores_the_placement_flags(capsys) -> None:
 def test_placement_flags_bad_values_are_one_line_errors(capsys, flags: list[str], needle: str) -> None:
     err = _argparse_error(capsys, ["plan", "--placement", "auto", *flags])
     assert needle in err, err
+
+
+def test_plan_placement_for_a_named_gpu_with_model_copies_skew_and_the_gain(capsys) -> None:
+    argv = [
+        "plan",
+        "--placement",
+        "auto",
+        "--devices",
+        "8",
+        "--gpu",
+        "h100",
+        "--models",
+        "minilm-l6:2,q=qwen2-1.5b:2",
+    ]
+    argv += ["--rate", "400", "--cv", "2", "--skew", "1", "--duration-s", "5", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["models"] == {
+        "minilm-l6-1": "minilm-l6",
+        "minilm-l6-2": "minilm-l6",
+        "q-1": "qwen2-1.5b",
+        "q-2": "qwen2-1.5b",
+    }
+    assert out["device_memory_bytes"] == int(0.9 * 80e9) and out["workload"]["skew"] == 1.0
+    assert out["single_latency_source"].startswith("roofline of NVIDIA H100")
+    assert out["single_latency_ms"]["q-1"] > 10 * out["single_latency_ms"]["minilm-l6-1"]
+    gain = out["gain"]
+    assert gain["target"] == 0.99 and set(gain["dedicated"]) == {
+        "placement",
+        "attainment",
+        "max_rate",
+        "max_cv",
+    }
+    assert gain["auto"]["attainment"] == out["prediction"]["attainment"]
+    assert (
+        gain["max_rate_gain"] is None
+        or gain["max_rate_gain"] == gain["auto"]["max_rate"] / gain["dedicated"]["max_rate"]
+    )
+    # the table form ends with the gain over dedicated
+    assert main([*argv[:-1], "--no-gain"]) == 0 and "gain over dedicated" not in capsys.readouterr().out
+    assert main(argv[:-1]) == 0
+    assert "gain over dedicated at 99% attainment" in capsys.readouterr().out

@@ -67,3 +67,24 @@ def test_estimate_and_bad_values() -> None:
         profile_from_cost_model("a", MINILM, single_latency_s=0, hop_s=-1)
     with pytest.raises(PlacementError, match="pp=7 stages need at most num_layers=6"):
         profile_from_cost_model("a", MINILM, single_latency_s=0.01, configs=[(7, 1)])
+
+
+def test_a_named_gpus_roofline_batches_small_models_almost_free_and_big_ones_not() -> None:
+    from shardserve.models.shapes import shape_config
+    from shardserve.partitioner.placement.cost_profile import cost_profiles
+    from shardserve.partitioner.placement.gpus import GPUS, roofline_batch_time
+
+    h100 = GPUS["h100"]
+    small = roofline_batch_time(shape_config("minilm-l6"), h100, seq_len=128, dtype_bytes=2)
+    big = roofline_batch_time(shape_config("qwen2-1.5b"), h100, seq_len=384, dtype_bytes=2)
+    assert small(8) < 1.5 * small(1)  # launch- and memory-bound: batching is nearly free
+    assert big(8) > 5 * big(1) > 0  # compute-bound: 8 requests take ~5.6 times one (launches are fixed)
+    assert big(1) > 10 * small(1)
+    configs = {"s": shape_config("minilm-l6"), "q": shape_config("qwen2-1.5b")}
+    profiles, single, how = cost_profiles(
+        configs, devices=2, seq_len=384, max_batch_size=8, dtype_bytes=2, gpu=h100
+    )
+    assert how.startswith("roofline of NVIDIA H100") and single["q"] == pytest.approx(big(1))
+    q = {p.name: p for p in profiles}["q"]
+    assert q.latency.stages(2, 1, 1) == pytest.approx((big(1) * 0.5 + h100.hop_s,) * 2, rel=0.1)
+    assert q.param_bytes == pytest.approx(2 * 1.54e9, rel=0.01)  # bf16 weights of a 1.5 B model

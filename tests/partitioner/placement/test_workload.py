@@ -82,3 +82,14 @@ def test_bad_specs_and_files_say_the_numbers(tmp_path) -> None:
     (tmp_path / "nohead.csv").write_text("0.1,a\n")
     with pytest.raises(WorkloadError, match="header 'time_s,model'"):
         load_trace(tmp_path / "nohead.csv")
+
+
+def test_skewed_rates_follow_zipf_and_keep_the_total() -> None:
+    rates = {
+        s.model: s.rate for s in steady(["a", "b", "c", "d"], rate=100.0, duration_s=1.0, skew=1.0).arrivals
+    }
+    assert sum(rates.values()) == pytest.approx(100.0)
+    assert rates["a"] / rates["b"] == pytest.approx(2.0) and rates["a"] / rates["d"] == pytest.approx(4.0)
+    assert {s.rate for s in steady(["a", "b"], rate=10.0, duration_s=1.0).arrivals} == {5.0}
+    with pytest.raises(WorkloadError, match="skew=-1"):
+        steady(["a"], rate=1.0, duration_s=1.0, skew=-1.0)

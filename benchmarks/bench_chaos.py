@@ -28,17 +28,26 @@ server has closed. Detection and recovery come from the status JSON polled every
 seen failed, and every replica (or API process) ready again; p99 is of the answers sent from the
 fault until the recovery (at least 5 s).
 
-Not here yet (issue 62): a remote ``shardserve worker`` in a network namespace and a network cut. Tests: ``tests/benchmarks/test_bench_chaos.py`` (the pure parts).
+- ``kill9-remote`` / ``sigstop-remote`` / ``netcut-remote``: the server on one host (a network
+  namespace, ``loadtest/netns.py``; root) with stage 1 of its one replica (``--external-ranks``)
+  on another as ``shardserve worker``: SIGKILL or SIGSTOP of that worker, or its host's link down;
+  once the server sees the replica failed, the worker is replaced by a new one (as Kubernetes
+  replaces a pod) and the link comes back. The load runs inside the server's host.
+
+Tests: ``tests/benchmarks/test_bench_chaos.py`` (the pure parts).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -60,6 +69,7 @@ from bench_serving import machine_info  # noqa: E402
 from shardserve.loadtest.data import load_qa_items  # noqa: E402
 from shardserve.loadtest.http11 import post_request, read_response  # noqa: E402
 from shardserve.loadtest.local_server import local_server  # noqa: E402
+from shardserve.loadtest.netns import VirtualHost, netns_available, virtual_hosts  # noqa: E402
 
 logger = logging.getLogger("bench_chaos")
 TOKEN = "chaos-admin-token"
@@ -69,6 +79,8 @@ MIN_FAULT_WINDOW_S = 5.0
 OOM_LIMIT_BYTES = 1 << 20  # new memory a rank may take in its cgroup: less than one micro-batch's
 LOST = ("dropped", "5xx", "timeout")
 KINDS = ("answered", "turned_away", "refused", *LOST)
+REMOTE_FAULTS = ("kill9-remote", "sigstop-remote", "netcut-remote")
+GANG_PORT = 29500  # every port is free in a fresh namespace
 FAULTS = (
     "kill9-rank",
     "sigstop-rank",
@@ -80,6 +92,7 @@ FAULTS = (
     "unload-load",
     "reload",
     "bad-load",
+    *REMOTE_FAULTS,
 )
 
 
@@ -276,12 +289,30 @@ def serve_args(fault: str, args: argparse.Namespace, tmp: Path) -> list[str]:
     common = ["--admin-token", TOKEN, "--drain-timeout-s", str(args.drain_timeout_s), *args.serve_arg]
     if fault in ("unload-load", "reload", "bad-load"):
         return ["--model", f"a={args.model}", "--model", f"b={args.model}", "--replicas", "1", *common]
+    if fault in REMOTE_FAULTS:  # one replica, stage 1 on another host (server_for adds where)
+        return ["--model", args.model, "--pp", "2", "--replicas", "1", "--external-ranks", "1", *common]
     extra = ["--api-workers", "2"] if fault.endswith("-api") else []
     return ["--model", args.model, "--replicas", str(args.replicas), *extra, *common]
 
 
-def inject(fault: str, url: str, proc: Any, first: dict, tmp: Path) -> tuple[Callable, Callable, str]:
+def inject(
+    fault: str, url: str, proc: Any, first: dict, tmp: Path, remote: RemoteWorker | None = None
+) -> tuple[Callable, Callable, str]:
     """Inject ``fault``; (failed, whole) tests of a status sample for detection and recovery, and a note."""
+    if fault in REMOTE_FAULTS:
+        assert remote is not None
+        victim = next(r for r in first["replicas"] if r["state"] == "ready")
+        pid = remote.procs[-1].pid
+        if fault == "netcut-remote":
+            remote.cut()
+        else:
+            os.killpg(pid, signal.SIGKILL if fault == "kill9-remote" else signal.SIGSTOP)
+        threading.Thread(target=remote.replace_when_failed, args=(url, victim["id"]), daemon=True).start()
+        return (
+            lambda s: victim["id"] not in ready_replicas(s),
+            lambda s: bool(ready_replicas(s)),
+            f"remote stage 1 of {victim['id']} (worker pid {pid}), replaced once seen failed",
+        )
     if fault in ("kill9-rank", "sigstop-rank", "oom-rank"):
         victim = next(r for r in first["replicas"] if r["state"] == "ready")
         pid = victim["ranks"][-1]["pid"]
@@ -379,11 +410,66 @@ def ask(url: str, model: str) -> int:
     return http_json(f"{url}/v1/qa", method="POST", body=body, timeout_s=60)[0]
 
 
+@dataclass
+class RemoteWorker:
+    """Stage 1 of the server's one replica: ``shardserve worker`` on host ``host``, replaced (as a
+    pod is) once the server sees its replica failed."""
+
+    host: VirtualHost
+    env: dict[str, str]
+    log: Any
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    cut_off: bool = False
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "shardserve", "worker"]
+        self.procs.append(self.host.popen(argv, env=self.env, stdout=self.log, stderr=subprocess.STDOUT))
+
+    def cut(self) -> None:
+        """The host's only link down: it neither sends nor receives."""
+        subprocess.run(["ip", "-n", self.host.name, "link", "set", self.host.ifname, "down"], check=True)
+        self.cut_off = True
+
+    def replace_when_failed(self, url: str, replica: str, *, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status, body = http_json(f"{url}/ui/status", timeout_s=2.0)
+            if status == 200 and isinstance(body, dict) and replica not in ready_replicas(body):
+                break
+            time.sleep(POLL_S)
+        if self.cut_off:
+            subprocess.run(["ip", "-n", self.host.name, "link", "set", self.host.ifname, "up"], check=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[-1].pid, signal.SIGKILL)
+        self.start()
+
+
+@contextlib.contextmanager
+def server_for(fault: str, args: argparse.Namespace, tmp: Path, log: Any) -> Any:
+    """(the server, its remote worker or None), ready. A remote fault puts the server on host a and
+    stage 1 of its one replica on host b (network namespaces, ``loadtest/netns.py``), and runs this
+    thread (and what it starts: the load, the monitor) inside a."""
+    if fault not in REMOTE_FAULTS:
+        serve = serve_args(fault, args, tmp)
+        with local_server(serve, all_replicas=True, log=log, ready_timeout_s=300) as srv:
+            yield srv, None
+        return
+    if reason := netns_available():
+        raise SystemExit(f"error: {fault} needs network namespaces: {reason}")
+    key = secrets.token_hex(32)
+    with virtual_hosts(2, prefix="sschaos-") as (a, b):
+        env = {"GLOO_SOCKET_IFNAME": a.ifname, "SHARDSERVE_GANG_KEY": key}
+        worker_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env, "GLOO_SOCKET_IFNAME": b.ifname}
+        worker_env.update(MASTER_ADDR=a.addr, MASTER_PORT=str(GANG_PORT), RANK="1")
+        remote = RemoteWorker(b, worker_env, log)
+        remote.start()
+        serve = [*serve_args(fault, args, tmp), "--gang-host", a.addr, "--gang-port", str(GANG_PORT)]
+        with a.inside(), local_server(serve, log=log, env=env, ready_timeout_s=300) as srv:
+            yield srv, remote
+
+
 def run_fault(fault: str, args: argparse.Namespace, bodies: Sequence[bytes], tmp: Path) -> Run:
-    with (
-        open(tmp / f"{fault}.log", "w") as log,
-        local_server(serve_args(fault, args, tmp), all_replicas=True, log=log, ready_timeout_s=300) as srv,
-    ):
+    with open(tmp / f"{fault}.log", "w") as log, server_for(fault, args, tmp, log) as (srv, remote):
         monitor = Monitor(srv.url, srv.proc)
         t_start = time.monotonic()
         until = t_start + args.duration_s
@@ -399,7 +485,7 @@ def run_fault(fault: str, args: argparse.Namespace, bodies: Sequence[bytes], tmp
             time.sleep(POLL_S)
         first = monitor.samples[-1][1]
         t_fault = time.monotonic()
-        failed, whole, note = inject(fault, srv.url, srv.proc, first, tmp)
+        failed, whole, note = inject(fault, srv.url, srv.proc, first, tmp, remote)
         load.join()
         monitor.stop()
         remove_cgroup(tmp)

@@ -133,3 +133,6 @@ def test_serve_args_give_each_fault_its_server() -> None:
     assert "--api-workers" in bench_chaos.serve_args("kill9-api", args, Path("."))
     two = bench_chaos.serve_args("unload-load", args, Path("."))
     assert two[:4] == ["--model", "a=tiny-bert", "--model", "b=tiny-bert"] and two[-1] == "--rank-threads=1"
+    remote = bench_chaos.serve_args("netcut-remote", args, Path("."))
+    assert remote[:8] == ["--model", "tiny-bert", "--pp", "2", "--replicas", "1", "--external-ranks", "1"]
+    assert set(bench_chaos.REMOTE_FAULTS) <= set(bench_chaos.FAULTS)

@@ -1,6 +1,6 @@
 """Acceptance (issue 13): a gang whose stage 1 runs on another host.
 
-Two network namespaces act as hosts (``tests/netns.py``): the driver (``tests/deploy/gang_driver.py``,
+Two network namespaces act as hosts (``loadtest/netns.py``): the driver (``tests/deploy/gang_driver.py``,
 hosting the rendezvous store and the channel on host A's address, running stage 0) and
 ``shardserve worker`` (stage 1) on host B. The answers match the single-process gang; ``kill -9``
 of the remote worker under load gives every request an answer or a ``GangError`` naming rank 1;
@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import torch
 
+from shardserve.loadtest.netns import netns_available, virtual_hosts
 from shardserve.partitioner.runtime.wire import new_key
 from shardserve.partitioner.stream.gang import StreamGang
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
-from tests.netns import netns_available, virtual_hosts
 
 PORT = 29500  # every port is free in a fresh namespace
 

@@ -1,6 +1,6 @@
 """Acceptance (issue 13): a training run whose stage 1 runs on another host.
 
-Two network namespaces act as hosts (``tests/netns.py``): ``shardserve train --pp 2 --external-ranks
+Two network namespaces act as hosts (``loadtest/netns.py``): ``shardserve train --pp 2 --external-ranks
 1`` (the driver and stage 0) on host A, ``shardserve worker`` (stage 1) on host B; tiny-bert on a
 tiny SQuAD file, fp32, dropout 0. Stage 1 shares no filesystem path with the run as far as the
 trainer is concerned: it gets the feature file and resume state from rank 0 and sends its
@@ -31,11 +31,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from shardserve.loadtest.netns import REPO_ROOT, VirtualHost, netns_available, virtual_hosts
 from shardserve.partitioner.runtime.channel import DRIVER_TIMEOUT_S
 from shardserve.partitioner.runtime.wire import new_key
 from shardserve.training.checkpoint import list_checkpoints
 from shardserve.training.config import TrainConfig
-from tests.netns import REPO_ROOT, VirtualHost, netns_available, virtual_hosts
 from tests.training.test_trainer_parity import TOL, base_config, max_diff, reference_weights
 
 PORT = 29500  # every port is free in a fresh namespace

@@ -1,4 +1,4 @@
-"""Smoke tests of the several-hosts-on-one-machine harness (tests/netns.py) that the multi-host gang
+"""Smoke tests of the several-hosts-on-one-machine harness (loadtest/netns.py) that the multi-host gang
 tests build on: hosts reach each other over TCP through the bridge, loopback is per host, and nothing
 (namespace, veth, bridge, process) survives the context, even when the body raises.
 
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.netns import netns_available, virtual_hosts
+from shardserve.loadtest.netns import netns_available, virtual_hosts
 from tests.procs import all_gone, gone
 
 PREFIX = "ssnt-smoke-"  # distinct from the default prefix, so the leftover checks only see these tests
@@ -106,6 +106,41 @@ def test_loopback_is_per_host() -> None:
         assert _client(b, "127.0.0.1", "x") == "refused"  # B's own (empty) loopback
         assert _client(b, a.addr, "y") == "echo:y"
     assert _leftovers() == []
+
+
+def test_a_thread_inside_a_host_is_that_host_and_comes_back() -> None:
+    """``inside()``: this thread (and a thread it starts there) binds the host's address and reaches
+    the other host; after the block it is in its own namespace again, where that address is none."""
+    import socket
+    import threading
+
+    def bind(addr: str) -> None:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+
+    with virtual_hosts(2, prefix=PREFIX) as (a, b):
+        _start_server(b, b.addr)
+        with a.inside():
+            bind(a.addr)
+            errors: list[BaseException] = []
+            t = threading.Thread(target=lambda: errors.extend(_try(lambda: bind(a.addr))))
+            t.start()
+            t.join()
+            assert errors == []
+            with socket.create_connection((b.addr, PORT), timeout=10) as conn:
+                conn.sendall(b"in-a")
+                assert conn.recv(64) == b"echo:in-a"
+        with pytest.raises(OSError):  # EADDRNOTAVAIL: not an address of the root namespace
+            bind(a.addr)
+    assert _leftovers() == []
+
+
+def _try(fn) -> list[BaseException]:
+    try:
+        fn()
+    except BaseException as e:  # handed to the asserting thread
+        return [e]
+    return []
 
 
 def test_cleanup_on_exception_kills_processes_and_removes_everything() -> None:

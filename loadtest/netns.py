@@ -1,4 +1,5 @@
-"""Several "hosts" on one Linux machine: network namespaces joined by one bridge, for multi-host tests.
+"""Several "hosts" on one Linux machine: network namespaces joined by one bridge, for multi-host tests
+and benchmarks (``benchmarks/bench_chaos.py``'s remote-worker faults).
 
 What it builds (``virtual_hosts(n)``)::
 
@@ -15,7 +16,7 @@ from the pid for readability). Every port is free in a fresh host, so tests may 
 
 Usage::
 
-    from tests.netns import netns_available, virtual_hosts
+    from shardserve.loadtest.netns import netns_available, virtual_hosts
 
     def test_two_hosts() -> None:
         if reason := netns_available():
@@ -24,6 +25,8 @@ Usage::
             server = a.popen([sys.executable, "-m", "shardserve", "serve", "--host", a.addr, ...])
             b.run(["curl", f"http://{a.addr}:8000/health"], check=True)
 
+``with host.inside():`` moves the calling thread into the host's namespace for the block (threads
+and processes it starts there stay in it: a load generator beside a server on that host).
 ``VirtualHost.popen`` / ``VirtualHost.run`` run argv inside the namespace (``ip netns exec NAME argv``)
 with the caller's environment (plus the repository root on PYTHONPATH, so ``python -m shardserve``
 and ``import tests...`` work from any cwd) in a new session. ``VirtualHost.ifname`` is the interface
@@ -44,6 +47,7 @@ returns a one-line reason when something is missing, for ``pytest.skip``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import itertools
 import os
@@ -64,6 +68,7 @@ __all__ = ["DEFAULT_PREFIX", "VirtualHost", "cleanup_stale", "netns_available", 
 DEFAULT_PREFIX = "ssnt-"  # "shardserve netns test"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IFNAME = "veth0"  # the host-side interface name, the same in every host
+_CLONE_NEWNET = 0x40000000
 _IP_TIMEOUT_S = 30.0
 _seq = itertools.count()
 _active: set[str] = set()  # namespaces owned by live contexts of this process
@@ -213,6 +218,27 @@ class VirtualHost:
         kw["start_new_session"] = True
         kw["env"] = _default_env(kw.get("env"))
         return subprocess.run(self.argv(argv), **kw)
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """Run the calling thread in this host's network namespace for the block (``setns``); what it
+        starts there (threads, processes, sockets) stays in it; back to its own namespace after."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(f"/var/run/netns/{self.name}", os.O_RDONLY)
+        try:
+            if libc.setns(target, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into {self.name}: {os.strerror(err)}")
+            try:
+                yield
+            finally:
+                if libc.setns(own, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns back from {self.name}: {os.strerror(err)}")
+        finally:
+            os.close(target)
+            os.close(own)
 
     def _kill_processes(self) -> None:
         for proc in self._procs:

@@ -11,7 +11,7 @@ server's and the load generator's alone):
   ``decode_spans``, ``json.dumps``. Nothing else: no validation, limits, batching, metrics or logs;
 - ``fastapi``: the same work behind a FastAPI route with pydantic request and response models;
 - ``shardserve``: the real front end (``build_app``: routes, admission, batching, engine, metrics,
-  access log) over the API tests' in-process fake gangs (``tests/serving/fakes.py``), each
+  access log) over the API tests' in-process fake gangs (``partitioner/runtime/fake_gang.py``), each
   micro-batch taking ``--batch-s``.
 
 Two loads, each over ``--clients`` closed-loop keep-alive clients with pool questions:
@@ -85,7 +85,7 @@ class QAWork:
 
     def decode(self, enc: Any, batch: Any, context: str) -> list[dict[str, Any]]:
         from shardserve.models.qa_decoding import decode_spans
-        from tests.serving.fakes import fake_logits
+        from shardserve.partitioner.runtime.fake_gang import fake_logits
 
         logits = fake_logits(batch.input_ids)  # (W, S, 2)
         pred = decode_spans(enc.windows, logits[..., 0], logits[..., 1], context)
@@ -155,11 +155,11 @@ def serve(kind: str, port: int, *, sleep_s: float, batch_s: float) -> None:
     import uvicorn
 
     if kind == "shardserve":
+        from shardserve.partitioner.runtime.fake_gang import FakeFactory
         from shardserve.serving.frontend.app import build_app
         from shardserve.serving.frontend.cli import DrainingServer
         from shardserve.serving.frontend.http_protocol import uvicorn_config
         from shardserve.serving.frontend.settings import ServeSettings
-        from tests.serving.fakes import FakeFactory
 
         settings = ServeSettings(model="default", replicas=2, port=port, host="127.0.0.1")
         factory = FakeFactory()

@@ -16,7 +16,7 @@ checked here too, before anything starts (the CLI checks both before the server 
 With ``--placement``, ``build_placement`` makes the device groups several models share, and each
 model's engine is built with ``gangs=placed.gangs(name)`` (``serving/engine/placement.py``).
 
-Tests pass ``backend_factory`` (``tests/serving/fakes.py``) instead of real gangs.
+Tests pass ``backend_factory`` (``partitioner/runtime/fake_gang.py``) instead of real gangs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ models), and the warm-up micro-batch a new gang must answer before it is routabl
     gangs = OwnGangs(DevicePool.for_device("cpu", cpu_slots=4), factory)
     slots = gangs.acquire(2); backend = gangs.make(model, slots, "tiny-bert-r0"); warm_up(backend, model, timeout_s=60)
 
-Tests use a fake backend with the same interface (``tests/serving/fakes.py``).
+Tests use a fake backend with the same interface (``partitioner/runtime/fake_gang.py``).
 """
 
 from __future__ import annotations

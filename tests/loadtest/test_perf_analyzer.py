@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from shardserve.loadtest.perf_analyzer import PerfAnalyzerUnavailable, install, run
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT
 from tests.serving.live import free_port, live_server
 

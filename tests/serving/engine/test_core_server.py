@@ -30,13 +30,13 @@ from tritonclient.utils import InferenceServerException
 import shardserve.serving.engine.core_client as cc
 from shardserve.models.qa_windows import WindowConfig, encode_qa
 from shardserve.models.registry import resolve_model
+from shardserve.partitioner.runtime.fake_gang import FakeFactory, fake_logits
 from shardserve.partitioner.runtime.wire import WireError, decode, decode_many, encode, encode_many, new_key
 from shardserve.serving.engine import core_wire as cw
 from shardserve.serving.engine.core_client import CoreClient
 from shardserve.serving.frontend.api_role import CoreLink
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory, fake_logits
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, wait_until
 
 VOLATILE = ("request_id", "latency_ms", "id")

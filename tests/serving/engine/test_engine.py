@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.config import SchedulerConfig
 from shardserve.serving.engine import input_processor
 from shardserve.serving.engine.core import Engine
@@ -29,7 +30,6 @@ from shardserve.serving.fleet.gangs import ModelGeneration, OwnGangs
 from shardserve.serving.fleet.pool import DevicePool
 from shardserve.serving.fleet.replicas import ReplicaManager
 from shardserve.serving.metrics import ServingMetrics
-from tests.serving.fakes import FakeFactory
 
 SHORT = QAPair("Who?", "Ann met Bob.")
 PHASES = ("compute_input", "queue", "compute_infer", "compute_output")

@@ -14,10 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from shardserve.partitioner.placement.workload import alternating_bursts
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.cli import startup_line
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.test_v2_repository import AUTH, v2_body
 

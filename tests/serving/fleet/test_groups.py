@@ -18,13 +18,13 @@ from transformers import AutoTokenizer
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.placement.layout import Group, Placement
 from shardserve.partitioner.plan import ParallelDims
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.config import SchedulerConfig
 from shardserve.serving.engine.scheduler import Scheduler
 from shardserve.serving.fleet.gangs import ModelGeneration
 from shardserve.serving.fleet.groups import DeviceGroups
 from shardserve.serving.fleet.replicas import ReplicaManager, ReplicaState
 from shardserve.serving.metrics import ServingMetrics
-from tests.serving.fakes import FakeFactory
 
 MUX = Placement((Group((0, 1), pp=2, models=("a", "b")),))
 DEDICATED = Placement((Group((0,), pp=1, models=("a",)), Group((1,), pp=1, models=("b",))))

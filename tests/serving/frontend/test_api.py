@@ -1,4 +1,4 @@
-"""HTTP API contract over fake in-process gangs (``tests/serving/fakes.py``): answers, limits, every
+"""HTTP API contract over fake in-process gangs (``partitioner/runtime/fake_gang.py``): answers, limits, every
 bad-input class, 429 / 504, readiness, metrics, admin auth, replica failure, autoscaling, reload.
 
 Run: python -m pytest tests/serving/frontend/test_api.py -q      (no worker processes; a few seconds)
@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.engine import input_processor
 from shardserve.serving.engine.qa_types import QAPair
 from shardserve.serving.fleet.replicas import ReplicaState
@@ -30,7 +31,6 @@ from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
 from shardserve.serving.frontend.settings import ServeSettings, available_cores
 from tests.clients import closed_loop
-from tests.serving.fakes import FakeFactory
 
 CONTEXT = (
     "Super Bowl 50 was an American football game to determine the champion of the National Football "

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend import grpc_call
 from shardserve.serving.frontend.cli import bind_problem
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.test_kserve_v2 import CONTEXTS, QUESTIONS, infer, infer_body, outputs
 from tests.serving.live import draining_server, free_port

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.http_protocol import DRAIN_IDLE_S, header_deadline_protocol
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import wait_until
 from tests.serving.live import draining_server, free_port, live_server
 

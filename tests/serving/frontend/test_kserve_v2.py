@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.serving.fakes import FakeFactory
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, ask, serving, wait_until
 
 NAME = "squad-qa"

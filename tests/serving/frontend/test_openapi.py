@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.schemas import PRINTABLE, ValidationErrorResponse
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.serving import live
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -26,10 +26,10 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import wait_until
 
 HOLD_MARK = "test: holding "

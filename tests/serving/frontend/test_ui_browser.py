@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory
 from tests.serving.live import live_server
 
 CHROMIUM = os.environ.get("SHARDSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

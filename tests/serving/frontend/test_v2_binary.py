@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend import v2_binary
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import serving
 from tests.serving.frontend.test_kserve_v2 import (
     CONTEXTS,

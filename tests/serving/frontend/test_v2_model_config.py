@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import serving
 from tests.serving.live import live_server
 

@@ -16,9 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardserve.models.presets import materialise_preset
+from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
-from tests.serving.fakes import FakeFactory
 from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, ask, serving, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,4 +1,5 @@
-"""In-process fake gangs for the API / engine tests (no worker processes, starts in milliseconds).
+"""In-process fake gangs for the API / engine tests and the front-end benchmark (no worker processes,
+starts in milliseconds).
 
 ``FakeGang`` has the interface of ``shardserve.partitioner.runtime.gang.Gang`` the server uses (start, submit ->
 concurrent Future of (B, S, 2) logits, healthy, inflight, stop, pids, rank_processes: its one rank

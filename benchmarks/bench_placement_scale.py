@@ -27,9 +27,9 @@ from typing import Any
 from bench_serving import machine_info
 
 from shardserve.partitioner.placement.gpus import GPUS
+from shardserve.partitioner.placement.plan_command import PlacementFlags, placement_profiles
 from shardserve.partitioner.placement.search import auto, dedicated
 from shardserve.partitioner.placement.simulator import SimConfig
-from shardserve.partitioner.placement_command import PlacementFlags, placement_profiles
 
 logger = logging.getLogger("bench_placement_scale")
 

@@ -10,7 +10,7 @@ settings (``partitioner/stream/verify_command.py``).
     shardserve plan --model minilm --dp 2 --pp 2 --batch-size 4 --seq-len 256   # training: 4 ranks
 
 With ``--placement`` it plans several models on a pool of devices instead (AlpaServe-style, the
-simulator of ``partitioner/placement/``; flags and output in ``partitioner/placement_command.py``):
+simulator of ``partitioner/placement/``; flags and output in ``partitioner/placement/plan_command.py``):
 the device groups, each group's pp/tp, the models on each and their memory per device, and the
 predicted SLO attainment per model for a Poisson/Gamma load:
 
@@ -39,7 +39,7 @@ from shardserve.partitioner.fit import (
     fit_layout,
     memory_budget,
 )
-from shardserve.partitioner.placement_command import PlacementFlags, cmd_placement
+from shardserve.partitioner.placement.plan_command import PlacementFlags, cmd_placement
 from shardserve.partitioner.plan import ParallelDims, default_devices, make_plan
 from shardserve.partitioner.precision import DTYPE_CHOICES, DtypeChoice, resolve_dtype
 

@@ -9,8 +9,12 @@ torch at simulation time):
 - ``latency.py``: a model's stage latencies per parallel config and its memory (``ModelProfile``);
 - ``cost_profile.py``: such a profile from the analytic cost model and one single-request latency;
 - ``layout.py``: ``Group`` / ``Placement`` and the per-device memory check;
+- ``gpus.py``: named GPUs' datasheet figures and their roofline micro-batch time (planning without one);
 - ``simulator.py``: discrete-event simulation of the server's scheduler -> ``SimResult``;
-- ``search.py``: the policies ``dedicated``, ``multiplexed``, ``auto`` and ``replan``.
+- ``evaluate.py``: many placements on one trace, simulated component by component and cached;
+- ``search.py``: the policies ``dedicated``, ``multiplexed``, ``auto`` and ``replan``;
+- ``headroom.py``: the largest rate (or CV) a fixed placement serves at a target attainment;
+- ``plan_command.py``: ``shardserve plan --placement``'s flags and output (not pure: it reads models).
 
     shardserve plan --placement auto --models a=default,b=default --devices 2 --rate 40 --cv 3
     python -m pytest tests/partitioner/placement -q

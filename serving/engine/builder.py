@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from shardserve.models.qa_windows import WindowConfig
 from shardserve.partitioner.placement.simulator import SimConfig
 from shardserve.serving.config import AutoscalingConfig, FleetConfig, PlacementConfig, SchedulerConfig
 from shardserve.serving.engine.core import Engine
@@ -103,9 +102,6 @@ def build_engine(
     scheduler: SchedulerConfig,
     autoscaling: AutoscalingConfig,
     metrics: ServingMetrics,
-    window: WindowConfig | None = None,
-    context_cache_bytes: int = 0,
-    null_threshold: float | None = None,
     max_request_timeout_s: float = 300.0,
     name: str | None = None,
     backend_factory: BackendFactory | None = None,
@@ -118,8 +114,7 @@ def build_engine(
     (default: the loaded model's), fixed across reloads, and its ``model`` label in ``metrics``;
     ``pool``: a device pool shared with other models' engines (default: its own, from ``fleet``);
     ``gangs``: where its replica gangs come from instead (a placement's device groups, with ``roll``
-    its reloads: ``serving/engine/placement.py``); ``context_cache_bytes``: its tokenized contexts
-    kept (``models/context_cache.py``; 0: none)."""
+    its reloads: ``serving/engine/placement.py``)."""
     name = name or model.source.name
     model_metrics = metrics.for_model(name)
     if gangs is None:
@@ -150,9 +145,6 @@ def build_engine(
         metrics=model_metrics,
         fleet=fleet,
         name=name,
-        window=window,
-        context_cache_bytes=context_cache_bytes,
-        null_threshold=null_threshold,
         max_request_timeout_s=max_request_timeout_s,
         stall_timeout_s=fleet.stall_timeout_s,
         roll=roll,

@@ -1,22 +1,22 @@
-"""The engine: the async front of QA serving (vLLM's AsyncLLM), and the front end's one way to the fleet.
+"""The engine core of one model (vLLM's EngineCore), and the front end's one way to its fleet.
 
 Each concept has one home; the engine only wires them and runs the loop:
 
-- ``shardserve.serving.engine.input_processor``  tokenizing and windowing (off the event loop);
-- ``shardserve.serving.engine.scheduler``        admission, batching, replica choice, and THE in-flight ledger
-                                      (``ongoing`` requests, batches in flight per replica);
-- ``shardserve.serving.engine.dispatcher``       sending micro-batches to gangs, results back, fail-over;
-- ``shardserve.serving.engine.output_processor`` the job table: logits per window, span decoding, answers.
+- ``shardserve.serving.engine.scheduler``  admission, batching, replica choice, and THE in-flight ledger
+                                (``ongoing`` requests, batches in flight per replica);
+- ``shardserve.serving.engine.dispatcher`` sending micro-batches to gangs, results back, fail-over;
+- ``shardserve.serving.engine.jobs``       the job table: logits per window, answered as ``CoreAnswer``.
 
-The engine owns admission order (a queue place is reserved BEFORE tokenizing), the request
-lifecycle (deadline 504, client disconnect, drain on stop) and one asyncio task on the server's
+Tokenizing and span decoding are the client's (``serving/engine/client.py``: input processor,
+``CoreLink``, output processor), in this process or in an API process alike; the engine sees a
+request as three calls: ``reserve`` (a queue place BEFORE tokenizing: 429 / 413 / 503 at once),
+``admit_encoded`` (its windows queued; the job's future is its logits) and ``cancel``. It owns the
+request lifecycle in the core (deadline 504, drain on stop) and one asyncio task on the server's
 event loop that owns the scheduler (no locks): it expires overdue requests (504), asks
 ``next_batch`` for micro-batches and hands them to the dispatcher, and sleeps until
 ``next_wakeup`` or an event (a submit, a finished batch, a replica change). It is the manager's
 ``ReplicaListener``: whoever builds both wires them explicitly (``manager.attach(engine)``;
 ``serving/engine/builder.py`` does, for the server).
-
-When ``wait`` ends, the request's outcome goes to the metrics (``OutputProcessor.observe_end``).
 
 The front end never touches the fleet: the engine's facade (the last section of ``Engine``)
 delegates to the replica manager and the supervisor: the model and its public description,
@@ -24,12 +24,11 @@ replicas and health, scaling (pin, bounds), reload, shutdown.
 
     engine = build_engine(model=model, fleet=fleet, scheduler=..., autoscaling=..., metrics=metrics)
     await engine.start()
-    job = await engine.submit_async([QAPair("Who?", "Ann met Bob.")])  # raises EngineError (429...)
-    results = await engine.wait(job, disconnected=watch_disconnect)    # list[PairResult]
-    ticket = engine.reserve(ask, timeout_s=None, started=t0)           # submit_async's two halves, for
-    job = engine.admit_encoded(ticket, [], encoded, input_s=s, remote=True)  # API processes (core_server.py)
-    engine.pin(2); await engine.reload("tiny-roberta")                  # EngineError: 409 / 422
-    await engine.shutdown(timeout_s=30)                                 # drain, stop the gangs
+    ticket = engine.reserve(ask, timeout_s=None, started=t0)     # EngineError 429 / 413 / 503 / 422
+    job = engine.admit_encoded(ticket, encoded, input_s=s)       # job.future: CoreAnswer | EngineError
+    engine.cancel(job.request_id)
+    engine.pin(2); await engine.reload("tiny-roberta")            # EngineError: 409 / 422
+    await engine.shutdown(timeout_s=30)                           # drain, stop the gangs
 
 Tests: ``pytest tests/serving/engine/test_engine.py``.
 """
@@ -38,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import time
@@ -50,14 +48,14 @@ from typing import Any
 
 from shardserve.models.config import ModelConfigError
 from shardserve.models.hf_weights import CheckpointError
-from shardserve.models.qa_windows import EncodedBatch, WindowConfig
+from shardserve.models.qa_windows import EncodedBatch
 from shardserve.partitioner.placement.latency import PlacementError
 from shardserve.serving.config import AutoscalingConfig, FleetConfig
 from shardserve.serving.engine.batcher import ReplicaView
 from shardserve.serving.engine.dispatcher import Dispatcher
-from shardserve.serving.engine.input_processor import AdmissionAsk, InputProcessor, record_context_cache
-from shardserve.serving.engine.output_processor import Job, OutputProcessor, await_answer
-from shardserve.serving.engine.qa_types import EngineError, PairResult, QAPair
+from shardserve.serving.engine.input_processor import AdmissionAsk
+from shardserve.serving.engine.jobs import Job, JobTable
+from shardserve.serving.engine.qa_types import EngineError
 from shardserve.serving.engine.replica_detail import ReplicaDetail
 from shardserve.serving.engine.scheduler import Scheduler
 from shardserve.serving.fleet import model_loader
@@ -91,7 +89,7 @@ class Ticket:
 
 
 class Engine:
-    """Input processor + scheduler + dispatcher + output processor on one event loop (module doc)."""
+    """Scheduler + dispatcher + job table on one event loop, and the fleet's facade (module doc)."""
 
     def __init__(
         self,
@@ -102,9 +100,6 @@ class Engine:
         supervisor: Supervisor | None = None,
         fleet: FleetConfig | None = None,
         name: str | None = None,
-        window: WindowConfig | None = None,
-        context_cache_bytes: int = 0,
-        null_threshold: float | None = None,
         max_request_timeout_s: float = 300.0,
         stall_timeout_s: float = 30.0,
         roll: Callable[[ModelGeneration], Awaitable[None]] | None = None,
@@ -125,17 +120,11 @@ class Engine:
         self.clock = clock
         # when requests arrived (admitted or not): the observed workload auto placement re-plans for
         self.arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)
-        self.inputs = InputProcessor(
-            tokenizer=lambda: manager.model.tokenizer,
-            window=window or WindowConfig(),
-            context_cache_bytes=context_cache_bytes,
-            on_lookups=functools.partial(record_context_cache, metrics),
-        )
-        self.outputs = OutputProcessor(metrics=metrics, null_threshold=null_threshold)
+        self.jobs = JobTable(metrics=metrics)
         self.dispatcher = Dispatcher(
             scheduler=scheduler,
             manager=manager,
-            outputs=self.outputs,
+            jobs=self.jobs,
             metrics=metrics,
             wake=self.wake,
             clock=clock,
@@ -186,8 +175,8 @@ class Engine:
         """Drain admitted requests (bounded by timeout_s, cut short by ``abort``), fail the rest
         with 503, stop the loop."""
         self.begin_drain(within_s=timeout_s)
-        # admitted requests: queued or in flight, being tokenized (reserved), being decoded
-        while (self.ongoing or self.scheduler.reserved or self.outputs.decoding) and not self._stopped():
+        # admitted requests: queued or in flight, being tokenized (reserved)
+        while (self.ongoing or self.scheduler.reserved) and not self._stopped():
             await asyncio.sleep(0.02)
         self._fail_outstanding("the server shut down before this request was answered")
         # a flag, not task.cancel() (asyncio.wait_for (3.11) can swallow a cancellation); from here a
@@ -199,8 +188,6 @@ class Engine:
                 await asyncio.wait_for(asyncio.shield(self._task), 5.0)
             except TimeoutError:
                 self._task.cancel()
-        self.inputs.shutdown()
-        self.outputs.shutdown()
 
     def wake(self) -> None:
         self._wake.set()
@@ -219,34 +206,7 @@ class Engine:
         """The manager marked a replica failed: retry its in-flight work elsewhere at once."""
         self.dispatcher.fail_over(replica)
 
-    # ------------------------------------------------------------------ requests
-    def submit(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
-        """Tokenize (on the calling thread) and admit one call; raises EngineError (429 / 503 / 413 /
-        422), ``QAInputError`` / ``ValueError`` for text the tokenizer refuses."""
-        started = time.perf_counter()
-        self.arrivals.append(self.clock())
-        self._check_admissible(timeout_s)
-        encoded, input_s = self.inputs.encode_timed(pairs)
-        return self._admit(pairs, encoded, timeout_s=timeout_s, ticket=None, started=started, input_s=input_s)
-
-    async def submit_async(self, pairs: list[QAPair], *, timeout_s: float | None = None) -> Job:
-        """``submit`` with the tokenization on the input processor's thread, so that long contexts
-        never stall the event loop (the HTTP server, the scheduler loop, other requests).
-
-        Admission comes first: a queue place is reserved BEFORE tokenizing (requests waiting for the
-        tokenizer count against max_queue_size), so a full server answers 429 at once and the work
-        (and memory) waiting for the tokenizer is bounded by the queue size.
-        """
-        started = time.perf_counter()
-        ask = self.inputs.admission(pairs, above=self.scheduler.config.max_windows_per_request)
-        ticket = self.reserve(ask, timeout_s=timeout_s, started=started)
-        try:
-            encoded, input_s = await self.inputs.encode_async(pairs)
-        except BaseException:  # the tokenizer refused the text, or the client went away
-            self.unreserve(ticket)
-            raise
-        return self.admit_encoded(ticket, pairs, encoded, input_s=input_s)
-
+    # ------------------------------------------------------------------ requests (the CoreLink's calls)
     def reserve(self, ask: AdmissionAsk, *, timeout_s: float | None, started: float) -> Ticket:
         """A queue place for a request not yet tokenized (``ask``: its window numbers, from
         ``InputProcessor.admission`` wherever it runs); EngineError 503 / 422 / 413 (it cannot fit
@@ -271,27 +231,44 @@ class Engine:
         self._update_gauges()
 
     def admit_encoded(
-        self,
-        ticket: Ticket,
-        pairs: list[QAPair],
-        encoded: EncodedBatch,
-        *,
-        input_s: float,
-        request_id: str | None = None,
-        remote: bool = False,
+        self, ticket: Ticket, encoded: EncodedBatch, *, input_s: float, request_id: str | None = None
     ) -> Job:
-        """Queue a reserved request's windows (event-loop thread only); ``remote``: its answer is its
-        windows' logits, decoded by the API process that asked (``Job.remote``), ``pairs`` then empty."""
-        return self._admit(
-            pairs,
-            encoded,
-            timeout_s=ticket.timeout_s,
-            ticket=ticket,
-            started=ticket.started,
-            input_s=input_s,
-            request_id=request_id,
-            remote=remote,
+        """Queue a reserved request's windows (event-loop thread only): its job, whose future is its
+        ``CoreAnswer``; the deadline runs from the reservation. ``input_s``: the seconds its tokenizing
+        took (``compute_input``). EngineError 503 / 429 / 413 (the place given back)."""
+        if self._stopped():  # admitted before tokenizing: only stopping refuses it
+            self.unreserve(ticket)
+            raise EngineError(503, "shutting_down", "the server shut down before this request was queued")
+        now = self.clock()
+        rid = request_id or f"req-{next(self._ids)}"
+        adm = self.scheduler.submit(
+            rid,
+            [w.num_tokens for w in encoded.windows],
+            now=now,
+            deadline=ticket.arrived_at + self._timeout(ticket.timeout_s),
+            reserved=True,
+            windows_hint=ticket.hint,
         )
+        if not adm.accepted:
+            if adm.reason in ("queue_full", "overloaded"):
+                raise EngineError(429, adm.reason, adm.detail, retry_after_s=adm.retry_after_s)
+            raise EngineError(413, adm.reason, adm.detail)
+        assert adm.deadline is not None
+        job = Job(
+            request_id=rid,
+            encoded=encoded,
+            future=asyncio.get_running_loop().create_future(),
+            submitted_at=now,
+            deadline=adm.deadline,
+            model_name=self.manager.model.source.name,
+            logits=[None] * len(encoded.windows),
+            started=ticket.started,
+            phases={"compute_input": input_s},
+        )
+        self.jobs.add(job)
+        self._update_gauges()
+        self.wake()
+        return job
 
     def _check_admissible(self, timeout_s: float | None) -> None:
         if not self.accepting:
@@ -308,101 +285,21 @@ class Engine:
     def _timeout(self, timeout_s: float | None) -> float:
         return self.scheduler.config.default_deadline_s if timeout_s is None else timeout_s
 
-    def _admit(
-        self,
-        pairs: list[QAPair],
-        encoded: EncodedBatch,
-        *,
-        timeout_s: float | None,
-        ticket: Ticket | None,
-        started: float,
-        input_s: float,
-        request_id: str | None = None,
-        remote: bool = False,
-    ) -> Job:
-        """Queue tokenized pairs with the scheduler (event-loop thread only); ``ticket``: a queue place
-        was reserved before tokenizing (used or given back here), and the deadline runs from its
-        arrival, else from now; ``started``: the arrival on ``time.perf_counter`` (the request's
-        duration in the metrics); ``input_s``: the seconds its tokenizing took (``compute_input``)."""
-        try:
-            if ticket is None:
-                self._check_admissible(timeout_s)
-            elif self._stopped():  # admitted before tokenizing: only stopping refuses it
-                raise EngineError(503, "shutting_down", "the server shut down before this request was queued")
-        except EngineError:
-            if ticket is not None:
-                self.unreserve(ticket)
-            raise
-        model = self.manager.model
-        now = self.clock()
-        rid = request_id or f"req-{next(self._ids)}"
-        start = now if ticket is None else ticket.arrived_at
-        deadline = start + self._timeout(timeout_s)
-        adm = self.scheduler.submit(
-            rid,
-            [w.num_tokens for w in encoded.windows],
-            now=now,
-            deadline=deadline,
-            reserved=ticket is not None,
-            windows_hint=ticket.hint if ticket is not None else 1,
-        )
-        if not adm.accepted:
-            if adm.reason in ("queue_full", "overloaded"):
-                raise EngineError(429, adm.reason, adm.detail, retry_after_s=adm.retry_after_s)
-            raise EngineError(413, adm.reason, adm.detail)
-        assert adm.deadline is not None
-        job = Job(
-            request_id=rid,
-            pairs=pairs,
-            encoded=encoded,
-            future=asyncio.get_running_loop().create_future(),
-            submitted_at=now,
-            deadline=adm.deadline,
-            model_name=model.source.name,
-            logits=[None] * len(encoded.windows),
-            started=started,
-            phases={"compute_input": input_s},
-            remote=remote,
-        )
-        self.outputs.add(job)
-        self._update_gauges()
-        self.wake()
-        return job
-
-    async def wait(
-        self, job: Job, *, disconnected: Callable[[], Awaitable[Any]] | None = None
-    ) -> list[PairResult]:
-        """The job's answers; EngineError for 503/504; ClientGone when ``disconnected`` fires first.
-        Its end is the request's outcome in the metrics (success, or fail however it failed)."""
-        bound = max(0.0, job.deadline - self.clock()) + self.stall_timeout_s + SAFETY_MARGIN_S
-        results: list[PairResult] | None = None
-        try:
-            results = await await_answer(
-                job.future,
-                request_id=job.request_id,
-                bound_s=bound,
-                disconnected=disconnected,
-                cancel=lambda: self.cancel(job.request_id),
-            )
-            return results
-        finally:
-            self.outputs.observe_end(job, results)
-
     def cancel(self, request_id: str) -> None:
         """Drop a request's queued windows; in-flight results of it are ignored."""
-        if self.outputs.pop(request_id) is not None:
+        if self.jobs.pop(request_id) is not None:
             self.scheduler.cancel(request_id)
             self._update_gauges()
             logger.info("request %s cancelled", request_id)
             self.wake()
 
     def _fail(self, rid: str, err: EngineError) -> None:
-        self.outputs.fail(rid, err)
+        self.jobs.fail(rid, err)
         self._update_gauges()
 
     def _fail_outstanding(self, detail: str) -> None:
         """Answer every admitted request 503 (queued windows dropped, late results ignored)."""
-        for rid in self.outputs.request_ids():
+        for rid in self.jobs.request_ids():
             self.scheduler.cancel(rid)
             self._fail(rid, EngineError(503, "shutting_down", detail))
 
@@ -410,11 +307,11 @@ class Engine:
     async def _run(self) -> None:
         while not self._closing:
             self._wake.clear()
-            if self.aborting and self.outputs.request_ids():
+            if self.aborting and self.jobs.request_ids():
                 self._fail_outstanding(
                     "the server was stopped (a second signal) before this request was answered"
                 )
-            elif self.drain_left_s() == 0.0 and self.outputs.request_ids():
+            elif self.drain_left_s() == 0.0 and self.jobs.request_ids():
                 self._fail_outstanding("the server's drain time ran out before this request was answered")
             try:
                 wake = self._step()

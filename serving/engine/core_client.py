@@ -3,7 +3,7 @@
 ``CoreClient`` is one ZeroMQ DEALER (identity ``w<index>.<incarnation>``) on the core's ``ipc://``
 socket (``serving/engine/core_server.py``), read by one task on the API process's event loop. Each
 request id starts with the identity; a call is a future keyed by it: ``reserve`` (-> ``Reserved`` or
-an ``EngineError``), ``submit`` (-> ``Answer``), ``http`` (a whole forwarded HTTP request ->
+an ``EngineError``), ``submit`` (-> the ``Answer``'s ``CoreAnswer``), ``http`` (a whole forwarded HTTP request ->
 ``HttpReply``). What one event-loop turn sends leaves as one bundle (``wire.encode_many``) at the
 turn's end; a bundle that cannot be sent fails its calls with 503. ``State`` messages update
 ``state`` and call ``on_state``; when none came for ``CORE_TIMEOUT_S`` (or this process's parent
@@ -17,7 +17,8 @@ process's requests).
 
     client = CoreClient(endpoint=..., key=..., identity="w1.0")
     await client.start()
-    await client.reserve(Reserve(...)); answer = await client.submit(submit_of(rid, encoded, input_s=t))
+    await client.reserve(rid, "b", ask, timeout_s=None)        # the CoreLink of serving/engine/client.py
+    answer = await client.submit(rid, encoded, input_s=t)      # CoreAnswer, or EngineError
     reply = await client.http(HttpCall(...))
 
 Tests: ``pytest tests/serving/engine/test_core_server.py``.
@@ -36,9 +37,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from shardserve.models.qa_windows import EncodedBatch
 from shardserve.partitioner.runtime.wire import WireError, decode_many, encode_many
 from shardserve.serving.engine import core_wire as cw
-from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.engine.input_processor import AdmissionAsk
+from shardserve.serving.engine.qa_types import CoreAnswer, EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +145,13 @@ class CoreClient:
             raise
         return fut
 
-    async def reserve(self, msg: cw.Reserve) -> None:
-        """A queue place for ``msg.rid``; EngineError as the core's engine refused it."""
-        await self._call(msg.rid, msg)
+    async def reserve(self, rid: str, model: str, ask: AdmissionAsk, *, timeout_s: float | None) -> None:
+        """A queue place for ``rid``; EngineError as the core's engine refused it."""
+        await self._call(rid, cw.Reserve(rid, model, ask.floor, ask.hint, ask.tokenize_wait_s, timeout_s))
 
-    def submit(self, msg: cw.Submit) -> asyncio.Future:
-        """Queue a reserved request; the future: its ``Answer``, or an ``EngineError``."""
-        return self._call(msg.rid, msg)
+    def submit(self, rid: str, encoded: EncodedBatch, *, input_s: float) -> asyncio.Future:
+        """Queue a reserved request; the future: its ``CoreAnswer``, or an ``EngineError``."""
+        return self._call(rid, cw.submit_of(rid, encoded, input_s=input_s))
 
     def cancel(self, rid: str) -> None:
         """Give ``rid``'s place or queued work back (no answer comes)."""
@@ -197,6 +200,8 @@ class CoreClient:
             return  # cancelled meanwhile
         if isinstance(msg, cw.Failed):
             fut.set_exception(EngineError(msg.status, msg.code, msg.detail, retry_after_s=msg.retry_after_s))
+        elif isinstance(msg, cw.Answer):
+            fut.set_result(CoreAnswer(cw.logits_of(msg), msg.queue_s, msg.infer_s))
         else:
             fut.set_result(msg)
 

@@ -7,10 +7,12 @@ are found and given back (``forget_worker``). Messages travel in bundles (``wire
 what is sent to one API process in one event-loop turn goes out as one signed send, at the turn's
 end. What it does for each message (``core_wire.py``):
 
-- ``Reserve``: ``Engine.reserve`` (429 / 413 / 503 / 404 before tokenizing) -> ``Reserved`` / ``Failed``;
-- ``Submit``: ``Engine.admit_encoded(remote=True)``; the job's future (its logits, or an
-  ``EngineError``) becomes ``Answer`` / ``Failed``, sent from a done-callback (no task per request);
-- ``Cancel``: the place or the queued request given back;
+- ``Reserve``, ``Submit``, ``Cancel``: the ``CoreLink`` calls, answered by a ``LocalCore``
+  (``serving/engine/client.py``), as the server's own process answers its own requests:
+  ``Reserve`` (429 / 413 / 503 / 404 before tokenizing) -> ``Reserved`` / ``Failed``; ``Submit``:
+  the windows queued, the job's future (its ``CoreAnswer``, or an ``EngineError``) becomes
+  ``Answer`` / ``Failed``, sent from a done-callback (no task per request); ``Cancel``: the place or
+  the queued request given back;
 - ``HttpCall``: the request runs through the core's own app (``call_asgi``; auth, admin, metrics,
   status and the repository have one home) -> ``HttpReply``;
 - ``Observed``: the API processes' metric events into the one registry (``ServingMetrics``);
@@ -43,7 +45,8 @@ import zmq.asyncio
 
 from shardserve.partitioner.runtime.wire import WireError, decode_many, encode_many, new_key
 from shardserve.serving.engine import core_wire as cw
-from shardserve.serving.engine.core import Engine, Ticket
+from shardserve.serving.engine.client import LocalCore
+from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.input_processor import AdmissionAsk, record_context_cache
 from shardserve.serving.engine.output_processor import record_end
 from shardserve.serving.engine.qa_types import EngineError
@@ -72,8 +75,7 @@ class CoreServer:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._workers: dict[bytes, set[str]] = {}  # identity -> its open request ids
-        self._reserved: dict[str, tuple[Engine, Ticket]] = {}
-        self._jobs: dict[str, tuple[Engine, Any]] = {}  # rid -> (engine, Job)
+        self.core = LocalCore(models.engine)
         self._tokenizers: dict[tuple[str, int], str] = {}  # (model, generation) -> saved directory
         self._digest: dict[str, Any] | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -108,7 +110,7 @@ class CoreServer:
         ``fail`` in the metrics); other processes' requests are untouched. Returns how many."""
         rids = self._workers.pop(identity.encode(), set())
         for rid in rids:
-            if (dropped := self._drop(rid)) is not None:  # admitted: it ends failed
+            if (dropped := self.core.cancel(rid)) is not None:  # admitted: it ends failed
                 engine, job = dropped
                 record_end(
                     engine.metrics, answered=None, seconds=time.perf_counter() - job.started, phases={}
@@ -172,46 +174,37 @@ class CoreServer:
                 self._send(identity, cw.State(self._digest))
 
     def _on_reserve(self, identity: bytes, msg: cw.Reserve) -> None:
-        owned = self._workers.setdefault(identity, set())
-        owned.add(msg.rid)
+        self._workers.setdefault(identity, set()).add(msg.rid)
         try:
-            engine = self.models.engine(msg.model)
             ask = AdmissionAsk(msg.floor, msg.hint, msg.tokenize_wait_s)
-            ticket = engine.reserve(ask, timeout_s=msg.timeout_s, started=time.perf_counter())
+            self.core.reserve_now(msg.rid, msg.model, ask, timeout_s=msg.timeout_s)
         except EngineError as err:
             self._fail(identity, msg.rid, err)
             return
-        self._reserved[msg.rid] = (engine, ticket)
         self._send(identity, cw.Reserved(msg.rid))
 
     def _on_submit(self, identity: bytes, msg: cw.Submit) -> None:
-        reserved = self._reserved.pop(msg.rid, None)
-        if reserved is None:  # cancelled meanwhile
-            return
-        engine, ticket = reserved
         try:
             encoded = cw.encoded_of(msg)
         except ValueError as err:
-            engine.unreserve(ticket)
+            self.core.cancel(msg.rid)
             self._fail(identity, msg.rid, EngineError(400, "invalid_windows", str(err)))
             return
         try:
-            job = engine.admit_encoded(
-                ticket, [], encoded, input_s=msg.input_s, request_id=msg.rid, remote=True
-            )
+            job = self.core.admit(msg.rid, encoded, input_s=msg.input_s)
         except EngineError as err:
             self._fail(identity, msg.rid, err)
             return
-        self._jobs[msg.rid] = (engine, job)
-        job.future.add_done_callback(lambda fut, rid=msg.rid: self._done(identity, rid, job, fut))
+        if job is not None:  # else: cancelled meanwhile
+            job.future.add_done_callback(lambda fut, rid=msg.rid: self._done(identity, rid, fut))
 
-    def _done(self, identity: bytes, rid: str, job: Any, fut: asyncio.Future) -> None:
-        if self._jobs.pop(rid, None) is None or fut.cancelled():
+    def _done(self, identity: bytes, rid: str, fut: asyncio.Future) -> None:
+        if fut.cancelled():
             return  # cancelled by its API process, or the process is gone
         err = fut.exception()
         if err is None:
             self._workers.get(identity, set()).discard(rid)
-            self._send(identity, cw.answer_of(rid, fut.result(), job.phases))
+            self._send(identity, cw.answer_of(rid, fut.result()))
         elif isinstance(err, EngineError):
             self._fail(identity, rid, err)
         else:
@@ -219,18 +212,7 @@ class CoreServer:
 
     def _on_cancel(self, identity: bytes, rid: str) -> None:
         self._workers.get(identity, set()).discard(rid)
-        self._drop(rid)
-
-    def _drop(self, rid: str) -> tuple[Engine, Any] | None:
-        """Give ``rid``'s reserved place back, or drop its queued work (its answer never sent); the
-        (engine, job) of an admitted request, else None."""
-        if (reserved := self._reserved.pop(rid, None)) is not None:
-            reserved[0].unreserve(reserved[1])
-            return None
-        if (job_of := self._jobs.pop(rid, None)) is not None:
-            job_of[0].cancel(rid)
-            job_of[1].future.cancel()
-        return job_of
+        self.core.cancel(rid)
 
     def _on_observed(self, events: list[list[Any]]) -> None:
         served = self.models.entries

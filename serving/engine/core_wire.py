@@ -26,7 +26,6 @@ Tests: ``pytest tests/serving/engine/test_core_wire.py``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 
 from shardserve.models.qa_windows import EncodedBatch, QAWindow
 from shardserve.partitioner.runtime.wire import register_messages
+from shardserve.serving.engine.qa_types import CoreAnswer
 
 
 @dataclass(frozen=True)
@@ -169,11 +169,11 @@ def encoded_of(msg: Submit) -> EncodedBatch:
     )
 
 
-def answer_of(rid: str, logits: Sequence[torch.Tensor], phases: dict[str, float]) -> Answer:
-    """The ``Answer`` of a remote job: its windows' ``(n_tokens, 2)`` logits and phase times."""
-    lengths = np.array([r.shape[0] for r in logits], dtype=np.int32)
-    rows = torch.cat([r.float() for r in logits]).numpy()  # (sum n_tokens, 2)
-    return Answer(rid, lengths, rows, phases.get("queue", 0.0), phases.get("compute_infer", 0.0))
+def answer_of(rid: str, answer: CoreAnswer) -> Answer:
+    """The ``Answer`` of an API process's request: its windows' ``(n_tokens, 2)`` logits and phase times."""
+    lengths = np.array([r.shape[0] for r in answer.logits], dtype=np.int32)
+    rows = torch.cat([r.float() for r in answer.logits]).numpy()  # (sum n_tokens, 2)
+    return Answer(rid, lengths, rows, answer.queue_s, answer.infer_s)
 
 
 def logits_of(msg: Answer) -> list[torch.Tensor]:

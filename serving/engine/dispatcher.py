@@ -3,7 +3,7 @@
 Owns the path of a micro-batch after the scheduler formed it: pad its windows, submit it to the
 chosen gang, hand the gang's future back to the event loop (gang futures complete on the gang's
 monitor thread: ``call_soon_threadsafe``), and report the result to the scheduler (the in-flight
-ledger) and the output processor. Also owns fail-over: when a batch's future fails, its gang
+ledger) and the job table. Also owns fail-over: when a batch's future fails, its gang
 failed as a whole: the dispatcher hands the replica's in-flight windows straight back to the
 scheduler (re-queued at the front for one retry on another replica; 503 when no replica is left)
 and reports the failure to the fleet, which alone decides the replica's fate
@@ -16,7 +16,7 @@ result goes to the ``executions`` metric (by windows in the batch: Triton's batc
 It keeps no table and no count of its own: a batch's items and replica travel with its future's
 callback, and whether the batch is still awaited is the ledger's answer (``is_inflight``).
 
-    dispatcher = Dispatcher(scheduler=scheduler, manager=manager, outputs=outputs, metrics=metrics,
+    dispatcher = Dispatcher(scheduler=scheduler, manager=manager, jobs=jobs, metrics=metrics,
                             wake=engine.wake)
     dispatcher.dispatch(scheduler.next_batch(now, views))   # on the event loop
     dispatcher.fail_over(replica)                           # the manager saw a replica fail
@@ -32,7 +32,7 @@ from concurrent.futures import Future
 
 from shardserve.models.qa_windows import pad_windows
 from shardserve.serving.engine.batcher import Dispatch
-from shardserve.serving.engine.output_processor import OutputProcessor
+from shardserve.serving.engine.jobs import JobTable
 from shardserve.serving.engine.qa_types import EngineError
 from shardserve.serving.engine.scheduler import Outcome, Scheduler
 from shardserve.serving.fleet.replicas import Replica, ReplicaManager
@@ -49,14 +49,14 @@ class Dispatcher:
         *,
         scheduler: Scheduler,
         manager: ReplicaManager,
-        outputs: OutputProcessor,
+        jobs: JobTable,
         metrics: ModelMetrics,
         wake: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
         self.manager = manager
-        self.outputs = outputs
+        self.jobs = jobs
         self.metrics = metrics
         self.wake = wake  # the engine loop re-checks the scheduler (capacity freed, work re-queued)
         self.clock = clock  # the scheduler's clock (``now`` of every scheduler call)
@@ -66,14 +66,13 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         replica = self.manager.replicas[d.replica_id]
         sent = time.perf_counter()
-        windows, pad_id = self.outputs.take_windows(d.items, now=self.clock())
+        windows, pad_id = self.jobs.take_windows(d.items, now=self.clock())
         batch = pad_windows(windows, pad_token_id=pad_id)
         types = batch.token_type_ids if replica.model.source.config.uses_token_types else None
         self.metrics.batch_size.observe(len(windows))
         self.metrics.batch_tokens.observe(len(windows) * d.padded_len)
         self.metrics.batches.labels(reason=d.reason).inc()
-        if replica.inflight_batches == 1:  # this batch is its only one: an idle gang's clocks start
-            replica.last_progress = replica.active_since = time.monotonic()
+        replica.batch_sent()
         assert replica.backend is not None
         try:
             fut = replica.backend.submit(batch.input_ids, batch.attention_mask, types)
@@ -105,14 +104,12 @@ class Dispatcher:
             self.fail_over(replica)
             self.manager.mark_failed(replica, f"{type(err).__name__}: {err}", work_returned=True)
             return
-        replica.last_progress = time.monotonic()
         self.metrics.executions.labels(batch_size=str(len(d.items))).observe(time.perf_counter() - sent)
-        self.outputs.add_logits(d.items, fut.result())  # (B, S, 2)
+        self.jobs.add_logits(d.items, fut.result())  # (B, S, 2)
         outcome = sched.batch_done(d.batch_id, now=self.clock(), ok=True)
-        if replica.inflight_batches == 0:  # idle again: the time it had work in flight grows
-            replica.active_s += replica.last_progress - replica.active_since
+        replica.batch_returned()
         for rid in outcome.completed:
-            self.outputs.complete(rid)
+            self.jobs.complete(rid)
         self.wake()
 
     def fail_over(self, replica: Replica) -> None:
@@ -123,13 +120,13 @@ class Dispatcher:
     def _apply_failure(self, outcome: Outcome) -> None:
         self.metrics.retried_windows.inc(outcome.retried_windows)
         for rid in outcome.failed:
-            self.outputs.fail(rid, EngineError(503, "replica_failed", "the request failed on two replicas"))
+            self.jobs.fail(rid, EngineError(503, "replica_failed", "the request failed on two replicas"))
         if outcome.retried_requests and not self.manager.routable():
             # nowhere to retry now: a clean 503 instead of waiting for a restart
             for rid in outcome.retried_requests:
-                if rid in self.outputs:
+                if rid in self.jobs:
                     self.scheduler.cancel(rid)
-                    self.outputs.fail(
+                    self.jobs.fail(
                         rid,
                         EngineError(
                             503, "replica_failed", "its replica failed and no other replica is available"

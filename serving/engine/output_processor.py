@@ -1,30 +1,21 @@
-"""Output processing: per-request state, logits collected per window, span decoding, answers.
+"""Output processing: a request's logits -> its answers (span decoding), and its end in the metrics.
 
-Owns the job table (vLLM's request states): one ``Job`` per admitted call, holding its pairs,
-its tokenized windows, the logits of each window as they come back, and the future its HTTP
-handler awaits. When the scheduler says a request completed, ``complete`` decodes every pair
-(``decode_spans``; ``null_threshold`` decides no-answer) and resolves the future; ``fail`` resolves
-it with an ``EngineError``. It does NOT count in-flight work: ``Scheduler.ongoing`` does.
+The client's side of an answer (vLLM's output processor), the same in the server's own process and
+in each ``--api-workers`` API process (``serving/engine/client.py``): ``decode`` turns the engine
+core's ``CoreAnswer`` (the logits of a request's windows) into one ``PairResult`` per pair
+(``decode_spans``; ``null_threshold``: the server's default, a pair's own wins), and ``end`` writes
+the request's outcome and phases (``compute_output``: its decoding) where its metrics go.
 
 Decoding is vectorised but not free: ~0.1-0.2 s for a 128-window request on a loaded 2-core CPU.
 On the event loop that stalled every other request (and every 429) that long, so a request of more
 than ``DECODE_INLINE_MAX_WINDOWS`` windows is decoded on the one decode thread (torch releases the
-GIL; the loop keeps answering) and answered from there; small ones stay inline (no thread hop).
-``decoding`` counts the requests on the decode thread (a drain waits for them). A ``remote`` job (an
-API process's, ``serving/engine/core_server.py``) is answered with its windows' logits instead: its
-API process decodes it (``decode_pairs``) and reports its end (``record_end``).
+GIL; the loop keeps answering); small ones stay inline (no thread hop).
 
-Times three phases of a request in ``Job.phases`` (``queue``: until its last window is dispatched;
-``compute_infer``: that dispatch until all its logits are back; ``compute_output``: its span decoding;
-the engine adds ``compute_input``), ``await_answer`` waits for a request's answer (or its client's
-departure, or its bound), and ``observe_end`` (``record_end``) writes a request's outcome and
-phases to the metrics when the engine is done with it (``serving/metrics.py``; Triton's statistics read them).
+``await_answer`` waits for a request's answer (or its client's departure, or its bound).
 
-    outputs = OutputProcessor(metrics=metrics, null_threshold=None)
-    outputs.add(job)
-    windows, pad_id = outputs.take_windows(dispatch.items, now=now)   # to build a micro-batch
-    outputs.add_logits(dispatch.items, logits)                        # (B, S, 2), rows as items
-    outputs.complete(rid)  /  outputs.fail(rid, EngineError(503, ...))
+    outputs = OutputProcessor(null_threshold=None, on_end=functools.partial(record_end, metrics))
+    results = await outputs.decode(request_id, encoded, answer.logits, pairs, phases)  # EngineError 500
+    outputs.end(answered=len(pairs), started=t0, phases=phases)
     outputs.shutdown()
 """
 
@@ -35,13 +26,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from shardserve.models.qa_decoding import decode_spans
-from shardserve.models.qa_windows import EncodedBatch, QAWindow
+from shardserve.models.qa_windows import EncodedBatch
 from shardserve.serving.engine.qa_types import ClientGone, EngineError, PairResult, QAPair
 from shardserve.serving.metrics import ModelMetrics
 
@@ -50,127 +40,54 @@ logger = logging.getLogger(__name__)
 DECODE_INLINE_MAX_WINDOWS = 8  # requests with more windows are decoded off the event loop
 
 
-@dataclass(eq=False)
-class Job:
-    """One admitted HTTP call (one scheduler request, possibly several pairs and windows)."""
+class EndRecorder(Protocol):
+    """Where a request's end goes: ``record_end`` on this process's metrics, or an API process's
+    relay to the core's (``MetricsRelay``)."""
 
-    request_id: str
-    pairs: list[QAPair]
-    encoded: EncodedBatch
-    future: asyncio.Future
-    submitted_at: float
-    deadline: float
-    model_name: str
-    logits: list[torch.Tensor | None] = field(default_factory=list)  # per window: (n_tokens, 2)
-    dispatched: int = 0  # windows handed to a gang (for the queue-wait metric)
-    started: float = field(default_factory=time.perf_counter)  # arrival, before tokenizing (perf_counter)
-    dispatched_pc: float = 0.0  # perf_counter when its last window was dispatched (compute_infer)
-    phases: dict[str, float] = field(default_factory=dict)  # seconds of each phase so far (module doc)
-    remote: bool = False  # an API process decodes it: the future's result is ``logits`` (module doc)
+    def __call__(self, *, answered: int | None, seconds: float, phases: dict[str, float]) -> None: ...
 
 
 class OutputProcessor:
-    """The job table: collects logits, decodes answers, resolves futures (see module doc)."""
+    """Span decoding, inline or on the decode thread, and a request's end (module doc)."""
 
-    def __init__(self, *, metrics: ModelMetrics, null_threshold: float | None = None) -> None:
-        self.metrics = metrics
+    def __init__(self, *, null_threshold: float | None, on_end: EndRecorder) -> None:
         self.null_threshold = null_threshold  # the server's default; None: the decoder's own
-        self._jobs: dict[str, Job] = {}
+        self.on_end = on_end
         self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardserve-decode")
-        self.decoding = 0  # requests being decoded on the decode thread (complete, not yet answered)
 
-    def add(self, job: Job) -> None:
-        self._jobs[job.request_id] = job
+    async def decode(
+        self,
+        request_id: str,
+        encoded: EncodedBatch,
+        logits: Sequence[torch.Tensor],
+        pairs: Sequence[QAPair],
+        phases: dict[str, float],
+    ) -> list[PairResult]:
+        """Every pair's answers (``phases["compute_output"]``: the seconds it took); EngineError 500
+        when decoding fails (a bug: logged)."""
 
-    def pop(self, request_id: str) -> Job | None:
-        """Forget a job (cancelled); its future is left as it is."""
-        return self._jobs.pop(request_id, None)
+        def decode() -> list[PairResult]:
+            t0 = time.perf_counter()
+            out = decode_pairs(encoded, logits, pairs, null_threshold=self.null_threshold)
+            phases["compute_output"] = time.perf_counter() - t0
+            return out
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._jobs
-
-    def request_ids(self) -> list[str]:
-        return list(self._jobs)
-
-    def take_windows(self, items: list[tuple[str, int]], *, now: float) -> tuple[list[QAWindow], int]:
-        """The windows of a micro-batch's ``(request_id, window_index)`` items and the pad id;
-        observes the queue wait of requests whose last window leaves the queue."""
-        windows = []
-        for rid, idx in items:
-            job = self._jobs[rid]
-            windows.append(job.encoded.windows[idx])
-            job.dispatched += 1
-            if job.dispatched == len(job.encoded.windows):
-                self.metrics.queue_wait.observe(now - job.submitted_at)
-                job.dispatched_pc = time.perf_counter()
-                job.phases["queue"] = now - job.submitted_at
-        return windows, self._jobs[items[0][0]].encoded.pad_token_id
-
-    def add_logits(self, items: list[tuple[str, int]], logits: torch.Tensor) -> None:
-        """Keep each item's row of ``logits`` (B, S, 2), cut to its window's real tokens."""
-        for i, (rid, idx) in enumerate(items):
-            job = self._jobs.get(rid)
-            if job is not None:  # else: cancelled / expired / failed meanwhile
-                n = job.encoded.windows[idx].num_tokens
-                job.logits[idx] = logits[i, :n]
-
-    def complete(self, request_id: str) -> None:
-        """All windows have logits: decode every pair and answer (500 if decoding fails); on the
-        event loop, large requests on the decode thread (module doc)."""
-        job = self._jobs.pop(request_id, None)
-        if job is None or job.future.done():
-            return
-        job.phases["compute_infer"] = time.perf_counter() - job.dispatched_pc
-        if job.remote:
-            job.future.set_result(job.logits)
-            return
-        if len(job.encoded.windows) <= DECODE_INLINE_MAX_WINDOWS:
-            self._resolve(job, lambda: self._decode_all(job))
-            return
-        self.decoding += 1
-        decoded = asyncio.get_running_loop().run_in_executor(self._decoder, self._decode_all, job)
-        decoded.add_done_callback(lambda f: self._decoded(job, f))
-
-    def observe_end(self, job: Job, results: list[PairResult] | None) -> None:
-        """A request's end in the metrics (``record_end``)."""
-        answered = None if results is None else len(job.pairs)
-        record_end(
-            self.metrics, answered=answered, seconds=time.perf_counter() - job.started, phases=job.phases
-        )
-
-    def _decode_all(self, job: Job) -> list[PairResult]:
-        t0 = time.perf_counter()
-        results = decode_pairs(job.encoded, job.logits, job.pairs, null_threshold=self.null_threshold)
-        job.phases["compute_output"] = time.perf_counter() - t0
-        return results
-
-    def _decoded(self, job: Job, decoded: asyncio.Future) -> None:
-        """The decode thread finished ``job`` (on the event loop)."""
-        self.decoding -= 1
-        if not decoded.cancelled():  # cancelled: the server is shutting down
-            self._resolve(job, decoded.result)
-
-    def _resolve(self, job: Job, answers: Callable[[], list[PairResult]]) -> None:
-        """Answer ``job`` with ``answers()``, or 500 when decoding failed."""
         try:
-            results = answers()
+            if len(encoded.windows) <= DECODE_INLINE_MAX_WINDOWS:
+                return decode()
+            return await asyncio.get_running_loop().run_in_executor(self._decoder, decode)
         except Exception as err:
-            logger.exception("decoding request %s failed", job.request_id)
-            if not job.future.done():
-                job.future.set_exception(EngineError(500, "decode_failed", f"{type(err).__name__}: {err}"))
-            return
-        if not job.future.done():  # the client may have gone meanwhile
-            job.future.set_result(results)
+            logger.exception("decoding request %s failed", request_id)
+            raise EngineError(500, "decode_failed", f"{type(err).__name__}: {err}") from err
+
+    def end(self, *, answered: int | None, started: float, phases: dict[str, float]) -> None:
+        """A request's end: ``answered`` pairs (None: it failed, however), since ``started``
+        (``time.perf_counter``)."""
+        self.on_end(answered=answered, seconds=time.perf_counter() - started, phases=phases)
 
     def shutdown(self) -> None:
-        """Stop the decode thread (after a drain: nothing is left on it)."""
-        self._decoder.shutdown(wait=False, cancel_futures=True)
-
-    def fail(self, request_id: str, err: EngineError) -> None:
-        """Answer a request with ``err`` (503 / 504 ...) and forget it."""
-        job = self._jobs.pop(request_id, None)
-        if job is not None and not job.future.done():
-            job.future.set_exception(err)
+        """Stop the decode thread once what is on it is decoded (a drain's last answers)."""
+        self._decoder.shutdown(wait=False)
 
 
 def decode_pairs(
@@ -206,8 +123,8 @@ def record_end(
 ) -> None:
     """A request's end in the metrics (``answered``: its pairs, None when it failed, however): its
     outcome and time since arrival; answered, its pairs as inferences and each of its phases (Triton's
-    statistics: every phase counts the same requests). API processes' requests end here too, in the
-    core (``serving/engine/core_server.py``)."""
+    statistics: every phase counts the same requests). An API process's requests end here too, in the
+    core (``MetricsRelay``; ``serving/engine/core_server.py``)."""
     outcome = "fail" if answered is None else "success"
     metrics.request_duration.labels(outcome=outcome).observe(seconds)
     if answered is not None:
@@ -227,8 +144,7 @@ async def await_answer(
 ) -> Any:
     """``future``'s result (its exception raised), else ``cancel()`` the request's work and raise:
     ClientGone when ``disconnected`` fires first, EngineError 504 after ``bound_s``, the caller's own
-    cancellation (a gRPC client that went away). ``Engine.wait`` and an API process's
-    ``RemoteEngine.wait`` (``serving/engine/remote_engine.py``) both wait this way."""
+    cancellation (a gRPC client that went away)."""
     watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
     try:
         waiting = {future} if watch is None else {future, watch}

@@ -1,7 +1,8 @@
 """The request, answer and error types the QA serving path passes between its parts.
 
 Owns the vocabulary shared by the HTTP routes and the engine's parts (input processor, dispatcher,
-output processor): one ``QAPair`` in, one ``PairResult`` out, and the two ways a request ends
+output processor): one ``QAPair`` in, one ``PairResult`` out, the engine core's ``CoreAnswer`` between (a request's
+logits, decoded by its client), and the two ways a request ends
 without answers (``EngineError`` with its HTTP status, ``ClientGone``). Plain data, no logic, so
 every part imports it without importing any other.
 
@@ -12,6 +13,8 @@ every part imports it without importing any other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from shardserve.models.qa_decoding import QAPrediction
 
@@ -48,3 +51,13 @@ class PairResult:
 
     prediction: QAPrediction
     windows: int
+
+
+@dataclass(frozen=True)
+class CoreAnswer:
+    """What the engine core answers an admitted request: its windows' logits, in window order, and
+    the seconds of its ``queue`` and ``compute_infer`` phases."""
+
+    logits: list[torch.Tensor]  # per window: (n_tokens, 2)
+    queue_s: float
+    infer_s: float

@@ -96,7 +96,7 @@ class Replica:
     stage_busy_s: list[float] = field(default_factory=list)
     busy_seen: list[float] = field(default_factory=list)  # each stage's busy seconds at the last sample
     # seconds with work in flight (the bubble fraction's denominator): closed intervals, and the
-    # start of the open one; both kept by shardserve.serving.engine.dispatcher, which sees a batch leave and return
+    # start of the open one (``batch_sent`` / ``batch_returned``)
     active_s: float = 0.0
     active_since: float = 0.0
     start_task: asyncio.Task | None = None
@@ -105,8 +105,8 @@ class Replica:
     restarts: int = 0
     replaces: str | None = None
     # monotonic time of the last sign of progress: a batch completed, or the first batch was sent
-    # to an idle gang (set by shardserve.serving.engine.dispatcher, which sees both), or a layer finished on a
-    # rank (``steps_seen``: the ranks' layer counts at the last health check, which notes it)
+    # to an idle gang (``batch_sent`` / ``batch_returned``), or a layer finished on a rank
+    # (``steps_seen``: the ranks' layer counts at the last health check, which notes it)
     last_progress: float = field(default_factory=time.monotonic)
     steps_seen: int = 0
 
@@ -114,6 +114,18 @@ class Replica:
     def inflight_batches(self) -> int:
         """Micro-batches in flight on this gang, as the ledger counts them (a view, not a count)."""
         return self.ledger.inflight(self.replica_id)
+
+    def batch_sent(self) -> None:
+        """A micro-batch left for this gang (counted in the ledger already): an idle gang's clocks start."""
+        if self.inflight_batches == 1:
+            self.last_progress = self.active_since = time.monotonic()
+
+    def batch_returned(self) -> None:
+        """A micro-batch came back with its logits (its ledger entry closed already): progress, and
+        the time with work in flight grows when the gang is idle again."""
+        self.last_progress = time.monotonic()
+        if self.inflight_batches == 0:
+            self.active_s += self.last_progress - self.active_since
 
     def stalled_for(self, now: float) -> float:
         """Seconds with work in flight and no batch completed (0 when idle)."""

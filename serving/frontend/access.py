@@ -30,7 +30,7 @@
     app.add_middleware(AccessMiddleware)                       # last added: outermost
     include_protected(app, api_router, settings=settings)
     note_windows(request, 3)                                   # in a route: windows of the request
-    await engine.wait(job, disconnected=disconnect_watcher(request))   # cancels when the client goes
+    await client.wait(request_, disconnected=disconnect_watcher(request))  # cancels when the client goes
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class AccessMiddleware:
                     status=status or 499,  # no response started: the client went away first
                     latency_s=latency_s,
                     endpoint=endpoint,
-                    model=state.get("model", ""),  # set by the routes of a model (qa_call.engine_for)
+                    model=state.get("model", ""),  # set by the routes of a model (qa_call.client_for)
                     windows=state.get("windows"),
                     request_id=rid,
                 )

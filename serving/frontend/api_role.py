@@ -35,7 +35,8 @@ from fastapi import FastAPI
 
 from shardserve.serving.engine import core_wire as cw
 from shardserve.serving.engine.core_client import CoreClient
-from shardserve.serving.engine.remote_engine import RemoteLimits, RemoteRepository
+from shardserve.serving.engine.remote_engine import RemoteRepository
+from shardserve.serving.frontend.qa_call import client_limits
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +62,7 @@ class CoreLink:
 async def api_lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Connect to the core, take its first ``State``, serve; the repository follows each new ``State``."""
     settings, link = app.state.settings, app.state.core_link
-    scheduler = settings.scheduler_config()
-    limits = RemoteLimits(
-        window=settings.window(),
-        context_cache_bytes=settings.context_cache_bytes,
-        null_threshold=settings.null_threshold,
-        max_windows_per_request=scheduler.max_windows_per_request,
-        default_deadline_s=scheduler.default_deadline_s,
-        stall_timeout_s=settings.fleet_config().stall_timeout_s,
-    )
+    limits = client_limits(settings)
     newest = asyncio.Event()
 
     def on_state(digest: dict[str, Any]) -> None:
@@ -94,7 +87,7 @@ async def api_lifespan(app: FastAPI) -> AsyncIterator[None]:
     await client.start()
     assert client.state is not None
     await repo.apply(client.state)
-    app.state.models = repo
+    app.state.models = app.state.clients = repo
 
     async def follow() -> None:
         while True:

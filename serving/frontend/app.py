@@ -63,6 +63,7 @@ from shardserve.serving.engine.builder import (
     device_pool,
     load_model,
 )
+from shardserve.serving.engine.client import LocalClients
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.core_client import MetricsRelay
 from shardserve.serving.engine.core_server import CoreServer
@@ -73,6 +74,7 @@ from shardserve.serving.frontend.api_role import CoreLink, ForwardToCore, api_li
 from shardserve.serving.frontend.layout import fit_serve_layout, serve_precision
 from shardserve.serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from shardserve.serving.frontend.pages import install_pages
+from shardserve.serving.frontend.qa_call import client_limits
 from shardserve.serving.frontend.routes import admin_router, api_router, health_router
 from shardserve.serving.frontend.settings import ServeSettings
 from shardserve.serving.frontend.status import StatusBoard
@@ -112,9 +114,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             scheduler=settings.scheduler_config(),
             autoscaling=autoscaling,
             metrics=app.state.metrics,
-            window=settings.window(),
-            context_cache_bytes=settings.context_cache_bytes,
-            null_threshold=settings.null_threshold,
             max_request_timeout_s=settings.max_request_timeout_s,
             name=name,
             backend_factory=app.state.backend_factory,
@@ -131,6 +130,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ready_timeout_s=settings.gang_start_timeout_s,
         placement=placed,
     )
+    app.state.clients = LocalClients(models, limits=client_limits(settings))  # the QA routes' way in
     # the engines start their loops and supervisors (which start the gangs in the background)
     await models.start(settings.models(), preloaded=app.state.preloaded_models)
     app.state.preloaded_models = {}
@@ -186,6 +186,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if core is not None:
             await core.stop()
         await app.state.status.stop()
+        app.state.clients.shutdown()
         logger.info("shut down")
 
 

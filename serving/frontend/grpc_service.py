@@ -262,7 +262,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             answered = await answer_for(
                 self.app.state,
-                engine,
+                self.app.state.clients.client(engine.name),
                 [it.pair() for it in parsed.items],
                 timeout_s=max(timeout_s, 1e-3) if timeout_s is not None else None,
                 locate=v2_field,

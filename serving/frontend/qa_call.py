@@ -3,12 +3,14 @@
 ``answer_for`` calls the engine room's protocol-neutral ``shardserve.serving.engine.answer.answer_pairs`` with
 what the app knows (the settings' text limits, whether the server is shutting down); gRPC calls it
 directly. The HTTP routes hand their items to ``answer_items``, which adds what only HTTP knows (the
-engine of the model asked for, from the app's model repository; the client's disconnect) and notes
+client of the model asked for, ``app.state.clients``: a ``LocalClients`` in the server's own
+process, the ``RemoteRepository`` in an API process; the client's disconnect) and notes
 the model and the windows for the access log and the metrics. Each protocol then shapes the
 answers, or the ``EngineError``, its way.
 
     answered = await answer_items(request, body.items, body.timeout_s, model="b", locate=name_of_field)
-    answered = await answer_for(app.state, engine, pairs, timeout_s=None, locate=name_of_field)
+    answered = await answer_for(app.state, client, pairs, timeout_s=None, locate=name_of_field)
+    limits = client_limits(settings)          # ClientLimits of the serve settings
 
 Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/test_kserve_v2.py``.
 """
@@ -21,7 +23,7 @@ from typing import Any
 from fastapi import Request
 
 from shardserve.serving.engine.answer import Answered, answer_pairs
-from shardserve.serving.engine.core import Engine
+from shardserve.serving.engine.client import ClientLimits, EngineClient
 from shardserve.serving.engine.qa_types import QAPair
 from shardserve.serving.frontend.access import disconnect_watcher, note_windows
 from shardserve.serving.frontend.schemas import QAItem
@@ -38,10 +40,10 @@ async def answer_items(
     """Answer ``items`` with ``model`` (None: the default one; raises ``EngineError``: 404 for a model
     not served, 499 when the client went away); ``locate(i, field)`` names item ``i``'s field in a 422
     as the protocol's request does."""
-    engine = engine_for(request, model)
+    client = client_for(request, model)
     answered = await answer_for(
         request.app.state,
-        engine,
+        client,
         [it.pair() for it in items],
         timeout_s=timeout_s,
         locate=locate,
@@ -53,7 +55,7 @@ async def answer_items(
 
 async def answer_for(
     state: Any,
-    engine: Engine | None,
+    client: EngineClient | None,
     pairs: Sequence[QAPair],
     *,
     timeout_s: float | None,
@@ -64,7 +66,7 @@ async def answer_for(
     ``app.state``) is shutting down; raises ``EngineError``."""
     settings = state.settings
     return await answer_pairs(
-        engine,
+        client,
         pairs,
         timeout_s=timeout_s,
         max_context_chars=settings.max_context_chars,
@@ -75,13 +77,26 @@ async def answer_for(
     )
 
 
-def engine_for(request: Request, model: str | None) -> Engine | None:
-    """The engine of ``model`` (None: the default), or None while the server starts; EngineError 404 /
+def client_for(request: Request, model: str | None) -> EngineClient | None:
+    """The client of ``model`` (None: the default), or None while the server starts; EngineError 404 /
     503 for a model not served. Names the model for the access log and the metrics' ``model`` label."""
-    models = getattr(request.app.state, "models", None)
-    if models is None:
+    clients = getattr(request.app.state, "clients", None)
+    if clients is None:
         return None
-    request.state.model = model or models.default_name or ""
-    engine = models.engine(model)
-    request.state.model = engine.name
-    return engine
+    request.state.model = model or clients.default_name or ""
+    client = clients.client(model)
+    request.state.model = client.name
+    return client
+
+
+def client_limits(settings: Any) -> ClientLimits:
+    """The serve settings' numbers every model's client needs (``ServeSettings``)."""
+    scheduler = settings.scheduler_config()
+    return ClientLimits(
+        window=settings.window(),
+        context_cache_bytes=settings.context_cache_bytes,
+        null_threshold=settings.null_threshold,
+        max_windows_per_request=scheduler.max_windows_per_request,
+        default_deadline_s=scheduler.default_deadline_s,
+        stall_timeout_s=settings.fleet_config().stall_timeout_s,
+    )

@@ -33,7 +33,11 @@ from shardserve.models.registry import resolve_model
 from shardserve.partitioner.runtime.fake_gang import FakeFactory, fake_logits
 from shardserve.partitioner.runtime.wire import WireError, decode, decode_many, encode, encode_many, new_key
 from shardserve.serving.engine import core_wire as cw
+from shardserve.serving.engine.client import EngineClient, LocalCore
 from shardserve.serving.engine.core_client import CoreClient
+from shardserve.serving.engine.input_processor import AdmissionAsk, InputProcessor
+from shardserve.serving.engine.output_processor import OutputProcessor
+from shardserve.serving.engine.qa_types import CoreAnswer
 from shardserve.serving.frontend.api_role import CoreLink
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
@@ -89,6 +93,40 @@ def same(a: Any, b: Any) -> None:
 def metric(client: TestClient, line: str) -> float | None:
     m = re.search(rf"^{re.escape(line)} (\S+)$", client.get("/metrics").text, re.M)
     return None if m is None else float(m.group(1))
+
+
+def test_both_processes_answer_through_the_same_client_and_processors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One request path: the server's own process and an API process each answer with an
+    ``EngineClient`` (one ``submit_async``), tokenizing with its ``InputProcessor`` and decoding with
+    its ``OutputProcessor``; only the core link differs (in-process vs ZeroMQ)."""
+    seen: list[tuple[str, int]] = []
+    encode, decode = InputProcessor.encode, OutputProcessor.decode
+
+    def spy_encode(self: InputProcessor, pairs: Any) -> Any:
+        seen.append(("encode", id(self)))
+        return encode(self, pairs)
+
+    async def spy_decode(self: OutputProcessor, *args: Any) -> Any:
+        seen.append(("decode", id(self)))
+        return await decode(self, *args)
+
+    monkeypatch.setattr(InputProcessor, "encode", spy_encode)
+    monkeypatch.setattr(OutputProcessor, "decode", spy_decode)
+    with core_and_api() as (core, api, _):
+        one = {"question": QUESTION, "context": CONTEXT}
+        for side in (api, core):
+            client = side.app.state.clients.client()
+            assert type(client) is EngineClient
+            seen.clear()
+            assert side.post("/v1/qa", json=one).status_code == 200
+            assert seen == [("encode", id(client.inputs)), ("decode", id(client.outputs))]
+        remote, local = api.app.state.clients.client(), core.app.state.clients.client()
+        assert isinstance(remote.core, CoreClient) and isinstance(local.core, LocalCore)
+        assert (
+            core.app.state.core_server.core is not local.core
+        )  # the core answers API processes with its own
 
 
 def test_an_api_process_answers_as_the_core_does() -> None:
@@ -167,7 +205,7 @@ def test_api_process_requests_count_in_the_cores_one_registry() -> None:
 def test_a_full_queue_refuses_an_api_process_before_it_tokenizes() -> None:
     with core_and_api(max_queue_size=2, max_inflight_per_replica=1, max_batch_size=1) as (core, api, factory):
         engine = core.app.state.engine
-        remote = api.app.state.models.engine()
+        remote = api.app.state.clients.client()
         tokenized: list[int] = []
         encode_timed = remote.inputs.encode_timed
         remote.inputs.encode_timed = lambda pairs: tokenized.append(len(pairs)) or encode_timed(pairs)
@@ -205,9 +243,9 @@ def test_a_gone_api_process_gives_back_its_places_and_queued_work() -> None:
             async def doomed() -> None:
                 client = CoreClient(endpoint=server.endpoint, key=server.key, identity="w9.0")
                 await client.start()
-                await client.reserve(cw.Reserve("w9.0-1", "tiny-bert", 1, 1, 0.0, None))
-                client.submit(cw.submit_of("w9.0-1", enc, input_s=0.001))
-                await client.reserve(cw.Reserve("w9.0-2", "tiny-bert", 1, 1, 0.0, None))
+                await client.reserve("w9.0-1", "tiny-bert", AdmissionAsk(1, 1, 0.0), timeout_s=None)
+                client.submit("w9.0-1", enc, input_s=0.001)
+                await client.reserve("w9.0-2", "tiny-bert", AdmissionAsk(1, 1, 0.0), timeout_s=None)
                 for _ in range(100):
                     if engine.ongoing == 2:
                         break
@@ -270,7 +308,7 @@ def test_a_bundle_the_socket_refuses_fails_its_calls_with_503() -> None:
         refused = asyncio.get_running_loop().create_future()
         refused.set_exception(zmq.Again())
         client._sock.send_multipart = lambda frames, flags=0: refused
-        call = asyncio.ensure_future(client.reserve(cw.Reserve("w0.0-1", "m", 1, 1, 0.0, None)))
+        call = asyncio.ensure_future(client.reserve("w0.0-1", "m", AdmissionAsk(1, 1, 0.0), timeout_s=None))
         try:
             await asyncio.wait_for(call, 2.0)
         except cc.EngineError as err:
@@ -331,7 +369,7 @@ def test_windows_and_logits_cross_the_wire_unchanged() -> None:
         assert torch.equal(a.data.to(torch.int32), b.data)
         assert (a.example_index, a.window_index) == (b.example_index, b.window_index)
     rows = [fake_logits(w.input_ids[None])[0] for w in enc.windows]  # (n_tokens, 2) each
-    answer = decode(encode(cw.answer_of("w0.0-1", rows, {"queue": 0.1}), key), key)
+    answer = decode(encode(cw.answer_of("w0.0-1", CoreAnswer(rows, 0.1, 0.0)), key), key)
     assert all(torch.equal(a, b) for a, b in zip(rows, cw.logits_of(answer), strict=True))
     assert answer.queue_s == 0.1 and answer.infer_s == 0.0
     with pytest.raises(WireError):
@@ -362,7 +400,7 @@ def test_a_client_notices_a_silent_core() -> None:
         assert isinstance(decode(frames, key), cw.Hello)
         await router.send_multipart([ident, *encode(cw.State({"models": {}}), key)])
         await start
-        call = asyncio.ensure_future(client.reserve(cw.Reserve("w0.0-1", "m", 1, 1, 0.0, None)))
+        call = asyncio.ensure_future(client.reserve("w0.0-1", "m", AdmissionAsk(1, 1, 0.0), timeout_s=None))
         try:
             await asyncio.wait_for(call, 5.0)
         except cc.EngineError as err:

@@ -8,6 +8,7 @@ Run: python -m pytest tests/serving/engine/test_engine.py -q
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -22,8 +23,10 @@ from shardserve.partitioner.plan import ParallelDims
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.config import SchedulerConfig
 from shardserve.serving.engine import input_processor
+from shardserve.serving.engine.client import ClientLimits, EngineClient, LocalCore
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.input_processor import InputProcessor
+from shardserve.serving.engine.output_processor import record_end
 from shardserve.serving.engine.qa_types import ClientGone, EngineError, QAPair
 from shardserve.serving.engine.scheduler import Scheduler
 from shardserve.serving.fleet.gangs import ModelGeneration, OwnGangs
@@ -33,6 +36,14 @@ from shardserve.serving.metrics import ServingMetrics
 
 SHORT = QAPair("Who?", "Ann met Bob.")
 PHASES = ("compute_input", "queue", "compute_infer", "compute_output")
+LIMITS = {
+    "window": WindowConfig(),
+    "context_cache_bytes": 0,
+    "null_threshold": None,
+    "max_windows_per_request": 128,
+    "default_deadline_s": 30.0,
+    "stall_timeout_s": 30.0,
+}
 LONG_CONTEXT = " ".join(f"Sentence number {i} talks about topic {i * 7} in some detail." for i in range(20))
 
 
@@ -53,8 +64,31 @@ async def _until(cond: Callable[[], Any], what: str, timeout: float = 5.0) -> No
         await asyncio.sleep(0.005)
 
 
+class Served:
+    """The engine under test and its client (an ``EngineClient`` over a ``LocalCore``, as the server
+    builds it): requests go through the client, everything else is the engine's."""
+
+    def __init__(self, engine: Engine, qa: EngineClient) -> None:
+        self.engine, self.qa, self.inputs = engine, qa, qa.inputs
+        self.submit_async, self.wait = qa.submit_async, qa.wait
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def served(engine: Engine, metrics: Any, **limits: Any) -> Served:
+    qa = EngineClient(
+        name=engine.name,
+        core=LocalCore(lambda _: engine),
+        tokenizer=lambda: engine.manager.model.tokenizer,
+        limits=ClientLimits(**{**LIMITS, **limits}),
+        on_end=functools.partial(record_end, metrics),
+    )
+    return Served(engine, qa)
+
+
 def run_engine(
-    model: ModelGeneration, body: Callable[[Engine, FakeFactory], Awaitable[None]], **sched: Any
+    model: ModelGeneration, body: Callable[[Served, FakeFactory], Awaitable[None]], **sched: Any
 ) -> FakeFactory:
     """Start a manager with one fake gang + an engine, run ``body``, stop everything."""
     factory = FakeFactory()
@@ -71,11 +105,13 @@ def run_engine(
         await engine.start()
         manager.set_target(1)
         await _until(lambda: manager.ready == 1, "a ready replica")
+        client = served(engine, metrics, default_deadline_s=scheduler.config.default_deadline_s)
         try:
-            await body(engine, factory)
+            await body(client, factory)
         finally:
             factory.gate.set()
             await engine.stop(timeout_s=2)
+            client.qa.shutdown()
             await manager.close(timeout_s=2)
 
     asyncio.run(main())
@@ -83,8 +119,10 @@ def run_engine(
 
 
 def test_concurrent_requests_are_batched_together(model: ModelGeneration) -> None:
-    async def body(engine: Engine, factory: FakeFactory) -> None:
-        jobs = [engine.submit([QAPair(f"Who is {i}?", "Ann met Bob in Paris.")]) for i in range(5)]
+    async def body(engine: Served, factory: FakeFactory) -> None:
+        jobs = [
+            await engine.submit_async([QAPair(f"Who is {i}?", "Ann met Bob in Paris.")]) for i in range(5)
+        ]
         results = await asyncio.gather(*(engine.wait(j) for j in jobs))
         assert all(r[0].prediction.answers for r in results)
 
@@ -93,9 +131,11 @@ def test_concurrent_requests_are_batched_together(model: ModelGeneration) -> Non
 
 
 def test_length_buckets_do_not_mix_short_and_long_windows(model: ModelGeneration) -> None:
-    async def body(engine: Engine, factory: FakeFactory) -> None:
-        jobs = [engine.submit([SHORT]) for _ in range(3)]
-        jobs += [engine.submit([QAPair("What is topic 7?", LONG_CONTEXT[:900])]) for _ in range(2)]
+    async def body(engine: Served, factory: FakeFactory) -> None:
+        jobs = [await engine.submit_async([SHORT]) for _ in range(3)]
+        jobs += [
+            await engine.submit_async([QAPair("What is topic 7?", LONG_CONTEXT[:900])]) for _ in range(2)
+        ]
         await asyncio.gather(*(engine.wait(j) for j in jobs))
 
     factory = run_engine(model, body, length_buckets=(64, 256, 384), max_batch_size=8)
@@ -106,9 +146,9 @@ def test_length_buckets_do_not_mix_short_and_long_windows(model: ModelGeneration
 
 
 def test_token_budget_limits_padded_tokens_per_batch(model: ModelGeneration) -> None:
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         pair = QAPair("What is topic 7?", LONG_CONTEXT[:400])
-        jobs = [engine.submit([pair]) for _ in range(6)]
+        jobs = [await engine.submit_async([pair]) for _ in range(6)]
         await asyncio.gather(*(engine.wait(j) for j in jobs))
 
     factory = run_engine(model, body, length_buckets=(64, 128, 384), max_batch_tokens=384, max_batch_size=32)
@@ -118,9 +158,9 @@ def test_token_budget_limits_padded_tokens_per_batch(model: ModelGeneration) -> 
 
 
 def test_long_context_request_completes_when_all_windows_return(model: ModelGeneration) -> None:
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         engine.inputs.window = WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
-        job = engine.submit([QAPair("What is topic 70?", LONG_CONTEXT)])
+        job = await engine.submit_async([QAPair("What is topic 70?", LONG_CONTEXT)])
         (res,) = await engine.wait(job)
         assert res.windows > 5 and res.prediction.answers
         for a in res.prediction.answers:
@@ -130,11 +170,11 @@ def test_long_context_request_completes_when_all_windows_return(model: ModelGene
 
 
 def test_client_disconnect_cancels_queued_work(model: ModelGeneration) -> None:
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         factory.gate.clear()
-        held = engine.submit([SHORT])
+        held = await engine.submit_async([SHORT])
         await _until(lambda: engine.manager.routable()[0].inflight_batches == 1, "held batch in flight")
-        queued = engine.submit([QAPair("Where?", "Ann met Bob in Paris.")])
+        queued = await engine.submit_async([QAPair("Where?", "Ann met Bob in Paris.")])
 
         async def gone() -> None:
             await asyncio.sleep(0.05)
@@ -150,13 +190,13 @@ def test_client_disconnect_cancels_queued_work(model: ModelGeneration) -> None:
 
 
 def test_stop_drains_admitted_requests_and_refuses_new_ones(model: ModelGeneration) -> None:
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         factory.gate.clear()
-        jobs = [engine.submit([SHORT]) for _ in range(3)]
+        jobs = [await engine.submit_async([SHORT]) for _ in range(3)]
         stopping = asyncio.ensure_future(engine.stop(timeout_s=5))
         await asyncio.sleep(0.1)
         with pytest.raises(EngineError) as info:
-            engine.submit([SHORT])
+            await engine.submit_async([SHORT])
         assert info.value.status == 503 and info.value.code == "shutting_down"
         factory.gate.set()
         results = await asyncio.gather(*(engine.wait(j) for j in jobs))
@@ -167,9 +207,9 @@ def test_stop_drains_admitted_requests_and_refuses_new_ones(model: ModelGenerati
 
 
 def test_stop_timeout_answers_leftovers_503(model: ModelGeneration) -> None:
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         factory.gate.clear()
-        job = engine.submit([SHORT])
+        job = await engine.submit_async([SHORT])
         await engine.stop(timeout_s=0.1)
         with pytest.raises(EngineError) as info:
             await engine.wait(job)
@@ -185,7 +225,7 @@ def test_a_drain_lets_requests_being_tokenized_finish(
     queued and answered when its tokens arrive after the drain began, not refused 503."""
     monkeypatch.setattr(input_processor, "INLINE_CHARS", 0)  # tokenized on the thread, the drain meanwhile
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         encode = engine.inputs.encode
 
         def slow_encode(pairs: list[QAPair]) -> Any:
@@ -207,9 +247,9 @@ def test_the_drain_time_running_out_answers_leftovers_503_without_stop(model: Mo
     """begin_drain(within_s=...) (the signal handler's call): when the time is out the loop itself
     answers what is left 503, before the HTTP server would cancel those requests (a bare 500)."""
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         factory.gate.clear()
-        job = engine.submit([SHORT])
+        job = await engine.submit_async([SHORT])
         engine.begin_drain(within_s=0.2)
         with pytest.raises(EngineError) as info:
             await asyncio.wait_for(engine.wait(job), 3)
@@ -225,9 +265,9 @@ def test_abort_answers_admitted_requests_503_at_once(model: ModelGeneration) -> 
     """A second signal: every admitted request (queued or in a blocked gang) is answered 503 by the
     loop's next pass, without waiting for the gang, and a later stop() does not wait either."""
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         factory.gate.clear()  # the gang holds its micro-batches: nothing would finish on its own
-        jobs = [engine.submit([SHORT]) for _ in range(5)]
+        jobs = [await engine.submit_async([SHORT]) for _ in range(5)]
         await asyncio.sleep(0.1)
         engine.abort()
         for job in jobs:  # the gate stays shut: only the abort can answer them
@@ -236,7 +276,7 @@ def test_abort_answers_admitted_requests_503_at_once(model: ModelGeneration) -> 
             assert (info.value.status, info.value.code) == (503, "shutting_down")
             assert "second signal" in info.value.detail
         with pytest.raises(EngineError) as info:
-            engine.submit([SHORT])
+            await engine.submit_async([SHORT])
         assert info.value.status == 503
         await asyncio.wait_for(engine.stop(timeout_s=60), 10)  # nothing left to drain: no 60 s wait
 
@@ -249,7 +289,7 @@ def test_short_text_is_tokenized_on_the_loop_unless_the_thread_is_busy(model: Mo
     seen: list[str] = []
     real_encode = InputProcessor.encode
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         def noting(pairs: list[QAPair]) -> Any:
             seen.append(threading.current_thread().name)
             return real_encode(engine.inputs, pairs)
@@ -282,7 +322,7 @@ def test_long_text_is_tokenized_off_the_event_loop(model: ModelGeneration, monke
 
     monkeypatch.setattr(InputProcessor, "encode", gated_encode)
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         task = asyncio.ensure_future(engine.submit_async([long]))
         await _until(lambda: "thread" in seen, "tokenization to start")
         release.set()
@@ -310,15 +350,18 @@ def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGener
         manager.set_target(1)
         await _until(lambda: manager.ready == 1, "a ready replica")
         # the loop task is not started: steps are driven here
-        engine = Engine(scheduler=scheduler, manager=manager, metrics=metrics, clock=lambda: next(ticks))
-        manager.attach(engine)
-        job = engine.submit([SHORT])
+        core = Engine(scheduler=scheduler, manager=manager, metrics=metrics, clock=lambda: next(ticks))
+        manager.attach(core)
+        engine = served(core, metrics)
+        job = await engine.submit_async([SHORT])
+        submitted_at = core.jobs.get(job.request_id).submitted_at
         wake = engine._step()  # one clock read: 10 ms after submit, the 15 ms delay has not passed
-        assert wake == pytest.approx(job.submitted_at + 0.015)  # not the 30 s deadline
+        assert wake == pytest.approx(submitted_at + 0.015)  # not the 30 s deadline
         assert engine.scheduler.stats().queued_requests == 1
         engine._step()  # 20 ms after submit: released by timeout
         assert engine.scheduler.stats().batches_by_reason["timeout"] == 1
         assert (await engine.wait(job))[0].prediction.answers
+        engine.qa.shutdown()
         await manager.close(timeout_s=2)
 
     asyncio.run(main())
@@ -327,9 +370,9 @@ def test_step_schedules_its_wakeup_from_the_same_clock_reading(model: ModelGener
 def test_one_ledger_counts_in_flight_work(model: ModelGeneration) -> None:
     """The replica's in-flight count and the engine's ongoing count are views of the scheduler's."""
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         factory.gate.clear()
-        job = engine.submit([SHORT])
+        job = await engine.submit_async([SHORT])
         replica = engine.manager.routable()[0]
         await _until(lambda: replica.inflight_batches == 1, "a batch in flight")
         assert engine.scheduler.inflight(replica.replica_id) == 1
@@ -344,9 +387,9 @@ def test_one_ledger_counts_in_flight_work(model: ModelGeneration) -> None:
 def test_failed_replica_work_fails_over_through_the_attached_listener(model: ModelGeneration) -> None:
     """With the only gang killed, the manager tells the engine at once: a clean 503, no hang."""
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         factory.gate.clear()
-        job = engine.submit([SHORT])
+        job = await engine.submit_async([SHORT])
         replica = engine.manager.routable()[0]
         await _until(lambda: replica.inflight_batches == 1, "a batch in flight")
         factory.gangs[0].kill()
@@ -363,14 +406,17 @@ def test_each_admitted_request_is_one_outcome_and_one_sample_per_phase(model: Mo
     its pairs as inferences when answered, and each phase it went through; per micro-batch returned,
     an execution by its windows. A request whose client went away is a failure."""
 
-    async def body(engine: Engine, factory: FakeFactory) -> None:
+    async def body(engine: Served, factory: FakeFactory) -> None:
         def value(name: str, **labels: str) -> float:
             return engine.metrics.all.registry.get_sample_value(
                 f"shardserve_{name}", {"model": "m", **labels}
             )
 
         engine.inputs.window = WindowConfig(max_seq_len=64, doc_stride=16, max_question_len=16)
-        jobs = [engine.submit([QAPair("What is topic 70?", LONG_CONTEXT)]), engine.submit([SHORT, SHORT])]
+        jobs = [
+            await engine.submit_async([QAPair("What is topic 70?", LONG_CONTEXT)]),
+            await engine.submit_async([SHORT, SHORT]),
+        ]
         results = await asyncio.gather(*(engine.wait(j) for j in jobs))
         windows = sum(r.windows for rs in results for r in rs)
         assert [value("request_phase_seconds_count", phase=p) for p in PHASES] == [2.0] * len(PHASES)
@@ -383,10 +429,10 @@ def test_each_admitted_request_is_one_outcome_and_one_sample_per_phase(model: Mo
         assert sum(size * n for size, n in executed.items()) == windows > 5
 
         factory.gate.clear()  # a request held in flight, one queued behind it whose client goes
-        held = engine.submit([SHORT])
+        held = await engine.submit_async([SHORT])
         await _until(lambda: engine.manager.routable()[0].inflight_batches == 1, "held batch in flight")
         with pytest.raises(ClientGone):
-            await engine.wait(engine.submit([SHORT]), disconnected=lambda: asyncio.sleep(0.05))
+            await engine.wait(await engine.submit_async([SHORT]), disconnected=lambda: asyncio.sleep(0.05))
         factory.gate.set()
         await engine.wait(held)
         assert value("inference_request_duration_seconds_count", outcome="fail") == 1

@@ -938,12 +938,12 @@ FAIR_CLIENTS = 8  # closed-loop clients of small requests (one window each, fewe
 def _maximal_items(client: TestClient) -> list[dict[str, str]]:
     """Two items (each context within max_context_chars) needing exactly max_windows_per_request
     windows together, at the default windowing (found with the server's own tokenizer)."""
-    engine = client.app.state.engine
+    engine, inputs = client.app.state.engine, client.app.state.clients.client().inputs
     cap = engine.scheduler.config.max_windows_per_request
     copies = client.app.state.settings.max_context_chars // (len(CONTEXT) + 1)
 
     def windows(n: int) -> int:
-        return len(engine.inputs.encode([QAPair(QUESTION, " ".join([CONTEXT] * n))]).windows)
+        return len(inputs.encode([QAPair(QUESTION, " ".join([CONTEXT] * n))]).windows)
 
     first = windows(copies)
     lo, hi = 1, copies  # fewest copies for the second item that reach the bound (windows grow by <= 1)
@@ -1033,8 +1033,9 @@ def test_a_request_that_cannot_fit_the_windows_bound_is_413_before_tokenizing() 
     with serving(max_windows_per_request=10, **kw) as (client, factory):
         engine = client.app.state.engine
         tokenized: list[int] = []
-        encode = engine.inputs.encode
-        engine.inputs.encode = lambda pairs: tokenized.append(len(pairs)) or encode(pairs)
+        inputs = client.app.state.clients.client().inputs  # the server's own process's EngineClient
+        encode = inputs.encode
+        inputs.encode = lambda pairs: tokenized.append(len(pairs)) or encode(pairs)
         r = ask(client, context="word " * 1_000)  # >= 1,000 tokens: at least 1 + ceil(940 / 43) = 23 windows
         assert r.status_code == 413 and r.json()["error"] == "too_large"
         assert "at least 23 windows, max_windows_per_request=10" in r.json()["detail"]
@@ -1052,7 +1053,8 @@ def test_full_queue_answers_429_before_tokenizing(monkeypatch: pytest.MonkeyPatc
     with serving(replicas=1, max_queue_size=3) as (client, _):
         engine = client.app.state.engine
         release = threading.Event()
-        encode = engine.inputs.encode
+        inputs = client.app.state.clients.client().inputs
+        encode = inputs.encode
         tokenized = []
 
         def slow_encode(pairs: Any) -> Any:
@@ -1060,7 +1062,7 @@ def test_full_queue_answers_429_before_tokenizing(monkeypatch: pytest.MonkeyPatc
             tokenized.append(len(pairs))
             return encode(pairs)
 
-        engine.inputs.encode = slow_encode
+        inputs.encode = slow_encode
         with ThreadPoolExecutor(12) as pool:
             held = _submit_async(client, pool, 3)  # 3 places: being tokenized
             wait_until(lambda: engine.scheduler.reserved == 3, what="3 places reserved")

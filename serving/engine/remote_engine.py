@@ -38,7 +38,7 @@ from shardserve.serving.engine.core_client import CoreClient, MetricsRelay
 from shardserve.serving.engine.input_processor import InputProcessor
 from shardserve.serving.engine.output_processor import DECODE_INLINE_MAX_WINDOWS, await_answer, decode_pairs
 from shardserve.serving.engine.qa_types import EngineError, PairResult, QAPair
-from shardserve.serving.engine.repository import model_not_found
+from shardserve.serving.fleet.repository import model_not_found
 
 logger = logging.getLogger(__name__)
 

@@ -154,7 +154,13 @@ PLACEMENT_POLICIES = ("dedicated", "multiplexed", "auto")
 class PlacementConfig:
     """How a server places its models on its devices (``--placement``; AlpaServe's policies in
     ``partitioner/placement/``): the policy, the devices and each one's memory, the workload the
-    choice is simulated for (declared; auto re-plans from the observed one) and the SLO."""
+    choice is simulated for (declared; auto re-plans from the observed one) and the SLO.
+
+    The one declaration of the placement's knobs: their defaults and the machine's defaults
+    (``default_devices``, the labels, each device's memory). The serve flags
+    (``serving/frontend/placement_flags.py``) name them for users, in their units, and take their
+    defaults from here; the fleet's placement runtime (``serving/fleet/placement.py``, its device
+    groups ``serving/fleet/groups.py``) reads them."""
 
     policy: str  # dedicated, multiplexed or auto
     devices: int  # devices the groups are made of (cpu: one core each; cuda: GPU slots)
@@ -212,6 +218,16 @@ class PlacementConfig:
             share = self.ranks_per_gpu if self.device == "cuda" else 1
             memory = default_device_memory_bytes(self.device, self.devices) // share
             object.__setattr__(self, "device_memory_bytes", memory)
+
+    @staticmethod
+    def default_devices(device: str, *, ranks_per_gpu: int, cores: int) -> int:
+        """The devices of a placement that names none: the ``cores`` on cpu (each running single-thread
+        ranks), the GPU slots on cuda (``ranks_per_gpu`` per GPU)."""
+        if device == "cuda":
+            import torch
+
+            return max(1, torch.cuda.device_count() * ranks_per_gpu)
+        return cores
 
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -3,8 +3,10 @@ manager, supervisor) and the engine wired to them (vLLM's ``AsyncLLM.from_config
 
 The one place that wires the rooms below the front end: the front end passes the configs its
 settings build (``serving/config.py``) and gets an ``Engine`` whose facade (``serving/engine/core.py``)
-is all it talks to; it never imports ``shardserve.serving.fleet``. The model is loaded and the device pool
-checked here too, before anything starts (the CLI checks both before the server starts).
+is all it talks to about one model; of the fleet it imports only the model repository
+(``serving/fleet/repository.py``), which holds these engines (``build_engine`` is the engine factory
+the front end's lifespan hands it). The model is loaded and the device pool checked here too, before
+anything starts (the CLI checks both before the server starts).
 
     fleet = settings.fleet_config(dtype="float32", compile=False)
     model = load_model(fleet, "tiny-bert", generation=0)   # ValueError / CheckpointError / OSError
@@ -14,7 +16,7 @@ checked here too, before anything starts (the CLI checks both before the server 
     await engine.start(); ...; await engine.shutdown(timeout_s=30)
 
 With ``--placement``, ``build_placement`` makes the device groups several models share, and each
-model's engine is built with ``gangs=placed.gangs(name)`` (``serving/engine/placement.py``).
+model's engine is built with ``gangs=placed.gangs(name)`` (``serving/fleet/placement.py``).
 
 Tests pass ``backend_factory`` (``partitioner/runtime/fake_gang.py``) instead of real gangs.
 """
@@ -26,11 +28,11 @@ from collections.abc import Awaitable, Callable
 from shardserve.partitioner.placement.simulator import SimConfig
 from shardserve.serving.config import AutoscalingConfig, FleetConfig, PlacementConfig, SchedulerConfig
 from shardserve.serving.engine.core import Engine
-from shardserve.serving.engine.placement import PlacedModels
 from shardserve.serving.engine.scheduler import Scheduler
 from shardserve.serving.fleet import model_loader
 from shardserve.serving.fleet.gangs import BackendFactory, GangSource, ModelGeneration, OwnGangs, gang_factory
 from shardserve.serving.fleet.groups import DeviceGroups
+from shardserve.serving.fleet.placement import PlacedModels
 from shardserve.serving.fleet.pool import DevicePool
 from shardserve.serving.fleet.replicas import ReplicaManager
 from shardserve.serving.fleet.supervisor import Supervisor
@@ -114,7 +116,7 @@ def build_engine(
     (default: the loaded model's), fixed across reloads, and its ``model`` label in ``metrics``;
     ``pool``: a device pool shared with other models' engines (default: its own, from ``fleet``);
     ``gangs``: where its replica gangs come from instead (a placement's device groups, with ``roll``
-    its reloads: ``serving/engine/placement.py``)."""
+    its reloads: ``serving/fleet/placement.py``)."""
     name = name or model.source.name
     model_metrics = metrics.for_model(name)
     if gangs is None:

@@ -50,7 +50,7 @@ from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.input_processor import AdmissionAsk, record_context_cache
 from shardserve.serving.engine.output_processor import record_end
 from shardserve.serving.engine.qa_types import EngineError
-from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.fleet.repository import ModelRepository
 from shardserve.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,8 @@ Owns the vocabulary shared by the HTTP routes and the engine's parts (input proc
 output processor): one ``QAPair`` in, one ``PairResult`` out, the engine core's ``CoreAnswer`` between (a request's
 logits, decoded by its client), and the two ways a request ends
 without answers (``EngineError`` with its HTTP status, ``ClientGone``). Plain data, no logic, so
-every part imports it without importing any other.
+every part imports it without importing any other. ``EngineError`` is defined in ``serving/errors.py``
+(the fleet's model repository raises it too) and handed on here.
 
     pair = QAPair("Who?", "Ann met Bob.", top_k=3)
     raise EngineError(429, "queue_full", "256 requests queued", retry_after_s=2)
@@ -17,17 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.models.qa_decoding import QAPrediction
+from shardserve.serving.errors import EngineError
 
-
-class EngineError(Exception):
-    """A request cannot be answered: HTTP ``status``, machine ``code``, human ``detail``."""
-
-    def __init__(self, status: int, code: str, detail: str, *, retry_after_s: int | None = None) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.code = code
-        self.detail = detail
-        self.retry_after_s = retry_after_s
+__all__ = ["ClientGone", "EngineError", "PairResult", "QAPair"]
 
 
 class ClientGone(Exception):

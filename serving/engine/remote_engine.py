@@ -26,7 +26,7 @@ from typing import Any
 from shardserve.serving.engine.client import ClientLimits, EngineClient
 from shardserve.serving.engine.core_client import CoreClient, MetricsRelay
 from shardserve.serving.engine.qa_types import EngineError
-from shardserve.serving.engine.repository import model_not_found
+from shardserve.serving.fleet.repository import model_not_found
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,9 @@
 
 Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model and loads the
 tokenizer, then has the engine room build the scheduler, the fleet and the engine from the settings'
-configs (``serving/engine/builder.py``; the front end never imports ``shardserve.serving.fleet``) and starts
-the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
+configs (``serving/engine/builder.py``; of ``shardserve.serving.fleet`` the front end imports only the
+model repository, ``serving/fleet/repository.py``, which it hands ``build_engine`` as its engine factory)
+and starts the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
 warm). On shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops
 the gangs (``Engine.shutdown``).
 
@@ -67,7 +68,7 @@ from shardserve.serving.engine.client import LocalClients
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.core_client import MetricsRelay
 from shardserve.serving.engine.core_server import CoreServer
-from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.fleet.repository import ModelRepository
 from shardserve.serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
 from shardserve.serving.frontend.access import AccessMiddleware, include_protected
 from shardserve.serving.frontend.api_role import CoreLink, ForwardToCore, api_lifespan

@@ -37,7 +37,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from shardserve.serving.config import MODEL_NAME
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import EngineError
-from shardserve.serving.engine.repository import ModelRepository, model_version
+from shardserve.serving.fleet.repository import ModelRepository, model_version
 from shardserve.serving.frontend import kserve_v2, v2_binary
 from shardserve.serving.frontend.grpc_call import Access, Call, GrpcError, run_rpc
 from shardserve.serving.frontend.qa_call import answer_for

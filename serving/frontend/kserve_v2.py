@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardserve import __version__
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import EngineError
-from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.fleet.repository import ModelRepository
 from shardserve.serving.frontend import v2_binary
 from shardserve.serving.frontend.access import ApiKeyRoute, request_id_of
 from shardserve.serving.frontend.openapi import RETRY_AFTER_503_S

@@ -4,7 +4,8 @@
 console script makes its flags) that ``ServeSettings`` inherits, as it does ``GangFlags``: the policy,
 the devices and their memory, the workload and SLO the placement is chosen for, a measured latency
 profile, and auto's re-planning. ``placement_problems`` is their one validation, ``placement_settings``
-the ``PlacementConfig`` (``serving/config.py``) they describe.
+the ``PlacementConfig`` (``serving/config.py``) they describe. The knobs are declared there (their
+defaults, and the machine's default devices); the flags give them their users' names and units.
 
     flags = ServeSettings(model=["a=default", "b=default"], placement="auto", workload_cv=4)
     flags.placement_config(dtype="bfloat16")    # PlacementConfig(policy="auto", devices=2, ...)
@@ -67,19 +68,19 @@ class PlacementFlags(BaseSettings):
         "divided by devices on cpu)",
     )
     workload_rate: float = Field(
-        10.0,
+        PlacementConfig.rate,
         gt=0,
         description="with placement: the requests/s (all models together, shared evenly) the placement "
         "is chosen for at start",
     )
     workload_cv: float = Field(
-        1.0,
+        PlacementConfig.cv,
         gt=0,
         description="with placement: the burstiness it is chosen for: the coefficient of variation of "
         "each model's inter-arrival times (a Gamma process; 1 is Poisson, 4 very bursty)",
     )
     slo_scale: float = Field(
-        5.0,
+        PlacementConfig.slo_scale,
         gt=0,
         description="with placement: each model's latency objective, a multiple of its single-request "
         "latency; the placement maximises the share of requests answered within it",
@@ -96,14 +97,16 @@ class PlacementFlags(BaseSettings):
         "shape (what benchmarks/bench_multimodel.py writes), used instead of the cost model's estimate",
     )
     replan_interval_s: float = Field(
-        60.0,
+        PlacementConfig.replan_interval_s,
         ge=0,
         description="with placement auto: seconds between re-plans for the arrivals observed over the "
         "last replan_look_back_s; a placement that predicts 2 points more SLO attainment is rolled "
         "out (0: never re-plan)",
     )
     replan_look_back_s: float = Field(
-        120.0, gt=0, description="with placement auto: seconds of observed arrivals a re-plan is fitted to"
+        PlacementConfig.look_back_s,
+        gt=0,
+        description="with placement auto: seconds of observed arrivals a re-plan is fitted to",
     )
 
     def placement_problems(self, given: Set[str]) -> list[str]:
@@ -130,11 +133,7 @@ class PlacementFlags(BaseSettings):
         """The devices a placement uses (see ``devices``)."""
         if self.devices is not None:
             return self.devices
-        if device == "cuda":
-            import torch
-
-            return max(1, torch.cuda.device_count() * ranks_per_gpu)
-        return cores
+        return PlacementConfig.default_devices(device, ranks_per_gpu=ranks_per_gpu, cores=cores)
 
     def placement_settings(self, *, dtype: str, devices: int, **where: Any) -> PlacementConfig | None:
         """The ``PlacementConfig`` (None without ``placement``); ``dtype`` as resolved, ``where``: the

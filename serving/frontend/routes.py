@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import EngineError
-from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.fleet.repository import ModelRepository
 from shardserve.serving.frontend.access import (
     ApiKeyRoute,
     Handler,

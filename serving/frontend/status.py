@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.replica_detail import ReplicaDetail
-from shardserve.serving.engine.repository import ModelEntry, ModelRepository
+from shardserve.serving.fleet.repository import ModelEntry, ModelRepository
 from shardserve.serving.frontend.status_schemas import (
     ApiWorkerStatus,
     AutoscalerStatus,

@@ -145,7 +145,7 @@ class ModelStatus(BaseModel):
 
 
 class PlacementStatus(BaseModel):
-    """Where the models run with ``--placement``: the device groups and why (``serving/engine/placement.py``)."""
+    """Where the models run with ``--placement``: the device groups and why (``serving/fleet/placement.py``)."""
 
     policy: Literal["dedicated", "multiplexed", "auto"]
     devices: int

@@ -7,7 +7,7 @@ a folder of ``--model-repository`` not loaded) with its version and state; ``POS
 wrote; a model already served is reloaded: its new gangs are ready before the old ones drain) and
 answers once a gang of it answers; ``.../unload`` drains and stops one. All of them need the admin
 token (``Authorization: Bearer <admin_token>``, 401 otherwise). The other models keep serving
-throughout: each has its own engine (``serving/engine/repository.py``).
+throughout: each has its own engine (``serving/fleet/repository.py``).
 
 Errors are the v2 object ``{"error": "code: detail"}``: 400 a model that cannot be loaded or is not
 loaded, 404 a name the server does not know (to load without a path, or to unload), 409 a load or unload of it already under way, 503 starting
@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.serving.config import MODEL_NAME
 from shardserve.serving.engine.qa_types import EngineError
-from shardserve.serving.engine.repository import ModelRepository
+from shardserve.serving.fleet.repository import ModelRepository
 from shardserve.serving.frontend.kserve_v2 import V2Route, v2_error, v2_responses
 from shardserve.serving.frontend.routes import AdminRoute, require_admin
 

@@ -42,7 +42,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from pydantic import BaseModel, Field
 
 from shardserve.serving.engine.core import Engine
-from shardserve.serving.engine.repository import ModelRepository, model_version
+from shardserve.serving.fleet.repository import ModelRepository, model_version
 from shardserve.serving.frontend.kserve_v2 import V2ModelRoute, model_engine, v2_error, v2_responses
 from shardserve.serving.metrics import ServingMetrics
 

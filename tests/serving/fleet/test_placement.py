@@ -1,7 +1,7 @@
-"""Serving several models with a placement (serving/engine/placement.py): the device groups they
+"""Serving several models with a placement (serving/fleet/placement.py): the device groups they
 share, answered through every protocol, loads / unloads / re-plans rolled live, on fake gangs.
 
-Run: python -m pytest tests/serving/engine/test_placement.py -q
+Run: python -m pytest tests/serving/fleet/test_placement.py -q
 """
 
 from __future__ import annotations

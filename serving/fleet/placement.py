@@ -6,7 +6,8 @@
   the arrivals observed since (each engine's ``arrivals``);
 - **make real**: each model's generation is split as its groups are (their pp and tp), and the
   groups' gangs are ``serving/fleet/groups.py``'s; each model's engine draws its replicas from there
-  (``gangs(name)``, ``replicas(name)``);
+  (``gangs(name)``, ``replicas(name)``) and follows the placement once attached (``attach``: a
+  ``ModelEngine``, ``serving/fleet/model_engine.py``, whose replica manager it rolls);
 - **change**: a new placement (a model loaded or unloaded, a model reloaded, or a re-plan that
   predicts more SLO attainment by ``min_gain``) rolls every engine whose places changed, all at
   once (a group shared by several models starts once), each like a reload: its new gangs are ready
@@ -19,7 +20,7 @@
     await placed.change({"a": gen_a, "b": gen_b, "c": gen_c}, reason="model c loaded")
     await placed.replan()                                   # auto: from the observed arrivals
 
-Tests: ``pytest tests/serving/engine/test_placement.py``.
+Tests: ``pytest tests/serving/fleet/test_placement.py``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from shardserve.partitioner.placement.simulator import SimConfig
 from shardserve.partitioner.placement.workload import Trace, steady
 from shardserve.partitioner.plan import ParallelDims
 from shardserve.serving.config import PlacementConfig
-from shardserve.serving.engine.core import Engine
 from shardserve.serving.fleet.gangs import GangSource, ModelGeneration
 from shardserve.serving.fleet.groups import DeviceGroups
+from shardserve.serving.fleet.model_engine import ModelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class PlacedModels:
         self.history: list[dict[str, Any]] = []  # placements rolled out: time, reason, describe
         self._models: dict[str, ModelGeneration] = {}  # as loaded
         self._placed: dict[str, ModelGeneration] = {}  # at their groups' pp / tp
-        self._engines: dict[str, Engine] = {}
+        self._engines: dict[str, ModelEngine] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
@@ -83,7 +84,7 @@ class PlacedModels:
         """Groups holding model ``name`` (its replica count)."""
         return self.groups.replicas(name)
 
-    def attach(self, name: str, engine: Engine) -> None:
+    def attach(self, name: str, engine: ModelEngine) -> None:
         """``engine`` serves model ``name`` from now on (it rolls with the placement)."""
         self._engines[name] = engine
 
@@ -204,7 +205,7 @@ class PlacedModels:
             return await self._roll()
 
     async def _roll(self) -> dict[str, Exception]:
-        async def roll(name: str, engine: Engine) -> None:
+        async def roll(name: str, engine: ModelEngine) -> None:
             gen, want = self._placed.get(name), self.replicas(name)
             manager = engine.manager
             moved = any(not manager.gangs.current(r.slots) for r in manager.replicas.values())

@@ -2,11 +2,14 @@
 
 Triton's model repository (and its repository extension) over shardserve's engines: a model has a
 public name (``--model NAME=MODEL``, a sub-folder of ``--model-repository``, or the loaded model's
-name) and its own ``Engine`` (``serving/engine/core.py``): its own admission and queue, batcher,
-replica gangs, autoscaler and metrics series (``model`` label), so a burst or a failure of one model
-never reaches another's queue or gangs. The engines share the device pool (``pool=`` of
+name) and its own engine (``serving/engine/core.py``'s ``Engine``): its own admission and queue,
+batcher, replica gangs, autoscaler and metrics series (``model`` label), so a burst or a failure of
+one model never reaches another's queue or gangs. The repository knows an engine only as a
+``ModelEngine`` (``serving/fleet/model_engine.py``) and gets each from ``build``, the engine factory
+that whoever assembles the server hands in (the front end's lifespan, with
+``serving/engine/builder.py``'s ``build_engine``). The engines share the device pool (``pool=`` of
 ``build_engine``), so together they never hold more slots than the machine has. With a placement
-(``--placement``, ``serving/engine/placement.py``) they share device groups instead: every model is
+(``--placement``, ``serving/fleet/placement.py``) they share device groups instead: every model is
 loaded before any engine is built, the placement chosen for all of them, and each engine draws its
 replicas from the groups holding its model; a load, an unload or a reload re-places the models and
 rolls the engines whose places changed.
@@ -27,7 +30,7 @@ repository, or the path of its last load).
     repo.index()                                             # [{"name", "version", "state", "reason"}]
     await repo.shutdown(timeout_s=30)
 
-Tests: ``pytest tests/serving/engine/test_repository.py``.
+Tests: ``pytest tests/serving/fleet/test_repository.py tests/serving/frontend/test_v2_repository.py``.
 """
 
 from __future__ import annotations
@@ -39,16 +42,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from shardserve.models.config import ModelConfigError
 from shardserve.models.hf_weights import CheckpointError
 from shardserve.partitioner.placement.latency import PlacementError
 from shardserve.serving.config import check_model_name, repository_models
-from shardserve.serving.engine.core import Engine
-from shardserve.serving.engine.placement import PlacedModels
-from shardserve.serving.engine.qa_types import EngineError
+from shardserve.serving.errors import EngineError
 from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.model_engine import ModelEngine
+from shardserve.serving.fleet.placement import PlacedModels
 from shardserve.serving.metrics import ServingMetrics
 from shardserve.serving.redact import one_line
 
@@ -56,8 +59,9 @@ logger = logging.getLogger(__name__)
 
 READY_POLL_S = 0.05
 
+E = TypeVar("E", bound=ModelEngine)  # the engines served (the server's: serving/engine/core.py's Engine)
 LoadModel = Callable[[str, int], ModelGeneration]  # (model reference, generation) -> a checked model
-BuildEngine = Callable[[str, ModelGeneration], Engine]  # (public name, model) -> an engine, not started
+BuildEngine = Callable[[str, ModelGeneration], E]  # (public name, model) -> an engine, not started
 
 
 class ModelState(StrEnum):
@@ -68,12 +72,12 @@ class ModelState(StrEnum):
 
 
 @dataclass
-class ModelEntry:
+class ModelEntry(Generic[E]):
     """One model of the repository."""
 
     name: str  # public name: the routes' and the metrics' ``model``
     ref: str  # what it loads: a registry name or a server path (never shown to clients)
-    engine: Engine | None = None
+    engine: E | None = None
     unavailable: str | None = None  # why it is not served (load failed, not loaded), path-free
     unloading: bool = False
     loaded_at: float = 0.0  # time.time() of its last load
@@ -108,14 +112,14 @@ def model_version(engine: Any) -> str:
     return str(engine.generation + 1)
 
 
-class ModelRepository:
+class ModelRepository(Generic[E]):
     """The served models by public name, in the order given (the first is the default)."""
 
     def __init__(
         self,
         *,
         load: LoadModel,
-        build: BuildEngine,
+        build: BuildEngine[E],
         metrics: ServingMetrics,
         root: Path | None = None,
         drain_timeout_s: float = 30.0,
@@ -127,7 +131,7 @@ class ModelRepository:
         self.root = root
         self.drain_timeout_s = drain_timeout_s
         self.ready_timeout_s = ready_timeout_s
-        self.entries: dict[str, ModelEntry] = {}
+        self.entries: dict[str, ModelEntry[E]] = {}
         self._busy: set[str] = set()  # names with a load or unload under way
         self._starting: set[str] = set()  # start-up models that have neither answered nor failed yet
         self._stopping = False
@@ -141,10 +145,10 @@ class ModelRepository:
         """The first model being served or loading (requests naming no model go to it)."""
         return next((e.name for e in self.entries.values() if e.engine is not None), None)
 
-    def engines(self) -> list[Engine]:
+    def engines(self) -> list[E]:
         return [e.engine for e in self.entries.values() if e.engine is not None]
 
-    def engine(self, name: str | None = None) -> Engine:
+    def engine(self, name: str | None = None) -> E:
         """The engine of ``name`` (None: the default model). EngineError 404 ``model_not_found`` for a
         name the server does not know, 503 ``model_unavailable`` for one it does not serve now."""
         key = self.default_name if name is None else name
@@ -243,7 +247,9 @@ class ModelRepository:
             except EngineError as err:
                 logger.error("model %s is unavailable: %s", entry.name, err.detail)
 
-    async def _start_placed(self, pending: list[ModelEntry], preloaded: dict[str, ModelGeneration]) -> None:
+    async def _start_placed(
+        self, pending: list[ModelEntry[E]], preloaded: dict[str, ModelGeneration]
+    ) -> None:
         """Load every model, place them all, then build and start each placed one's engine."""
         assert self.placement is not None
         models: dict[str, ModelGeneration] = {}
@@ -270,7 +276,7 @@ class ModelRepository:
                 logger.error("model %s is unavailable: %s", entry.name, err.detail)
         self.placement.start()
 
-    async def _load_entry(self, entry: ModelEntry, generation: int = 0) -> ModelGeneration:
+    async def _load_entry(self, entry: ModelEntry[E], generation: int = 0) -> ModelGeneration:
         """Check and load ``entry``'s model; EngineError 400 ``load_failed`` (entry UNAVAILABLE, the
         reason path-free) when it cannot be loaded."""
         try:
@@ -283,7 +289,7 @@ class ModelRepository:
             entry.unavailable = f"failed to load: {one_line(err)}"
             raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}") from err
 
-    async def _start_entry(self, entry: ModelEntry, model: ModelGeneration | None) -> None:
+    async def _start_entry(self, entry: ModelEntry[E], model: ModelGeneration | None) -> None:
         """Check and build ``entry``'s model and start its engine; EngineError 400 ``load_failed``
         (entry UNAVAILABLE, the reason path-free) when it cannot be loaded."""
         if model is None:
@@ -299,7 +305,7 @@ class ModelRepository:
         await engine.start()
         logger.info("model %s: %s loaded, its gangs starting", entry.name, model.source.name)
 
-    async def load(self, name: str, ref: str | None = None) -> ModelEntry:
+    async def load(self, name: str, ref: str | None = None) -> ModelEntry[E]:
         """Load model ``name`` from ``ref`` (a registry name or a server path; None: where the
         repository has it, or what it was loaded from) and wait until a gang of it answers. A model
         already served is reloaded (new gangs ready before the old drain). EngineError: 400
@@ -327,7 +333,7 @@ class ModelRepository:
         finally:
             self._busy.discard(name)
 
-    async def _place_new(self, entry: ModelEntry) -> ModelGeneration | None:
+    async def _place_new(self, entry: ModelEntry[E]) -> ModelGeneration | None:
         """With a placement: load ``entry``'s model, place it beside the others (rolling those whose
         places change) and return it as placed; EngineError 400 ``load_failed`` when it is not placed.
         Without one: None (``_start_entry`` loads it)."""
@@ -347,7 +353,7 @@ class ModelRepository:
             raise EngineError(400, "load_failed", f"model {entry.name!r} {entry.unavailable}")
         return placed
 
-    async def _wait_ready(self, entry: ModelEntry) -> None:
+    async def _wait_ready(self, entry: ModelEntry[E]) -> None:
         """Until a gang of ``entry`` answers; a model whose gangs cannot start is stopped and reported."""
         deadline = time.monotonic() + self.ready_timeout_s
         while entry.state is ModelState.LOADING and time.monotonic() < deadline:
@@ -377,7 +383,7 @@ class ModelRepository:
         entry.unavailable = "unloaded"  # still known: a load by name alone serves it again
         logger.info("model %s unloaded", name)
 
-    async def _stop_entry(self, entry: ModelEntry, *, timeout_s: float) -> None:
+    async def _stop_entry(self, entry: ModelEntry[E], *, timeout_s: float) -> None:
         engine, entry.unloading = entry.engine, True
         if engine is not None:
             await engine.shutdown(timeout_s=timeout_s)

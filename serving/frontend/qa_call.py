@@ -23,7 +23,7 @@ from fastapi import Request
 from shardserve.serving.engine.answer import Answered, answer_pairs
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.qa_types import QAPair
-from shardserve.serving.frontend.access import disconnect_watcher, note_windows
+from shardserve.serving.frontend.http.access import disconnect_watcher, note_windows
 from shardserve.serving.frontend.schemas import QAItem
 
 

@@ -158,7 +158,7 @@ def serve(kind: str, port: int, *, sleep_s: float, batch_s: float) -> None:
         from shardserve.partitioner.runtime.fake_gang import FakeFactory
         from shardserve.serving.frontend.app import build_app
         from shardserve.serving.frontend.cli import DrainingServer
-        from shardserve.serving.frontend.http_protocol import uvicorn_config
+        from shardserve.serving.frontend.http.protocol import uvicorn_config
         from shardserve.serving.frontend.settings import ServeSettings
 
         settings = ServeSettings(model="default", replicas=2, port=port, host="127.0.0.1")

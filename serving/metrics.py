@@ -12,7 +12,7 @@ the label bound), and ``forget_model`` drops a model's series when it is unloade
 - requests_total{model,endpoint,status}, request_latency_seconds{model,endpoint} (histogram): every
   HTTP answer; ``model`` is empty for routes of no model (health, metrics, admin)
 - queue_wait_seconds (submit -> last window dispatched), queue_depth_requests / _windows (gauges)
-- what Triton's statistics extension reports (``serving/frontend/v2_statistics.py`` reads them). The
+- what Triton's statistics extension reports (``serving/frontend/v2/statistics.py`` reads them). The
   engine writes them, so requests of every protocol count, whatever their endpoint:
   - inference_request_duration_seconds{model,outcome} (histogram): each request the engine admitted,
     from its arrival (before tokenizing) until ``Engine.wait`` ends: answered (``success``) or failed

@@ -44,10 +44,10 @@ TIERS: dict[str, frozenset[str]] = {
             "partitioner/test_precision.py",
             "serving/frontend/test_api.py",
             "serving/frontend/test_api_workers.py",
-            "serving/frontend/test_openapi.py",
+            "serving/frontend/http/test_openapi.py",
             "serving/frontend/test_serve_cli.py",
             "serving/frontend/test_serve_cli_signals.py",
-            "serving/frontend/test_ui_browser.py",
+            "serving/frontend/status/test_ui_browser.py",
             "serving/test_default_model.py",
             "serving/test_e2e.py",
             "serving/test_overload.py",
@@ -62,7 +62,7 @@ TIERS: dict[str, frozenset[str]] = {
     "netns": frozenset(
         {"deploy/test_netns.py", "deploy/test_multihost_gang.py", "deploy/test_multihost_training.py"}
     ),
-    "browser": frozenset({"serving/frontend/test_ui_browser.py", "docs/test_site.py"}),
+    "browser": frozenset({"serving/frontend/status/test_ui_browser.py", "docs/test_site.py"}),
 }
 
 

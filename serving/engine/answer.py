@@ -5,13 +5,13 @@ while the server is starting or stopping (503), admit and tokenize (``EngineClie
 429 / 413 before the work), wait for the answers (504 past the deadline; the client disconnecting
 cancels the queued work: 499). Every way it can fail is an ``EngineError`` with its HTTP status and
 a detail naming the field (``locate``: how the protocol names pair ``i``'s field); each protocol
-(``serving/frontend/routes.py``, ``serving/frontend/kserve_v2.py``) shapes the answer.
+(``serving/frontend/rest/routes.py``, ``serving/frontend/v2/routes.py``) shapes the answer.
 
     answered = await answer_pairs(client, [QAPair("Who?", "Ann met Bob.")], timeout_s=None,
                                   max_context_chars=100_000, max_question_chars=2_000)
     answered.results            # list[PairResult], in pair order
 
-Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/test_kserve_v2.py``.
+Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/v2/test_routes.py``.
 """
 
 from __future__ import annotations

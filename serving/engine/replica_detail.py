@@ -1,7 +1,7 @@
 """One replica gang as the status page shows it: its state, and where its ranks run as they report it.
 
 Built from the replica manager's ``Replica`` by ``Engine.replica_details`` (``serving/engine/core.py``),
-read by ``serving/frontend/status.py``; plain data, so the front end never holds a fleet object.
+read by ``serving/frontend/status/board.py``; plain data, so the front end never holds a fleet object.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ starts the processes, each on its own ``SO_REUSEPORT`` socket of the server's po
 ``api_lifespan`` replaces the core's lifespan: no models, no gangs, a link to the core. The app's
 repository is a ``RemoteRepository`` and its metrics a ``MetricsRelay``
 (``serving/engine/remote_engine.py``, ``serving/engine/core_client.py``), so every QA route of every
-protocol runs unchanged (gRPC too: ``serving/frontend/grpc_forward.py``).
+protocol runs unchanged (gRPC too: ``serving/frontend/grpc/forward.py``).
 ``ForwardToCore`` sends the routes off the hot path (admin, /metrics, the status JSON, /v1/models,
 Triton's statistics, config and repository) whole to the core, which answers them in its app: auth,
 counts and the status have one home. The core's ``State`` says when the server stops (readiness 503,
@@ -100,7 +100,7 @@ async def api_lifespan(app: FastAPI) -> AsyncIterator[None]:
     grpc_front = None
     try:
         if settings.grpc_port is not None and link.grpc_address is not None:
-            from shardserve.serving.frontend.grpc_server import GrpcFront
+            from shardserve.serving.frontend.grpc.server import GrpcFront
 
             grpc_front = await GrpcFront.start(
                 app, host=settings.host, port=settings.grpc_port, core_address=link.grpc_address

@@ -38,7 +38,7 @@ import uvicorn
 
 from shardserve.serving.engine.core_server import CoreServer
 from shardserve.serving.frontend.api_role import CoreLink, reuseport_socket
-from shardserve.serving.frontend.http_protocol import DrainingHttpServer, uvicorn_config
+from shardserve.serving.frontend.http.protocol import DrainingHttpServer, uvicorn_config
 from shardserve.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ def hold_ports(app: Any, config: uvicorn.Config) -> list[socket.socket]:
     settings = app.state.settings
     held = [reuseport_socket(settings.host, settings.port, listen=False)]
     config.port = port = held[0].getsockname()[1]
-    if settings.grpc_port is not None:  # the API processes serve it too (grpc_forward.py)
+    if settings.grpc_port is not None:  # the API processes serve it too (grpc/forward.py)
         held.append(reuseport_socket(settings.host, settings.grpc_port, listen=False))
         app.state.settings = settings.model_copy(update={"grpc_port": held[-1].getsockname()[1]})
     app.state.api_pool_factory = lambda core: ApiWorkerPool(

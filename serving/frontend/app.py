@@ -8,9 +8,9 @@ and starts the gangs in the background (so /healthz answers at once and /readyz 
 warm). On shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops
 the gangs (``Engine.shutdown``).
 
-``AccessMiddleware`` (``serving/frontend/access.py``, outermost) gives each request its ``X-Request-ID`` and
+``AccessMiddleware`` (``serving/frontend/http/access.py``, outermost) gives each request its ``X-Request-ID`` and
 writes the access log; routes under /v1 and /v2/models (but model readiness, a health route) need
-``--api-key`` when one is set; the Open Inference Protocol (KServe v2) routes are ``serving/frontend/kserve_v2.py``.
+``--api-key`` when one is set; the Open Inference Protocol (KServe v2) routes are ``serving/frontend/v2/routes.py``.
 
 ``RequestGuard`` (a pure ASGI middleware) checks every request body BEFORE FastAPI parses it:
 ``Content-Length`` / streamed size over ``max_body_bytes`` -> 413, invalid UTF-8 -> 400; a gzip or
@@ -24,9 +24,9 @@ request's ``Host`` header (an open redirect).
     build_app(settings, backend_factory=fake)                        # tests: fake gangs in-process
 
 The status page (``/``), its JSON (``GET /ui/status``) and the offline ``/docs`` / ``/redoc`` are
-``serving/frontend/pages.py``.
+``serving/frontend/status/pages.py``.
 
-``app.state``: settings, metrics, status (``shardserve.serving.frontend.status.StatusBoard``), and after startup
+``app.state``: settings, metrics, status (``shardserve.serving.frontend.status.board.StatusBoard``), and after startup
 ``models`` (the ``ModelRepository``: each served model's engine, the front end's one handle on the
 fleet) and, for tests and the CLI, the default model's engine, manager and supervisor;
 ``shutting_down`` flips when SIGTERM arrives (readiness -> 503).
@@ -69,17 +69,21 @@ from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.core_client import MetricsRelay
 from shardserve.serving.engine.core_server import CoreServer
 from shardserve.serving.fleet.repository import ModelRepository
-from shardserve.serving.frontend import content_encoding, kserve_v2, v2_binary, v2_model_config, v2_repository
-from shardserve.serving.frontend.access import AccessMiddleware, include_protected
 from shardserve.serving.frontend.api_role import CoreLink, ForwardToCore, api_lifespan
+from shardserve.serving.frontend.http import content_encoding
+from shardserve.serving.frontend.http.access import AccessMiddleware, include_protected
+from shardserve.serving.frontend.http.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
 from shardserve.serving.frontend.layout import fit_serve_layout, serve_precision
-from shardserve.serving.frontend.openapi import RETRY_AFTER_503_S, allowed_methods, install_openapi
-from shardserve.serving.frontend.pages import install_pages
 from shardserve.serving.frontend.qa_call import client_limits
-from shardserve.serving.frontend.routes import admin_router, api_router, health_router
+from shardserve.serving.frontend.rest.routes import admin_router, api_router, health_router
 from shardserve.serving.frontend.settings import ServeSettings
-from shardserve.serving.frontend.status import StatusBoard
-from shardserve.serving.frontend.v2_statistics import router as statistics_router
+from shardserve.serving.frontend.status.board import StatusBoard
+from shardserve.serving.frontend.status.pages import install_pages
+from shardserve.serving.frontend.v2 import binary as v2_binary
+from shardserve.serving.frontend.v2 import model_config as v2_model_config
+from shardserve.serving.frontend.v2 import repository as v2_repository
+from shardserve.serving.frontend.v2 import routes as v2_routes
+from shardserve.serving.frontend.v2.statistics import router as statistics_router
 from shardserve.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -159,7 +163,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.api_worker_count > 1:  # this process is the core of N API processes
             core, app.state.api_pool = await start_api_core(app)
         if settings.grpc_port is not None:  # KServe v2 / Triton gRPC beside REST, on this event loop
-            from shardserve.serving.frontend.grpc_server import GrpcFront
+            from shardserve.serving.frontend.grpc.server import GrpcFront
 
             # the core of API processes: they serve the port, this only their forwarded RPCs
             internal = None if core is None else core.grpc_address
@@ -249,8 +253,8 @@ _BINARY_HEADER = v2_binary.HEADER.lower().encode()
 class RequestGuard:
     """Reject oversized (413) and non-UTF-8 (400) bodies before any parsing, and bodies that do not
     arrive within ``body_timeout_s`` (408, connection closed: a stalled client cannot hold it);
-    inflate a gzip / deflate body (``serving/frontend/content_encoding.py``, within the same limit); replay
-    the rest. A body with binary tensor data (``serving/frontend/v2_binary.py``) is not text: its route
+    inflate a gzip / deflate body (``serving/frontend/http/content_encoding.py``, within the same limit); replay
+    the rest. A body with binary tensor data (``serving/frontend/v2/binary.py``) is not text: its route
     checks its JSON part."""
 
     def __init__(self, app: Any, *, max_body_bytes: int, body_timeout_s: float) -> None:
@@ -332,7 +336,7 @@ async def _send_error(
 ) -> None:
     """A JSON error answer in the shape of the path's API; ``close``: and the connection closes after
     it (the body was not read)."""
-    payload = json.dumps(kserve_v2.error_body(scope["path"], code, detail)).encode()
+    payload = json.dumps(v2_routes.error_body(scope["path"], code, detail)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     if close:
         headers.append((b"connection", b"close"))
@@ -362,7 +366,7 @@ def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse
         code = "method_not_allowed"
         headers["Allow"] = ", ".join(allowed_methods(request))
     return JSONResponse(
-        kserve_v2.error_body(request.url.path, code, detail),
+        v2_routes.error_body(request.url.path, code, detail),
         status_code=exc.status_code,
         headers=headers or None,
     )
@@ -418,7 +422,7 @@ def _fastapi(lifespan: Any) -> FastAPI:
         version=__version__,
         description="Model-parallel extractive question answering. Errors are JSON: {error, detail}.",
         lifespan=lifespan,
-        docs_url=None,  # /docs and /redoc: serving/frontend/pages.py, with local assets (no CDN)
+        docs_url=None,  # /docs and /redoc: serving/frontend/status/pages.py, with local assets (no CDN)
         redoc_url=None,
     )
 
@@ -434,11 +438,11 @@ def _install_routes(app: FastAPI, settings: ServeSettings) -> None:
     include_protected(app, api_router, settings=settings)  # behind --api-key when one is set
     app.include_router(health_router)
     app.include_router(admin_router)
-    app.include_router(kserve_v2.open_router)  # Open Inference Protocol: metadata + health (open)
+    app.include_router(v2_routes.open_router)  # Open Inference Protocol: metadata + health (open)
     # Triton's statistics before the model routes: /v2/models/stats is not the metadata of a model "stats"
-    include_protected(app, statistics_router, settings=settings, error_model=kserve_v2.V2Error)
-    include_protected(app, kserve_v2.model_router, settings=settings, error_model=kserve_v2.V2Error)
-    include_protected(app, v2_model_config.router, settings=settings, error_model=kserve_v2.V2Error)
+    include_protected(app, statistics_router, settings=settings, error_model=v2_routes.V2Error)
+    include_protected(app, v2_routes.model_router, settings=settings, error_model=v2_routes.V2Error)
+    include_protected(app, v2_model_config.router, settings=settings, error_model=v2_routes.V2Error)
     app.include_router(v2_repository.router)  # Triton's repository extension, behind the admin token
     install_pages(app)  # status page at /, GET /ui/status, offline /docs and /redoc
     install_openapi(app, settings)  # the document with the settings' limits (question length, ...)

@@ -34,7 +34,7 @@ import uvicorn
 
 from shardserve.partitioner.command import Command
 from shardserve.partitioner.runtime.gang_flags import GANG_FIELDS
-from shardserve.serving.frontend.http_protocol import DrainingHttpServer, uvicorn_config
+from shardserve.serving.frontend.http.protocol import DrainingHttpServer, uvicorn_config
 from shardserve.serving.frontend.layout import fit_serve_layout
 from shardserve.serving.frontend.placement_flags import PLACEMENT_FIELDS
 from shardserve.serving.frontend.scheduler_flags import SCHEDULER_FIELDS

@@ -12,7 +12,7 @@ answers, or the ``EngineError``, its way.
     answered = await answer_for(app.state, client, pairs, timeout_s=None, locate=name_of_field)
     limits = client_limits(settings)          # ClientLimits of the serve settings
 
-Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/test_kserve_v2.py``.
+Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/v2/test_routes.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fastapi import Request
 from shardserve.serving.engine.answer import Answered, answer_pairs
 from shardserve.serving.engine.client import ClientLimits, EngineClient
 from shardserve.serving.engine.qa_types import QAPair
-from shardserve.serving.frontend.access import disconnect_watcher, note_windows
+from shardserve.serving.frontend.http.access import disconnect_watcher, note_windows
 from shardserve.serving.frontend.schemas import QAItem
 
 

@@ -191,7 +191,7 @@ class ErrorResponse(BaseModel):
     error: str = Field(description="machine-readable code, e.g. queue_full, deadline_exceeded")
     detail: Any = Field(description="what was wrong, with the offending values")
     request_id: str | None = Field(
-        None, description="the request's X-Request-ID (serving/frontend/access.py)"
+        None, description="the request's X-Request-ID (serving/frontend/http/access.py)"
     )
 
 
@@ -210,7 +210,7 @@ class ValidationErrorResponse(BaseModel):
     detail: str = Field(description="what was wrong, one line naming the fields and the limits")
     errors: list[FieldError] = Field(description="per-field problems of request validation (else empty)")
     request_id: str | None = Field(
-        None, description="the request's X-Request-ID (serving/frontend/access.py)"
+        None, description="the request's X-Request-ID (serving/frontend/http/access.py)"
     )
 
 

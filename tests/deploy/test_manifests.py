@@ -22,7 +22,7 @@ DEPLOY = REPO / "deploy"
 # oldest version with everything used here (pod-index labels, Indexed Jobs) .. the newest bundled
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
-from shardserve.serving.frontend.http_protocol import SHUTDOWN_GRACE_S  # noqa: E402
+from shardserve.serving.frontend.http.protocol import SHUTDOWN_GRACE_S  # noqa: E402
 from tests.deploy.crd_schemas import is_crd, validate_crd  # noqa: E402 (needs the skip above)
 
 

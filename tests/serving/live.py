@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
-from shardserve.serving.frontend.http_protocol import uvicorn_config
+from shardserve.serving.frontend.http.protocol import uvicorn_config
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.serving.frontend.test_api import wait_until
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from shardserve.serving.frontend.status import read_registry
+from shardserve.serving.frontend.status.board import read_registry
 from shardserve.serving.metrics import ServingMetrics
 from tests.serving.frontend.test_api import ask, serving, wait_until
 
@@ -113,7 +113,7 @@ def test_forget_model_drops_every_series_of_that_model_only() -> None:
         m = everything.for_model(name)
         m.queue_depth.set(2)
         m.batches.labels(reason="full").inc()
-        m.request_duration.labels(outcome="success").observe(0.1)  # Triton's statistics (v2_statistics)
+        m.request_duration.labels(outcome="success").observe(0.1)  # Triton's statistics (v2/statistics.py)
         m.executions.labels(batch_size="4").observe(0.05)
         m.set_model_info(precision="float32", pp=1, tp=1)
         everything.requests.labels(model=name, endpoint="qa", status="200").inc()

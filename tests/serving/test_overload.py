@@ -7,7 +7,7 @@ tokenizer's backlog and the measured rate, so what it admits finishes in time), 
 256 were admitted and 252 answered 504 after a minute (docs/benchmarks.md).
 
 The 99th percentile of the 429s must take under 100 ms inside the server, measured by its access
-log (``serving/frontend/access.py``: from the request entering the app, before its body is read, to the
+log (``serving/frontend/http/access.py``: from the request entering the app, before its body is read, to the
 response; ``--log-level INFO``). A refusal is decided before tokenizing. The start-up tail it used
 to have (p99 1.5-3.7 s in this 10 s run on a quiet machine) came from requests admitted on their
 reservation and refused only after waiting for the tokenizer behind the burst (fixed: the check

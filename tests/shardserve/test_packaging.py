@@ -40,11 +40,17 @@ def test_the_wheel_holds_one_top_level_package_with_every_module(wheel: Path) ->
     assert tops == {"shardserve"}
     assert wheel.name.startswith(f"shardserve-{shardserve.__version__}-")
     sources = [p for folder in FOLDERS for p in (REPO / folder).rglob("*.py")]
-    data = [*(REPO / "models" / "default").iterdir(), *(REPO / "serving" / "frontend" / "ui").iterdir()]
+    data = [
+        *(REPO / "models" / "default").iterdir(),
+        *(REPO / "serving" / "frontend" / "status" / "ui").iterdir(),
+    ]
     want = {str(p.relative_to(REPO)) for p in [*sources, *data] if "__pycache__" not in p.parts}
     want = {n if n.startswith("shardserve/") else f"shardserve/{n}" for n in want}
     assert want - set(names) == set(), "files of the folders missing from the wheel"
-    assert "shardserve/models/default/README.md" in names and "shardserve/serving/frontend/ui/index.html" in names
+    assert (
+        "shardserve/models/default/README.md" in names
+        and "shardserve/serving/frontend/status/ui/index.html" in names
+    )
 
 
 def test_the_installed_wheel_imports_as_shardserve_only(wheel: Path, tmp_path: Path) -> None:
@@ -55,7 +61,7 @@ def test_the_installed_wheel_imports_as_shardserve_only(wheel: Path, tmp_path: P
     )  # fmt: skip
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     code = (
-        "import shardserve.models.qa_windows as w, shardserve.serving.frontend.pages as p; "
+        "import shardserve.models.qa_windows as w, shardserve.serving.frontend.status.pages as p; "
         "print(w.__file__); print(p.UI_DIR / 'index.html')"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)

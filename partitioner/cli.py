@@ -1,7 +1,8 @@
 """``shardserve plan``: how a model is split across ranks; the flags ``plan`` and ``verify`` share.
 
 ``PLAN`` is the command as data (the console script generates its flags from ``PlanSettings``);
-``PartitionSettings`` (model, pp, tp, device, dtype, boundaries) is also the base of ``verify``'s
+``PartitionSettings`` (model, boundaries, and the layout flags every command shares: pp, tp,
+max_memory_per_rank, device, dtype, ``partitioner/layout_flags.py``) is also the base of ``verify``'s
 settings (``partitioner/stream/verify_command.py``).
 
     shardserve plan --model minilm --pp 2 --tp 2 --batch-size 8 --seq-len 384
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -30,46 +31,23 @@ from shardserve.models.config import EncoderConfig
 from shardserve.models.registry import MODEL_NAMES, resolve_model
 from shardserve.partitioner.command import Command, Settings, at_least, split_list
 from shardserve.partitioner.cost import UnitCost, analytic_costs, profile_costs
-from shardserve.partitioner.fit import (
-    DEGREE_HELP,
-    MEMORY_HELP,
-    Degree,
-    LayoutChoice,
-    MemorySize,
-    fit_layout,
-    memory_budget,
-)
+from shardserve.partitioner.fit import LayoutChoice
+from shardserve.partitioner.layout_flags import LAYOUT_FIELDS, LAYOUT_SECTION, LayoutFlags
 from shardserve.partitioner.placement.plan_command import PlacementFlags, cmd_placement
 from shardserve.partitioner.plan import ParallelDims, default_devices, make_plan
-from shardserve.partitioner.precision import DTYPE_CHOICES, DtypeChoice, resolve_dtype
+from shardserve.partitioner.precision import DtypeChoice, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
 
 
-class PartitionSettings(Settings):
-    """The flags ``plan`` and ``verify`` share: which model, split how, where."""
+class PartitionSettings(LayoutFlags, Settings):
+    """The flags ``plan`` and ``verify`` share: which model, split how (the layout flags,
+    ``LayoutFlags``: ``pp``, ``tp``, ``max_memory_per_rank``, ``device``, ``dtype``), where."""
 
     model: str = Field(
         "default", description=f"registry name {MODEL_NAMES} or a local Hugging Face model directory"
-    )
-    pp: Degree = Field(1, description=f"pipeline-parallel degree: number of stages, {DEGREE_HELP}")
-    tp: Degree = Field(
-        1, description=f"tensor-parallel degree: ranks per stage sharing heads and MLP, {DEGREE_HELP}"
-    )
-    max_memory_per_rank: MemorySize = Field(
-        None, description=MEMORY_HELP, json_schema_extra={"metavar": "SIZE"}
-    )
-    device: Literal["cpu", "cuda"] = Field(
-        "cpu",
-        description="where ranks run: cpu (gloo), or cuda (one GPU per rank round-robin; NCCL when every "
-        "rank has its own GPU, gloo through host memory when ranks share one)",
-    )
-    dtype: Literal[DTYPE_CHOICES] = Field(  # type: ignore[valid-type]
-        "auto",
-        description="compute dtype of the ranks: auto picks bfloat16 on GPUs and on CPUs with bf16 units "
-        "(AMX, AVX512-BF16), else float32; float16 only where the device has fp16 units",
     )
     boundaries: list[int] | None = Field(
         None,
@@ -94,20 +72,16 @@ class PartitionSettings(Settings):
         remedy: str | None = None,
     ) -> LayoutChoice:
         """``pp`` x ``tp`` (either ``auto``) checked against ``max_memory_per_rank`` by the serving
-        estimate of a ``batch_size x seq_len`` micro-batch (``partitioner/fit.py``): ``LayoutDoesNotFit``
-        (one line, exit 2) when it does not fit."""
-        budget = memory_budget(
-            self.max_memory_per_rank, device=self.device, batch_size=batch_size, seq_len=seq_len, dtype=dtype
-        )
-        return fit_layout(
+        estimate of a ``batch_size x seq_len`` micro-batch (``LayoutFlags.choose_layout``):
+        ``LayoutDoesNotFit`` (one line, exit 2) when it does not fit."""
+        return self.choose_layout(
             {name: config},
-            pp=self.pp,
-            tp=self.tp,
-            budget=budget,
-            device=self.device,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            dtype=dtype,
             costs=None if costs is None else {name: costs},
             boundaries=self.boundaries,
-            **({} if remedy is None else {"remedy": remedy}),
+            remedy=remedy,
         )
 
 
@@ -229,4 +203,5 @@ PLAN = Command(
     "the placement of several models on a pool of devices and its simulated SLO attainment.",
     settings=PlanSettings,
     run=cmd_plan,
+    groups={LAYOUT_SECTION: LAYOUT_FIELDS},
 )

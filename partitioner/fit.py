@@ -4,8 +4,9 @@ The one home of the choice that ``shardserve plan``, ``serve``, ``verify`` and `
 any weight loads: which ``pp x tp`` layout of a model (or of several models sharing the layout)
 keeps every rank within a per-rank memory limit, by the plan's own estimate
 (``PartitionPlan.memory_estimates``: ``serving_bytes``, or ``training_bytes`` for training), and the
-one-line refusal with the numbers when none does. It also owns the flags' value types: sizes
-(``4GiB``, ``4096MiB``, ``4G``, ``500M``, bytes) and a degree that may be ``auto``.
+one-line refusal with the numbers when none does, and the sizes people write (``4GiB``,
+``4096MiB``, ``4G``, ``500M``, bytes: ``parse_size``). The flags themselves, and their value types
+(a size, a degree that may be ``auto``), are ``partitioner/layout_flags.py``'s.
 
 The rule of ``auto`` (either degree, or both; the other stays as given): among the layouts with
 ``pp`` in ``1..num_layers`` and ``tp`` dividing the attention heads and the MLP width, with at most
@@ -28,9 +29,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
-
-from pydantic import BeforeValidator
+from typing import Literal
 
 from shardserve.models.config import EncoderConfig
 from shardserve.partitioner.cost import (
@@ -78,41 +77,6 @@ def format_size(n: float, digits: int = 1) -> str:
         if n >= factor:
             return f"{n / factor:.{digits}f} {unit}"
     return f"{int(n)} B"
-
-
-def _size_field(value: Any) -> int | None:
-    """A settings field validator: a size (``parse_size``), or None (not given)."""
-    if value is None or value == "":
-        return None
-    try:
-        return parse_size(value)
-    except ValueError:
-        raise ValueError(f"must be a size: {SIZE_HELP}, e.g. 4GiB, 4096MiB, 4G, 500M") from None
-
-
-def _degree_field(value: Any) -> int | str:
-    """A settings field validator: an integer >= 1, or ``auto``."""
-    if isinstance(value, str) and value.strip().lower() == AUTO:
-        return AUTO
-    try:
-        number = int(value) if not isinstance(value, bool | float) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or number < 1:
-        raise ValueError("must be an integer greater than or equal to 1, or auto")
-    return number
-
-
-Degree = Annotated[int | Literal["auto"], BeforeValidator(_degree_field)]  # a settings field: N or auto
-MemorySize = Annotated[int | None, BeforeValidator(_size_field)]  # a settings field: a size, or None
-MEMORY_HELP = (
-    "memory one rank may use, checked against the plan's estimate before any weight loads: "
-    f"{SIZE_HELP}, e.g. 4GiB, 500M. A layout whose fullest rank needs more is refused with the numbers; "
-    "pp/tp auto pick the fewest ranks that fit. Default: the device's memory: the GPU's total with "
-    "cuda, the machine's total RAM with cpu (ranks on one machine share it: no limit per rank beyond "
-    "the machine's)"
-)
-DEGREE_HELP = f"or auto: the fewest ranks that fit max_memory_per_rank (at most {MAX_AUTO_RANKS} in all)"
 
 
 def default_memory_bytes(device: str, *, share: int = 1) -> int:

@@ -8,6 +8,10 @@ a list as comma-separated items, and "(default: X)" where there is one; a pydant
 model's flags also name their ``SHARDSERVE_<NAME>`` variable. A field that is itself a settings
 model (``TrainSettings.gang``) is a section of flags of its own. A pydantic-settings model's flags
 not given stay None, so the environment and then the field's default apply (``build_settings``).
+A field several commands inherit (``partitioner/layout_flags.py``) has one description, true for
+each; a model's ``flag_notes`` (field name -> a sentence) adds what is true of that command only:
+
+    flag_notes: ClassVar[dict[str, str]] = {"max_memory_per_rank": "Estimated for training: ..."}
 
     add_command(subparsers, PLAN)                      # parser.parse_args -> args.shardserve_command
     settings = build_settings(vars(args), PlanSettings)  # InvalidSettings -> .line() / .usage()
@@ -67,7 +71,8 @@ def _shown(default: Any) -> str | None:
 
 
 def _help(model: type[BaseModel], name: str, field: FieldInfo, snake: str) -> str:
-    text = _flags_in(field.description or "", snake)
+    note = getattr(model, "flag_notes", {}).get(name)  # the command's own words on a shared field
+    text = _flags_in(". ".join(filter(None, (field.description, note))), snake)
     default = None if field.is_required() else _shown(field.get_default(call_default_factory=True))
     if issubclass(model, BaseSettings):
         shown = "" if default is None else f"default: {default}; "

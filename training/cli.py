@@ -23,12 +23,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator
 
 from shardserve.partitioner.command import Command, Settings
-from shardserve.partitioner.precision import DTYPE_CHOICES, PrecisionError
+from shardserve.partitioner.layout_flags import DtypeFlag
+from shardserve.partitioner.precision import PrecisionError
 from shardserve.training.config import TRAIN_GROUPS, TrainSettings, WindowSettings, dataclass_values
 from shardserve.training.export_overlay import LARGE_MAX_BYTES, MAX_BYTES, export_overlay
 
@@ -38,8 +39,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class EvalSettings(WindowSettings):
-    """``shardserve eval``: what to score and how (``shardserve.training.evaluate.EvalConfig`` checks the numbers)."""
+class EvalSettings(DtypeFlag, WindowSettings):
+    """``shardserve eval``: what to score and how (``shardserve.training.evaluate.EvalConfig`` checks the
+    numbers). ``dtype`` is ``DtypeFlag``'s, shared with serve, plan and verify
+    (``partitioner/layout_flags.py``); ``pp`` and ``tp`` are eval's own: a fixed gang on cpu, no ``auto``
+    (there is no memory limit to fit)."""
 
     model: str = Field(description="registry name (default, ...) or HF model dir (e.g. RUN/final)")
     data: str = Field(description="SQuAD v1.1/v2.0 JSON to score")
@@ -52,12 +56,6 @@ class EvalSettings(WindowSettings):
     pp: int = Field(1, description="pipeline stages of the evaluation gang")
     tp: int = Field(1, description="tensor-parallel ranks per stage")
     batch_size: int = Field(32, description="windows per forward micro-batch")
-    dtype: Literal[DTYPE_CHOICES] = Field(  # type: ignore[valid-type]
-        "auto",
-        description="compute dtype: auto picks int8 for a model calibrated with `shardserve quantize` on CPUs "
-        "with AVX2 or better and no AMX, else bfloat16 on CPUs with bf16 units (AMX, AVX512-BF16), else "
-        "float32; logits and span decoding stay float32",
-    )
     max_answer_length: int = Field(30, description="longest answer span in tokens (1..512)")
     null_threshold: float | None = Field(None, description="v2.0: answer '' when null - best > this")
     max_examples: int | None = Field(None, description="score only the first N (>= 1) questions")
@@ -157,24 +155,14 @@ def fit_train_layout(args: TrainSettings) -> TrainSettings:
     AdamW state + 1F1B's activations of ``--micro-batch-size x --max-seq-len`` in the compute
     precision); an explicit layout is only checked. ``LayoutDoesNotFit`` with the numbers otherwise."""
     from shardserve.models.registry import resolve_model
-    from shardserve.partitioner.fit import fit_layout, memory_budget
     from shardserve.partitioner.precision import resolve_dtype
 
-    config = resolve_model(args.model).config
-    budget = memory_budget(
-        args.max_memory_per_rank,
-        device=args.device,
+    choice = args.choose_layout(
+        {args.model: resolve_model(args.model).config},
         batch_size=args.micro_batch_size,
         seq_len=args.max_seq_len,
         dtype=resolve_dtype(args.precision, args.device),
         training=True,
-    )
-    choice = fit_layout(
-        {args.model: config},
-        pp=args.pp,
-        tp=args.tp,
-        budget=budget,
-        device=args.device,
         boundaries=args.boundaries,
         remedy="raise --max-memory-per-rank, or lower --micro-batch-size / --max-seq-len",
     )

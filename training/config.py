@@ -24,13 +24,13 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.partitioner.command import Settings
-from shardserve.partitioner.fit import DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
+from shardserve.partitioner.layout_flags import SplitFlags
 from shardserve.partitioner.precision import PRECISION_CHOICES
 from shardserve.partitioner.runtime.gang_flags import GangFlags
 from shardserve.partitioner.schedules import SCHEDULES
@@ -282,9 +282,18 @@ class WindowSettings(Settings):
         )
 
 
-class TrainSettings(WindowSettings):
+class TrainSettings(WindowSettings, SplitFlags):
     """``shardserve train``'s flags: a ``TrainConfig`` (``train_config()``; it checks the numbers,
-    ``TrainConfigError``), the gang across hosts (``gang``) and how the driver runs."""
+    ``TrainConfigError``), the gang across hosts (``gang``) and how the driver runs; the layout
+    (``pp``, ``tp``, ``max_memory_per_rank``, ``device``) is ``SplitFlags``', shared with serve, plan
+    and verify (``partitioner/layout_flags.py``; their defaults are ``TrainConfig``'s)."""
+
+    flag_notes: ClassVar[dict[str, str]] = {  # train's own words on the layout flags (shardserve/flags.py)
+        "max_memory_per_rank": "Estimated for training: weights, gradients and AdamW state (16 B/param, "
+        "full fine-tuning: an overestimate with LoRA or frozen layers) + the activations 1F1B keeps of "
+        "micro_batch_size x max_seq_len windows. With resume, auto must pick the checkpoint's layout "
+        "unless elastic",
+    }
 
     # ---- model and data
     model: str = Field(description="registry name (default, minilm, tiny-bert, ...) or HF model dir")
@@ -301,16 +310,6 @@ class TrainSettings(WindowSettings):
         "has been read and checked)"
     )
     # ---- parallelism
-    pp: Degree = Field(_default("pp"), description=f"pipeline stages, {DEGREE_HELP}")
-    tp: Degree = Field(_default("tp"), description=f"tensor-parallel ranks per stage, {DEGREE_HELP}")
-    max_memory_per_rank: MemorySize = Field(
-        None,
-        description=f"{MEMORY_HELP}. Estimated for training: weights, gradients and AdamW state (16 B/param, "
-        "full fine-tuning: an overestimate with LoRA or frozen layers) + the activations 1F1B keeps of "
-        "micro_batch_size x max_seq_len windows. With resume, auto must pick the checkpoint's layout "
-        "unless elastic",
-        json_schema_extra={"metavar": "SIZE"},
-    )
     dp: int = Field(
         _default("dp"),
         description="data-parallel copies of the pp x tp pipeline (dp*pp*tp ranks); each runs batch/micro/dp "
@@ -323,7 +322,6 @@ class TrainSettings(WindowSettings):
         None, description="manual split: first layer of stages 1..pp-1", json_schema_extra={"nargs": "*"}
     )
     schedule: Literal[SCHEDULES] = Field(_default("schedule"), description="pipeline schedule")  # type: ignore[valid-type]
-    device: Literal["cpu", "cuda"] = Field(_default("device"), description="cpu ranks, or one GPU per rank")
     precision: Literal[PRECISION_CHOICES] = Field(  # type: ignore[valid-type]
         _default("precision"),
         description="compute precision: fp32, or bf16/fp16 autocast over fp32 master weights and optimizer "

@@ -20,6 +20,7 @@ from shardserve.partitioner.cli import PartitionSettings
 from shardserve.partitioner.command import Command, at_least, positive_number
 from shardserve.partitioner.compiled import COMPILE_CHOICES, resolve_compile
 from shardserve.partitioner.int8 import model_calibration
+from shardserve.partitioner.layout_flags import LAYOUT_FIELDS, LAYOUT_SECTION
 from shardserve.partitioner.plan import ParallelDims
 from shardserve.partitioner.precision import resolve_dtype
 from shardserve.partitioner.stream.verify import SAMPLE_SEQ_LEN, SAMPLES, TOLERANCES, verify_partitioned
@@ -98,4 +99,5 @@ VERIFY = Command(
     "absolute difference of start/end logits; exit 1 above the tolerance.",
     settings=VerifySettings,
     run=cmd_verify,
+    groups={LAYOUT_SECTION: LAYOUT_FIELDS},
 )

@@ -33,6 +33,7 @@ from typing import Any
 import uvicorn
 
 from shardserve.partitioner.command import Command
+from shardserve.partitioner.layout_flags import LAYOUT_FIELDS, LAYOUT_SECTION
 from shardserve.partitioner.runtime.gang_flags import GANG_FIELDS
 from shardserve.serving.frontend.http.protocol import DrainingHttpServer, uvicorn_config
 from shardserve.serving.frontend.layout import fit_serve_layout
@@ -350,6 +351,7 @@ SERVE = Command(
     settings=ServeSettings,
     run=cmd_serve,
     groups={
+        LAYOUT_SECTION: LAYOUT_FIELDS,
         "batching, the queue, admission and deadlines (docs: guides/serving)": SCHEDULER_FIELDS,
         "a gang across hosts (docs: guides/deployment)": GANG_FIELDS,
         "many models on shared devices (docs: guides/many-models)": ("placement", *PLACEMENT_FIELDS),

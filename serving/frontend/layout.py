@@ -1,7 +1,8 @@
 """``shardserve serve``'s layout: ``--pp``/``--tp auto`` chosen, and the layout checked against
 ``--max-memory-per-rank``, for the models served at start, before any weight loads.
 
-The choice itself is ``partitioner/fit.py``'s; this module feeds it serve's settings (the models,
+The choice itself is ``partitioner/fit.py``'s (through ``LayoutFlags.choose_layout``,
+``partitioner/layout_flags.py``); this module feeds it serve's settings (the models,
 the scheduler's largest micro-batch, the resolved dtype, the GPU share of a rank). The CLI calls it
 before it loads the models; ``build_app`` calls it for settings that still say ``auto``.
 
@@ -11,7 +12,6 @@ before it loads the models; ``build_app`` calls it for settings that still say `
 from __future__ import annotations
 
 from shardserve.models.registry import ModelSource, resolve_model
-from shardserve.partitioner.fit import fit_layout, memory_budget
 from shardserve.partitioner.int8 import calibration_path, model_calibration
 from shardserve.partitioner.precision import DtypeChoice, resolve_dtype
 from shardserve.serving.frontend.settings import ServeSettings
@@ -56,20 +56,12 @@ def fit_serve_layout(settings: ServeSettings) -> tuple[ServeSettings, str | None
     if not configs:  # nothing to fit: a fixed layout for the loading to fail with its own message
         pp, tp = (1 if d == "auto" else int(d) for d in (settings.pp, settings.tp))
         return (settings.with_layout(pp, tp) if settings.auto_layout else settings), None
-    budget = memory_budget(
-        settings.max_memory_per_rank,
-        device=settings.device,
+    choice = settings.choose_layout(
+        configs,
         batch_size=max(1, min(settings.max_batch_size, settings.max_batch_tokens // settings.max_seq_len)),
         seq_len=settings.max_seq_len,
         dtype=serve_precision(settings),
         share=settings.ranks_per_gpu if settings.device == "cuda" else 1,
-    )
-    choice = fit_layout(
-        configs,
-        pp=settings.pp,
-        tp=settings.tp,
-        budget=budget,
-        device=settings.device,
         remedy="raise --max-memory-per-rank, or lower --max-batch-size / --max-batch-tokens / --max-seq-len",
     )
     if not settings.auto_layout:

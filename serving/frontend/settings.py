@@ -17,7 +17,7 @@ import os
 import socket
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -25,8 +25,8 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.partitioner.command import split_list
 from shardserve.partitioner.compiled import COMPILE_CHOICES
-from shardserve.partitioner.fit import AUTO, DEGREE_HELP, MEMORY_HELP, Degree, MemorySize
-from shardserve.partitioner.precision import DTYPE_CHOICES
+from shardserve.partitioner.fit import AUTO
+from shardserve.partitioner.layout_flags import Degree, LayoutFlags
 from shardserve.partitioner.runtime.gang_flags import GangFlags, secret_from_file
 from shardserve.serving.config import (
     AutoscalingConfig,
@@ -60,15 +60,23 @@ def auto_replicas(*, device: str, world_size: int, ranks_per_gpu: int = 1) -> in
     return max(1, available_cores() // world_size)
 
 
-class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
+class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags, LayoutFlags):
     """Everything ``shardserve serve`` can be told (see the module doc for flags / env vars); the
     flags of a gang across hosts (``external_ranks``, ``gang_*``) are ``GangFlags``', shared with
     training; those of a placement of several models (``placement``, ...) are ``PlacementFlags``';
-    those of batching, the queue, admission and deadlines ``SchedulerFlags``'."""
+    those of batching, the queue, admission and deadlines ``SchedulerFlags``'; the layout (``pp``,
+    ``tp``, ``max_memory_per_rank``, ``device``, ``dtype``) is ``LayoutFlags``', shared with plan,
+    verify and train (``partitioner/layout_flags.py``)."""
 
     model_config = SettingsConfigDict(
         env_prefix="SHARDSERVE_", extra="ignore", frozen=True, allow_inf_nan=False
     )
+    flag_notes: ClassVar[dict[str, str]] = {  # serve's own words on the layout flags (shardserve/flags.py)
+        "max_memory_per_rank": "On cuda the default is divided by ranks_per_gpu. Estimated for a micro-batch "
+        "of max_batch_size windows (at most max_batch_tokens / max_seq_len) of max_seq_len tokens; every "
+        "model must fit the one layout",
+        "device": "On cuda the device pool is the visible GPUs, ranks_per_gpu slots each",
+    }
 
     # ---- network
     host: str = Field("0.0.0.0", description="interface to listen on")
@@ -109,27 +117,11 @@ class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
         "NAME, after the model flags; POST /v2/repository/models/NAME/load and /unload (admin token) "
         "change the served models live",
     )
-    pp: Degree = Field(1, description=f"pipeline-parallel stages per replica gang, {DEGREE_HELP}")
-    tp: Degree = Field(1, description=f"tensor-parallel ranks per stage, {DEGREE_HELP}")
-    max_memory_per_rank: MemorySize = Field(
-        None,
-        description=f"{MEMORY_HELP}; on cuda divided by ranks_per_gpu. Estimated for a micro-batch of "
-        "max_batch_size windows (at most max_batch_tokens / max_seq_len) of max_seq_len tokens; every "
-        "model must fit the one layout",
-        json_schema_extra={"metavar": "SIZE"},
-    )
     threads_per_rank: int | None = Field(
         None,
         ge=1,
         description="torch intra-op threads of each worker rank (default: the cores divided among the "
         "ranks of all replicas, at least 1)",
-    )
-    dtype: str = Field(
-        "auto",
-        description="compute dtype of the ranks: auto (bfloat16 on GPUs and on CPUs with bf16 units, "
-        "AMX or AVX512-BF16, else float32; int8 on x86 CPUs with AVX2 or better and no AMX where every model was "
-        "calibrated with `shardserve quantize`), float32, bfloat16, float16, int8 (CPU: calibrated static int8 Linear "
-        "layers, the rest bf16 or fp32; F1 within 1 % of fp32, docs/benchmarks.md). Span logits stay float32",
     )
     compile: str = Field(
         "off",
@@ -153,11 +145,6 @@ class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
         ge=1,
         description="CPU device pool: worker processes (ranks) that may run at once; a gang takes pp*tp "
         "slots. Default: pp*tp*(max_replicas*models+1), room for one spare gang used by restarts and reloads",
-    )
-    device: str = Field(
-        "cpu",
-        description="cpu, or cuda: the pool is then the visible GPUs, ranks_per_gpu slots each (a gang's ranks "
-        "go to different GPUs first)",
     )
     ranks_per_gpu: int = Field(
         1,
@@ -303,14 +290,10 @@ class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
             problems.append(f"api_workers={self.api_workers} needs SO_REUSEPORT (Linux); use 1 here")
         if self.grpc_port is not None and self.grpc_port == self.port != 0:
             problems.append(f"grpc_port={self.grpc_port} is the HTTP port; give gRPC a port of its own")
-        if self.device not in ("cpu", "cuda"):
-            problems.append(f"device={self.device!r} must be cpu or cuda")
-        elif self.device == "cpu" and self.ranks_per_gpu != 1:
+        if self.device == "cpu" and self.ranks_per_gpu != 1:
             problems.append(
                 f"ranks_per_gpu={self.ranks_per_gpu} applies to device=cuda only (on cpu: cpu_slots)"
             )
-        if self.dtype not in DTYPE_CHOICES:
-            problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
         if self.compile not in COMPILE_CHOICES:
             problems.append(f"compile={self.compile!r} must be one of {', '.join(COMPILE_CHOICES)}")
         if self.placement is not None and "max_memory_per_rank" in self.model_fields_set:
@@ -323,11 +306,6 @@ class ServeSettings(GangFlags, PlacementFlags, SchedulerFlags):
             self.scheduler_config()  # raises with the numbers
             self.autoscaling_config()
         return self
-
-    @property
-    def auto_layout(self) -> bool:
-        """pp or tp is ``auto``: the layout is chosen at start (``partitioner/fit.py``, ``with_layout``)."""
-        return self.pp == AUTO or self.tp == AUTO
 
     def with_layout(self, pp: int, tp: int) -> ServeSettings:
         """These settings with the layout ``pp`` x ``tp`` (what ``auto`` chose), checked as a layout

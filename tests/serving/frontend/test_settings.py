@@ -54,13 +54,16 @@ def test_explicit_flags_win(cores, flags, bounds, threads):
     assert s.rank_threads == threads
 
 
-def test_dtype_is_validated_with_the_choices():
-    assert ServeSettings().dtype == "auto"
+def test_dtype_and_device_are_validated_with_the_choices():
+    """The layout flags' own types (``partitioner/layout_flags.py``), as for plan, verify, train, eval."""
+    assert ServeSettings().dtype == "auto" and ServeSettings().device == "cpu"
     assert ServeSettings(dtype="int8").dtype == "int8"
     with pytest.raises(
-        ValidationError, match="dtype='int4' must be one of auto, float32, bfloat16, float16, int8"
+        ValidationError, match=r"dtype\n.*Input should be 'auto', 'float32', 'bfloat16', 'float16' or 'int8'"
     ):
         ServeSettings(dtype="int4")
+    with pytest.raises(ValidationError, match=r"device\n.*Input should be 'cpu' or 'cuda'"):
+        ServeSettings(device="gpu")
 
 
 def test_compile_is_validated_with_the_choices():

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardserve.models.cpu import cpu_capabilities
     from shardserve.models.registry import resolve_model
     from shardserve.partitioner.plan import ParallelDims, make_plan
-    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.driver import StreamGang
     from shardserve.partitioner.stream.program import stream_spec
 
     source = resolve_model(args.model)

@@ -81,7 +81,7 @@ from shardserve.partitioner.placement.simulator import SimConfig, simulate
 from shardserve.partitioner.placement.workload import ArrivalSpec, Trace, Workload
 from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.precision import DTYPES, resolve_dtype
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import stream_spec
 from shardserve.training.sigterm import Terminated, raise_on_sigterm
 

@@ -29,7 +29,7 @@ from shardserve.models.cpu import cpu_capabilities
 from shardserve.models.registry import MODEL_NAMES, resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.precision import DTYPE_CHOICES, resolve_dtype
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import stream_spec
 
 

@@ -184,7 +184,7 @@ def predict_answers(
     from shardserve.partitioner.int8 import calibration_path, model_calibration, quantize_linears
     from shardserve.partitioner.plan import ParallelDims, make_plan
     from shardserve.partitioner.precision import resolve_dtype
-    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.driver import StreamGang
     from shardserve.partitioner.stream.program import stream_spec
 
     # Everything that can be refused is checked before any slow work and before the progress bar,

@@ -3,7 +3,7 @@ and stop as one unit, and report what happens to them.
 
 The caller (driver) is not a rank, and the core knows no program: ``GangSpec.program`` runs on
 every rank (``rank.py``). Its two users are small: the forward stream
-(``partitioner/stream/gang.py``: ``submit()`` micro-batches, futures resolved by a monitor thread)
+(``partitioner/stream/driver.py``: ``submit()`` micro-batches, futures resolved by a monitor thread)
 and training, which starts a gang and ``join()``s it until every rank has finished, handed each of
 the program's messages on the way.
 

@@ -4,7 +4,7 @@ It is what a serving replica runs, and what ``verify``, ``eval`` and the benchma
 span logits from a partitioned model. Stage 0 takes ``Batch`` messages from the driver (``Stop``
 ends the stream and flows down the pipeline behind the last micro-batch); activations go rank to
 rank over torch.distributed (``partitioner/schedules.py``'s ``run_stream``); the last stage's tp
-rank 0 answers each with a ``Result``. The driver side is ``partitioner/stream/gang.py``.
+rank 0 answers each with a ``Result``. The driver side is ``partitioner/stream/driver.py``.
 
 A gang may hold several models (multiplexing, ``partitioner/stream/multiplex.py``): every rank
 builds its stage of each, a ``Batch`` names its model (default: the gang's first), the name travels

@@ -35,7 +35,7 @@ import torch
 from shardserve.models.build import build_model
 from shardserve.models.registry import ModelSource
 from shardserve.partitioner.plan import ParallelDims, PartitionPlan, default_devices, make_plan
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import stream_spec_multi
 
 logger = logging.getLogger(__name__)

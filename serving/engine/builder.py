@@ -30,7 +30,13 @@ from shardserve.serving.config import AutoscalingConfig, FleetConfig, PlacementC
 from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.scheduler import Scheduler
 from shardserve.serving.fleet import model_loader
-from shardserve.serving.fleet.gangs import BackendFactory, GangSource, ModelGeneration, OwnGangs, gang_factory
+from shardserve.serving.fleet.backend import (
+    BackendFactory,
+    GangSource,
+    ModelGeneration,
+    OwnGangs,
+    gang_factory,
+)
 from shardserve.serving.fleet.groups import DeviceGroups
 from shardserve.serving.fleet.placement import PlacedModels
 from shardserve.serving.fleet.pool import DevicePool
@@ -122,26 +128,26 @@ def build_engine(
     if gangs is None:
         factory = backend_factory or gang_factory_for(fleet, scheduler)
         gangs = OwnGangs(pool or model_loader.device_pool(fleet), factory)
-    ledger = Scheduler(scheduler)  # the one ledger of in-flight work
+    sched = Scheduler(scheduler)  # its ledger: the one count of in-flight work, as the fleet reads it
     manager = ReplicaManager(
         gangs=gangs,
         model=model,
         metrics=model_metrics,
-        ledger=ledger,
+        ledger=sched,
         drain_timeout_s=fleet.drain_timeout_s,
         restart_backoff_s=fleet.restart_backoff_s,
         fail_fast=True,
         stall_timeout_s=fleet.stall_timeout_s,
     )
     supervisor = Supervisor(
-        ledger=ledger,
+        ledger=sched,
         manager=manager,
         metrics=model_metrics,
         config=autoscaling,
         interval_s=fleet.autoscale_interval_s,
     )
     engine = Engine(
-        scheduler=ledger,
+        scheduler=sched,
         manager=manager,
         supervisor=supervisor,
         metrics=model_metrics,

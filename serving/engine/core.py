@@ -59,7 +59,7 @@ from shardserve.serving.engine.qa_types import EngineError
 from shardserve.serving.engine.replica_detail import ReplicaDetail
 from shardserve.serving.engine.scheduler import Scheduler
 from shardserve.serving.fleet import model_loader
-from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.backend import ModelGeneration
 from shardserve.serving.fleet.replicas import (
     ReloadError,
     ReloadInProgress,

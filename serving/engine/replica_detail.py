@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardserve.serving.fleet.gangs import busy_seconds, rank_processes
+from shardserve.serving.fleet.backend import busy_seconds, rank_processes
 from shardserve.serving.fleet.replicas import Replica, ReplicaState
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from shardserve.partitioner.placement.layout import Group, Placement
 from shardserve.partitioner.runtime.gang import GangError
-from shardserve.serving.fleet.gangs import Backend, BackendFactory, ModelGeneration
+from shardserve.serving.fleet.backend import Backend, BackendFactory, ModelGeneration
 from shardserve.serving.fleet.pool import DevicePool
 
 logger = logging.getLogger(__name__)

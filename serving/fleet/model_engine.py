@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.backend import ModelGeneration
 from shardserve.serving.fleet.replicas import ReplicaManager
 from shardserve.serving.fleet.supervisor import Supervisor
 

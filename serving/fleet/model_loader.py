@@ -23,7 +23,7 @@ from shardserve.models.hf_weights import CheckpointError, CheckpointReader
 from shardserve.models.registry import ModelSource, resolve_model
 from shardserve.partitioner.plan import ParallelDims
 from shardserve.serving.config import FleetConfig
-from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.backend import ModelGeneration
 from shardserve.serving.fleet.pool import DevicePool
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from shardserve.partitioner.placement.simulator import SimConfig
 from shardserve.partitioner.placement.workload import Trace, steady
 from shardserve.partitioner.plan import ParallelDims
 from shardserve.serving.config import PlacementConfig
-from shardserve.serving.fleet.gangs import GangSource, ModelGeneration
+from shardserve.serving.fleet.backend import GangSource, ModelGeneration
 from shardserve.serving.fleet.groups import DeviceGroups
 from shardserve.serving.fleet.model_engine import ModelEngine
 

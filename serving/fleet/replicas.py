@@ -1,6 +1,6 @@
 """Replicas: a manager that starts, warms, routes, drains, fails and restarts whole gangs.
 
-A replica is ONE gang of ``pp * tp`` worker processes (``serving/fleet/gangs.py``) holding one model
+A replica is ONE gang of ``pp * tp`` worker processes (``serving/fleet/backend.py``) holding one model
 generation. Its life: STARTING (processes spawn, weights load, then one warm-up micro-batch) ->
 READY (routable) -> DRAINING (no new work; in-flight micro-batches finish) -> STOPPED; or FAILED
 when the manager judges it so (``check_health``, the one owner of replica health: a rank its gang
@@ -17,7 +17,7 @@ set changed and the moment a replica failed, so that its in-flight work is retri
 The manager runs on the server's event loop; blocking gang calls (start, warm-up, stop) run in
 threads. ``reconcile()`` moves the set of gangs toward ``target`` (set by ``--replicas``, the
 autoscaler, POST /admin/replicas or the placement); ``reload()`` rolls every gang onto another
-checkpoint (or another placement). Its ``GangSource`` (``serving/fleet/gangs.py``) bounds how many
+checkpoint (or another placement). Its ``GangSource`` (``serving/fleet/backend.py``) bounds how many
 gangs fit and makes them: gangs of its own on the device pool (CPU slots, one per rank,
 ``--cpu-slots``, or CUDA devices), or places on the device groups of a placement, each shared with
 the other models of its group (``serving/fleet/groups.py``).
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shardserve.partitioner.runtime.gang import GangError
-from shardserve.serving.fleet.gangs import (
+from shardserve.serving.fleet.backend import (
     Backend,
     GangSource,
     ModelGeneration,

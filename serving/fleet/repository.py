@@ -49,7 +49,7 @@ from shardserve.models.hf_weights import CheckpointError
 from shardserve.partitioner.placement.latency import PlacementError
 from shardserve.serving.config import check_model_name, repository_models
 from shardserve.serving.errors import EngineError
-from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.backend import ModelGeneration
 from shardserve.serving.fleet.model_engine import ModelEngine
 from shardserve.serving.fleet.placement import PlacedModels
 from shardserve.serving.metrics import ServingMetrics

@@ -22,7 +22,7 @@ from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.runtime.gang import GangError
 from shardserve.partitioner.runtime.rank import GangSpec
 from shardserve.partitioner.runtime.remote import GangNetwork
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import STREAM_PROGRAM, stream_spec
 
 

@@ -27,7 +27,7 @@ import torch
 
 from shardserve.loadtest.netns import netns_available, virtual_hosts
 from shardserve.partitioner.runtime.wire import new_key
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 
 PORT = 29500  # every port is free in a fresh namespace

@@ -246,7 +246,7 @@ def test_partitioned_int8_gang_matches_the_unpartitioned_int8_model(tiny, monkey
     """pp=2 tp=2: column-parallel shards quantize exactly as the whole layer; row-parallel shards
     scale their own weights and all-reduce the int8 products (their bias once)."""
     from shardserve.partitioner.plan import ParallelDims, make_plan
-    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.driver import StreamGang
     from shardserve.partitioner.stream.program import stream_spec
 
     source, _, stats = tiny

@@ -377,7 +377,7 @@ def test_stalled_rank_is_failed_and_its_requests_retried() -> None:
     """The first gang's last stage hangs at its 3rd micro-batch: after stall_timeout_s the gang is
     failed, its in-flight requests are answered by the other gang, and a fresh gang replaces it."""
     from shardserve.partitioner.runtime.rank import FaultSpec
-    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.driver import StreamGang
     from shardserve.partitioner.stream.program import stream_spec_multi
 
     made: list[StreamGang] = []

@@ -200,7 +200,7 @@ def test_the_walk_sees_imports() -> None:
     assert "models.qa_windows" in graph["training.features"]
     assert "serving.frontend.cli" in graph["shardserve.cli"]
     assert "models.config" in graph["partitioner.plan"]
-    assert "partitioner.runtime.gang" in graph["partitioner.stream.gang"]
+    assert "partitioner.runtime.gang" in graph["partitioner.stream.driver"]
     assert "partitioner.runtime.wire" in graph["training.messages"]
     assert "serving.fleet.repository" in graph["serving.frontend.app"]  # the front end's door to the fleet
     assert "serving.fleet.model_engine" in graph["serving.fleet.repository"]

@@ -29,7 +29,7 @@ from shardserve.models.registry import resolve_model
 from shardserve.partitioner.lora import merged_state_dict
 from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.runtime.gang import GangError
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import stream_spec
 from shardserve.training.checkpoint import list_checkpoints
 from shardserve.training.driver import train

@@ -34,7 +34,7 @@ from shardserve.partitioner.runtime.rank import (
     RankContext,
     prefer_for_oom_kill,
 )
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import stream_rank, stream_spec
 from shardserve.partitioner.stream.verify import compare, sample_batches, verify_partitioned
 from shardserve.training.messages import CheckpointSaved
@@ -260,7 +260,7 @@ def test_clean_stop_frees_processes_and_port():
 DRIVER_THAT_FORGETS_TO_STOP = """
 from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import stream_spec
 
 source = resolve_model("tiny-bert")

@@ -23,7 +23,7 @@ from shardserve.loadtest.local_server import free_port
 from shardserve.partitioner.runtime.gang import GangError, bound_store
 from shardserve.partitioner.runtime.remote import GangNetwork, JoinError, publish_spec, read_spec
 from shardserve.partitioner.runtime.wire import new_key
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import STREAM_PROGRAM
 from tests.deploy.gang_driver import fixed_batch, tiny_spec
 

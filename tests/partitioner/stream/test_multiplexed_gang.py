@@ -26,7 +26,7 @@ from shardserve.models.registry import resolve_model
 from shardserve.partitioner.plan import ParallelDims, make_plan
 from shardserve.partitioner.runtime.remote import GangNetwork
 from shardserve.partitioner.runtime.wire import new_key
-from shardserve.partitioner.stream.gang import StreamGang
+from shardserve.partitioner.stream.driver import StreamGang
 from shardserve.partitioner.stream.program import STREAM_PROGRAM, stream_spec, stream_spec_multi
 from shardserve.partitioner.stream.verify import (
     compare,

@@ -29,7 +29,7 @@ from shardserve.serving.engine.input_processor import InputProcessor
 from shardserve.serving.engine.output_processor import record_end
 from shardserve.serving.engine.qa_types import ClientGone, EngineError, QAPair
 from shardserve.serving.engine.scheduler import Scheduler
-from shardserve.serving.fleet.gangs import ModelGeneration, OwnGangs
+from shardserve.serving.fleet.backend import ModelGeneration, OwnGangs
 from shardserve.serving.fleet.pool import DevicePool
 from shardserve.serving.fleet.replicas import ReplicaManager
 from shardserve.serving.metrics import ServingMetrics

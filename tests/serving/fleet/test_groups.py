@@ -21,7 +21,7 @@ from shardserve.partitioner.plan import ParallelDims
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.config import SchedulerConfig
 from shardserve.serving.engine.scheduler import Scheduler
-from shardserve.serving.fleet.gangs import ModelGeneration
+from shardserve.serving.fleet.backend import ModelGeneration
 from shardserve.serving.fleet.groups import DeviceGroups
 from shardserve.serving.fleet.replicas import ReplicaManager, ReplicaState
 from shardserve.serving.metrics import ServingMetrics

@@ -88,7 +88,7 @@ def test_the_server_engine_and_a_fake_satisfy_the_fleet_protocol() -> None:
     from shardserve.serving.config import SchedulerConfig
     from shardserve.serving.engine.core import Engine
     from shardserve.serving.engine.scheduler import Scheduler
-    from shardserve.serving.fleet.gangs import OwnGangs
+    from shardserve.serving.fleet.backend import OwnGangs
     from shardserve.serving.fleet.pool import DevicePool
     from shardserve.serving.fleet.replicas import ReplicaManager
 

@@ -32,7 +32,7 @@ WARMUP_CONTEXT = "The warm-up checks that every stage of a new gang answers befo
 
 
 class Backend(Protocol):
-    """What the server needs of a gang (``shardserve.partitioner.stream.gang.StreamGang`` satisfies it); ``submit``'s
+    """What the server needs of a gang (``shardserve.partitioner.stream.driver.StreamGang`` satisfies it); ``submit``'s
     ``model``: which of the gang's models (None: its first)."""
 
     def start(self) -> Any: ...
@@ -68,7 +68,7 @@ def gang_factory(
     model it is given; ``compile``: each rank compiles its stages and runs ``warmup_lengths`` before
     ready; ``network``: where the gang listens and which ranks run elsewhere (default: all here, on
     loopback; ranks elsewhere run the stream as ``serve``)."""
-    from shardserve.partitioner.stream.gang import StreamGang
+    from shardserve.partitioner.stream.driver import StreamGang
     from shardserve.partitioner.stream.program import STREAM_PROGRAM, stream_spec_multi
 
     network = dataclasses.replace(network or GangNetwork(), program=STREAM_PROGRAM)

@@ -15,6 +15,10 @@ anything starts (the CLI checks both before the server starts).
                           autoscaling=settings.autoscaling_config(), metrics=ServingMetrics())
     await engine.start(); ...; await engine.shutdown(timeout_s=30)
 
+``build_models`` assembles the whole server's models from the same configs (the serve lifespan's one
+call): the device pool every engine shares, the placement when there is one, and the model
+repository with its engine factory.
+
 With ``--placement``, ``build_placement`` makes the device groups several models share, and each
 model's engine is built with ``gangs=placed.gangs(name)`` (``serving/fleet/placement.py``).
 
@@ -23,7 +27,10 @@ Tests pass ``backend_factory`` (``partitioner/runtime/fake_gang.py``) instead of
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from shardserve.partitioner.placement.simulator import SimConfig
 from shardserve.serving.config import AutoscalingConfig, FleetConfig, PlacementConfig, SchedulerConfig
@@ -41,6 +48,7 @@ from shardserve.serving.fleet.groups import DeviceGroups
 from shardserve.serving.fleet.placement import PlacedModels
 from shardserve.serving.fleet.pool import DevicePool
 from shardserve.serving.fleet.replicas import ReplicaManager
+from shardserve.serving.fleet.repository import ModelRepository
 from shardserve.serving.fleet.supervisor import Supervisor
 from shardserve.serving.metrics import ServingMetrics
 
@@ -50,6 +58,7 @@ __all__ = [
     "ModelGeneration",
     "PlacedModels",
     "build_engine",
+    "build_models",
     "build_placement",
     "device_pool",
     "load_model",
@@ -159,3 +168,57 @@ def build_engine(
     )
     manager.attach(engine)  # replica changes wake the engine; a failed replica's work fails over
     return engine
+
+
+def build_models(
+    *,
+    fleet: FleetConfig,
+    scheduler: SchedulerConfig,
+    autoscaling: AutoscalingConfig,
+    placement: PlacementConfig | None,
+    metrics: ServingMetrics,
+    max_request_timeout_s: float,
+    root: Path | None = None,
+    drain_timeout_s: float = 30.0,
+    ready_timeout_s: float = 300.0,
+    backend_factory: BackendFactory | None = None,
+) -> tuple[ModelRepository[Engine], DevicePool]:
+    """The served models' repository (nothing started: ``await models.start(...)``) and the device
+    pool every engine shares, the placement's device groups when ``placement`` is given (each model
+    then has as many replicas as places), and ``build_engine`` as the repository's engine factory."""
+    pool = device_pool(fleet)
+    placed = (
+        None
+        if placement is None
+        else build_placement(placement, fleet=fleet, scheduler=scheduler, backend_factory=backend_factory)
+    )
+
+    def build(name: str, model: ModelGeneration) -> Engine:
+        scaling, where = autoscaling, {}
+        if placed is not None:  # its replicas: its places on the device groups, as many as they are
+            n = placed.replicas(name)
+            scaling = dataclasses.replace(autoscaling, min_replicas=n, max_replicas=n)
+            where = {"gangs": placed.gangs(name), "roll": functools.partial(placed.reload, name)}
+        return build_engine(
+            model=model,
+            fleet=fleet,
+            scheduler=scheduler,
+            autoscaling=scaling,
+            metrics=metrics,
+            max_request_timeout_s=max_request_timeout_s,
+            name=name,
+            backend_factory=backend_factory,
+            pool=pool,
+            **where,
+        )
+
+    models = ModelRepository(
+        load=lambda ref, generation: load_model(fleet, ref, generation=generation),
+        build=build,
+        metrics=metrics,
+        root=root,
+        drain_timeout_s=drain_timeout_s,
+        ready_timeout_s=ready_timeout_s,
+        placement=placed,
+    )
+    return models, pool

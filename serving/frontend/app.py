@@ -1,10 +1,10 @@
 """The FastAPI application factory: ``build_app(settings)`` + lifespan + ``app.state`` (vLLM style).
 
 Nothing heavy happens at import or in ``build_app``: the lifespan resolves the model and loads the
-tokenizer, then has the engine room build the scheduler, the fleet and the engine from the settings'
-configs (``serving/engine/builder.py``; of ``shardserve.serving.fleet`` the front end imports only the
-model repository, ``serving/fleet/repository.py``, which it hands ``build_engine`` as its engine factory)
-and starts the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
+tokenizer, then has the engine room assemble the served models from the settings' configs in one
+call (``build_models``, ``serving/engine/builder.py``: the device pool, the placement, the model
+repository with ``build_engine`` as its engine factory), gives the QA routes their clients
+(``LocalClients``, ``serving/engine/client.py``) and starts the gangs in the background (so /healthz answers at once and /readyz turns 200 when a gang is
 warm). On shutdown it refuses new work, drains admitted requests (``drain_timeout_s``), then stops
 the gangs (``Engine.shutdown``).
 
@@ -35,8 +35,6 @@ fleet) and, for tests and the CLI, the default model's engine, manager and super
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import gc
 import json
 import logging
@@ -56,19 +54,10 @@ from starlette.routing import Mount
 from shardserve import __version__
 from shardserve.partitioner.compiled import resolve_compile
 from shardserve.partitioner.precision import DtypeChoice
-from shardserve.serving.engine.builder import (
-    BackendFactory,
-    ModelGeneration,
-    build_engine,
-    build_placement,
-    device_pool,
-    load_model,
-)
+from shardserve.serving.engine.builder import BackendFactory, ModelGeneration, build_models
 from shardserve.serving.engine.client import LocalClients
-from shardserve.serving.engine.core import Engine
 from shardserve.serving.engine.core_client import MetricsRelay
 from shardserve.serving.engine.core_server import CoreServer
-from shardserve.serving.fleet.repository import ModelRepository
 from shardserve.serving.frontend.api_role import CoreLink, ForwardToCore, api_lifespan
 from shardserve.serving.frontend.http import content_encoding
 from shardserve.serving.frontend.http.access import AccessMiddleware, include_protected
@@ -93,48 +82,19 @@ logger = logging.getLogger(__name__)
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ServeSettings = app.state.settings
     precision: DtypeChoice = app.state.precision
-    fleet = settings.fleet_config(dtype=precision.name, compile=app.state.compile)
-    pool = device_pool(fleet)  # shared by every model's engine
-    placement_config = settings.placement_config(dtype=precision.name)
-    placed = (
-        None
-        if placement_config is None
-        else build_placement(
-            placement_config,
-            fleet=fleet,
-            scheduler=settings.scheduler_config(),
-            backend_factory=app.state.backend_factory,
-        )
-    )
-
-    def build(name: str, model: ModelGeneration) -> Engine:
-        autoscaling, where = settings.autoscaling_config(), {}
-        if placed is not None:  # its replicas: its places on the device groups, as many as they are
-            n = placed.replicas(name)
-            autoscaling = dataclasses.replace(autoscaling, min_replicas=n, max_replicas=n)
-            where = {"gangs": placed.gangs(name), "roll": functools.partial(placed.reload, name)}
-        return build_engine(
-            model=model,
-            fleet=fleet,
-            scheduler=settings.scheduler_config(),
-            autoscaling=autoscaling,
-            metrics=app.state.metrics,
-            max_request_timeout_s=settings.max_request_timeout_s,
-            name=name,
-            backend_factory=app.state.backend_factory,
-            pool=pool,
-            **where,
-        )
-
-    models = app.state.models = ModelRepository(
-        load=lambda ref, generation: load_model(fleet, ref, generation=generation),
-        build=build,
+    models, pool = build_models(
+        fleet=settings.fleet_config(dtype=precision.name, compile=app.state.compile),
+        scheduler=settings.scheduler_config(),
+        autoscaling=settings.autoscaling_config(),
+        placement=settings.placement_config(dtype=precision.name),
         metrics=app.state.metrics,
+        max_request_timeout_s=settings.max_request_timeout_s,
         root=Path(settings.model_repository).expanduser() if settings.model_repository else None,
         drain_timeout_s=settings.drain_timeout_s,
         ready_timeout_s=settings.gang_start_timeout_s,
-        placement=placed,
+        backend_factory=app.state.backend_factory,
     )
+    app.state.models, placed = models, models.placement
     app.state.clients = LocalClients(models, limits=client_limits(settings))  # the QA routes' way in
     # the engines start their loops and supervisors (which start the gangs in the background)
     await models.start(settings.models(), preloaded=app.state.preloaded_models)

@@ -202,7 +202,7 @@ def test_the_walk_sees_imports() -> None:
     assert "models.config" in graph["partitioner.plan"]
     assert "partitioner.runtime.gang" in graph["partitioner.stream.driver"]
     assert "partitioner.runtime.wire" in graph["training.messages"]
-    assert "serving.fleet.repository" in graph["serving.frontend.app"]  # the front end's door to the fleet
+    assert "serving.fleet.repository" in graph["serving.frontend.rest.routes"]  # the front end's door to the fleet
     assert "serving.fleet.model_engine" in graph["serving.fleet.repository"]
     assert "argparse" in _imports_any(ROOT / "shardserve" / "flags.py")
 

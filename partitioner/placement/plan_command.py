@@ -198,10 +198,19 @@ class PlacementFlags(Settings):
 
 
 def placement_profiles(
-    args: PlacementFlags, *, device: str, dtype: str, seq_len: int, batch_size: int
+    args: PlacementFlags,
+    *,
+    device: str,
+    dtype: str,
+    seq_len: int,
+    batch_size: int,
+    measured: MeasuredLatency | None = None,
 ) -> tuple[list[ModelProfile], dict[str, float], str]:
-    """The models' profiles, each one's single-request latency (s) and where that latency came from."""
+    """The models' profiles, each one's single-request latency (s) and where that latency came from;
+    ``measured``: ``--latency-profile`` as read already (None: read here when given)."""
     gpu = GPUS[args.gpu] if args.gpu else None
+    if measured is None and args.latency_profile is not None:
+        measured = MeasuredLatency.read(args.latency_profile)
     profiles, single, how = cost_profiles(
         {name: planning_config(model) for name, model in args.named_models().items()},
         devices=args.devices,
@@ -212,7 +221,7 @@ def placement_profiles(
         device="cuda" if gpu else device,
         single_latency_s=None if args.single_latency_ms is None else args.single_latency_ms / 1000.0,
         hop_s=None if args.hop_ms is None else args.hop_ms / 1000.0,
-        measured=None if args.latency_profile is None else MeasuredLatency.read(args.latency_profile),
+        measured=measured,
         gpu=gpu,
     )
     given = args.single_latency_ms is not None and args.latency_profile is None
@@ -225,8 +234,9 @@ def cmd_placement(
     """``shardserve plan --placement POLICY``: the chosen placement, its predicted SLO attainment and
     (auto, multiplexed) its gain over dedicated."""
     assert args.placement is not None
+    measured = MeasuredLatency.read(args.latency_profile) if args.latency_profile else None
     profiles, single, how = placement_profiles(
-        args, device=device, dtype=dtype, seq_len=seq_len, batch_size=batch_size
+        args, device=device, dtype=dtype, seq_len=seq_len, batch_size=batch_size, measured=measured
     )
     if args.device_memory_mb is not None:
         memory = int(args.device_memory_mb * MIB)
@@ -236,11 +246,13 @@ def cmd_placement(
         memory = default_device_memory_bytes(device, args.devices)
     names = [p.name for p in profiles]
     slo = {m: args.slo_scale * single[m] for m in names}
-    overhead = MeasuredLatency.read(args.latency_profile).overhead_s if args.latency_profile else 0.0
-    config = SimConfig(max_batch_size=batch_size, overhead_s=overhead)
+    config = SimConfig(max_batch_size=batch_size, overhead_s=measured.overhead_s if measured else 0.0)
     kw: dict[str, Any] = dict(num_devices=args.devices, device_memory_bytes=memory, slo_s=slo, config=config)
-    choice = choose_placement(args.placement, profiles, args.workload(names), **kw)
-    gain = None if args.no_gain or args.placement == "dedicated" else _gain(args, choice, profiles, kw)
+    workload = args.workload(names)  # its trace drawn once (cached), for the choice and the gain
+    choice = choose_placement(args.placement, profiles, workload, **kw)
+    gain = (
+        None if args.no_gain or args.placement == "dedicated" else _gain(args, choice, profiles, workload, kw)
+    )
     if as_json:
         out = choice.to_dict(profiles)
         out.update(
@@ -270,13 +282,17 @@ def cmd_placement(
 
 
 def _gain(
-    args: PlacementFlags, choice: PlacementChoice, profiles: list[ModelProfile], kw: dict[str, Any]
+    args: PlacementFlags,
+    choice: PlacementChoice,
+    profiles: list[ModelProfile],
+    workload: Workload,
+    kw: dict[str, Any],
 ) -> dict[str, Any]:
     """The largest total rate and CV at ``target_attainment`` of the chosen placement and of dedicated's
-    (each chosen for the flags' workload, then held fixed)."""
+    (each chosen for the flags' ``workload``, then held fixed)."""
     names = [p.name for p in profiles]
     try:
-        dedicated = choose_placement("dedicated", profiles, args.workload(names), **kw)
+        dedicated = choose_placement("dedicated", profiles, workload, **kw)
     except PlacementError as err:
         return {"target": args.target_attainment, "error": f"no dedicated placement: {err}"}
     sim = dict(slo_s=kw["slo_s"], config=kw["config"], target=args.target_attainment)

@@ -168,8 +168,9 @@ class PlacementConfig:
     # ranks_per_gpu on cuda, the machine's / devices on cpu)
     device_memory_bytes: int | None = None
     labels: tuple[str, ...] = ()  # each device's torch device (default: cpu, or the GPUs round-robin)
-    rate: float = 10.0  # declared total requests/s, shared evenly by the models
+    rate: float = 10.0  # declared total requests/s, shared by the models (evenly, or as ``skew`` says)
     cv: float = 1.0  # declared inter-arrival coefficient of variation (Gamma; 1 is Poisson)
+    skew: float = 0.0  # declared Zipf-like skew: the k-th model (from 1) gets rate in proportion to 1 / k**skew
     slo_scale: float = 5.0  # each model's SLO: this many times its single-request latency
     single_latency_s: float | None = None  # measured single-request latency at pp=1 (None: estimated)
     latency_profile: str | None = None  # a measured stage-time profile (JSON) instead of the cost model's
@@ -193,6 +194,8 @@ class PlacementConfig:
             )
         if self.labels and len(self.labels) != self.devices:
             problems.append(f"{len(self.labels)} device labels for devices={self.devices}")
+        if self.skew < 0:
+            problems.append(f"skew={self.skew!r} must be >= 0")
         for name in ("rate", "cv", "slo_scale", "simulate_s", "look_back_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)!r} must be > 0")

@@ -2,7 +2,7 @@
 
 - **choose**: the policy (``dedicated``, ``multiplexed`` or ``auto``: ``partitioner/placement/search.py``,
   AlpaServe's) simulates the workload over the models' cost-model profiles under each device's
-  memory: at start the declared workload (``PlacementConfig.rate`` / ``cv``), in auto's re-plans
+  memory: at start the declared workload (``PlacementConfig.rate`` / ``cv`` / ``skew``), in auto's re-plans
   the arrivals observed since (each engine's ``arrivals``);
 - **make real**: each model's generation is split as its groups are (their pp and tp), and the
   groups' gangs are ``serving/fleet/groups.py``'s; each model's engine draws its replicas from there
@@ -125,7 +125,9 @@ class PlacedModels:
             "config": self.sim,
         }
         if trace is None:
-            workload = steady(list(models), rate=cfg.rate, cv=cfg.cv, duration_s=cfg.simulate_s)
+            workload = steady(
+                list(models), rate=cfg.rate, cv=cfg.cv, skew=cfg.skew, duration_s=cfg.simulate_s
+            )
             return choose_placement(cfg.policy, profiles, workload, **kw)  # type: ignore[arg-type]
         current = self.choice.placement if self.choice is not None else None
         return replan(trace, profiles, current=current, min_gain=cfg.min_gain, **kw)

@@ -29,6 +29,7 @@ PLACEMENT_FIELDS = (
     "device_memory_mb",
     "workload_rate",
     "workload_cv",
+    "workload_skew",
     "slo_scale",
     "single_latency_ms",
     "latency_profile",
@@ -70,14 +71,21 @@ class PlacementFlags(BaseSettings):
     workload_rate: float = Field(
         PlacementConfig.rate,
         gt=0,
-        description="with placement: the requests/s (all models together, shared evenly) the placement "
-        "is chosen for at start",
+        description="with placement: the requests/s (all models together, shared as workload_skew says) "
+        "the placement is chosen for at start",
     )
     workload_cv: float = Field(
         PlacementConfig.cv,
         gt=0,
         description="with placement: the burstiness it is chosen for: the coefficient of variation of "
         "each model's inter-arrival times (a Gamma process; 1 is Poisson, 4 very bursty)",
+    )
+    workload_skew: float = Field(
+        PlacementConfig.skew,
+        ge=0,
+        description="with placement: how unevenly the models share workload_rate at start, Zipf-like: the "
+        "k-th model given (from 1) in proportion to 1 / k**skew (0: evenly; 1: the first twice the "
+        "second's); auto placement then follows the load it observes",
     )
     slo_scale: float = Field(
         PlacementConfig.slo_scale,
@@ -147,6 +155,7 @@ class PlacementFlags(BaseSettings):
             device_memory_bytes=None if mb is None else int(mb * 2**20),
             rate=self.workload_rate,
             cv=self.workload_cv,
+            skew=self.workload_skew,
             slo_scale=self.slo_scale,
             single_latency_s=None if single is None else single / 1000.0,
             latency_profile=self.latency_profile,

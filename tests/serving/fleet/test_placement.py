@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from shardserve.partitioner.placement.workload import alternating_bursts
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
+from shardserve.serving.fleet import placement as placement_runtime
 from shardserve.serving.frontend.cli import startup_line
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
@@ -76,6 +77,23 @@ def test_dedicated_gives_each_model_devices_of_its_own_within_the_memory_budget(
         assert sorted(g.models[0] for g in factory.gangs) == ["a", "b"]
         assert sorted((models, pp) for _, pp, models in groups(client)) == [(["a"], 1), (["b"], 1)]
         assert ask(client, model="a").status_code == ask(client, model="b").status_code == 200
+
+
+def test_the_start_is_placed_for_the_declared_skew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--workload-skew``: the start's placement is chosen for uneven rates (the first model hot,
+    1 / k**skew) and gives the hot model the replicas."""
+    chosen_for: list[dict[str, float]] = []
+    choose = placement_runtime.choose_placement
+
+    def noting(policy: str, profiles: Any, workload: Any, **kw: Any) -> Any:
+        chosen_for.append({a.model: a.rate for a in workload.arrivals})
+        return choose(policy, profiles, workload, **kw)
+
+    monkeypatch.setattr(placement_runtime, "choose_placement", noting)
+    kw = {**PLACED, "devices": 3, "placement": "dedicated", "device_memory_mb": ONE_MODEL_MB}
+    with serving(FakeFactory(), model=TWO[::-1], workload_rate=63.0, workload_skew=3.0, **kw) as (client, _):
+        assert chosen_for == [{"b": pytest.approx(56.0), "a": pytest.approx(7.0)}]
+        assert {m: len(d) for m, d in devices_of(client).items()} == {"a": 1, "b": 2}
 
 
 def test_a_placement_that_cannot_fit_fails_the_start_with_the_numbers() -> None:

@@ -36,8 +36,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench_serving import api_pids, batch_stats, machine_info, process_cpu_s  # noqa: E402
 from http_load import closed_loop  # noqa: E402
+from serving_procs import api_pids, batch_stats, process_cpu_s  # noqa: E402
+from serving_report import machine_info  # noqa: E402
 
 from shardserve.loadtest.local_server import ServerNotReady, local_server  # noqa: E402
 from shardserve.loadtest.overload import process_tree  # noqa: E402

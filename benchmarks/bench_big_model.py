@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import machine_info
+from serving_report import machine_info
 
 logger = logging.getLogger("bench_big_model")
 

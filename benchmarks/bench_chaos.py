@@ -65,7 +65,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench_serving import machine_info  # noqa: E402
+from serving_report import machine_info  # noqa: E402
 
 from shardserve.loadtest.data import load_qa_items  # noqa: E402
 from shardserve.loadtest.http11 import post_request, read_response  # noqa: E402

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import machine_info
+from serving_report import machine_info
 
 from shardserve.models.build import build_model
 from shardserve.models.config import HF_CLASSES, EncoderConfig

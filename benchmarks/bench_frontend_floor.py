@@ -46,8 +46,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench_serving import DEFAULT_SQUAD, load_pairs, machine_info, process_cpu_s  # noqa: E402
+from bench_serving import DEFAULT_SQUAD, load_pairs  # noqa: E402
 from http_load import closed_loop  # noqa: E402
+from serving_procs import process_cpu_s  # noqa: E402
+from serving_report import machine_info  # noqa: E402
 
 from shardserve.loadtest.local_server import free_port, stop, wait_ready  # noqa: E402
 

@@ -44,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import machine_info
+from serving_report import machine_info
 
 from shardserve.models.build import build_model
 from shardserve.models.registry import resolve_model

@@ -50,8 +50,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import SMALL_BATCH, machine_info, raw_in_subprocess
+from bench_serving import SMALL_BATCH
 from http_load import OpenLoopClient
+from serving_raw import raw_in_subprocess
+from serving_report import machine_info
 
 from shardserve.loadtest.local_server import free_port, stop, wait_ready
 from shardserve.training.squad_data import SquadExample, load_squad

@@ -62,9 +62,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import machine_info
 from multimodel_paired import report_paired, run_paired
 from multimodel_report import POLICIES, report
+from serving_report import machine_info
 
 from shardserve.loadtest.local_server import local_server
 from shardserve.loadtest.replay import Sent, replay, summary

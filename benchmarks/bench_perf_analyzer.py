@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import machine_info
+from serving_report import machine_info
 
 from shardserve.loadtest.local_server import free_port, local_server
 from shardserve.loadtest.perf_analyzer import install, run

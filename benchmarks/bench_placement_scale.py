@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_serving import machine_info
+from serving_report import machine_info
 
 from shardserve.partitioner.placement.gpus import GPUS
 from shardserve.partitioner.placement.plan_command import PlacementFlags, placement_profiles

@@ -63,31 +63,23 @@ a small built-in set.
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
 import shlex
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from http_load import closed_loop
+from serving_procs import bench_server, framework_server
+from serving_raw import bench_raw, first_of_each_shape, raw_in_subprocess
+from serving_report import FRAMEWORKS, Result, machine_info, print_table, ratio_lines, shared_cores
 
-from shardserve.loadtest.local_server import ServerNotReady, free_port, stop, wait_ready
-from shardserve.loadtest.overload import process_tree
+from shardserve.loadtest.local_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -102,11 +94,6 @@ DEFAULT_EXTRA_CONFIGS_CUDA = (  # several ranks sharing each GPU
 )
 SMALL_BATCH = 8  # (a3): shardserve's CPU micro-batches average 4-6 windows at 32 clients
 SKIPPABLE = ("raw", "naive", "naive-bf16", "ort", "litserve", "mosec", "shardserve", "default", "best")
-FRAMEWORKS = (  # (e), (f): --skip part, row letter, name, server script in servers/
-    ("litserve", "e", "LitServe", "litserve_qa.py"),
-    ("mosec", "f", "Mosec", "mosec_qa.py"),
-)
-FRAMEWORK_TIMEOUT_S = 120  # LitServe's, Mosec's request limit (their defaults: 30 s, 3 s); naive: none
 DEFAULT_SQUAD = REPO.parent / "shared" / "data" / "squad" / "squad-v1.1-train-pool.json"
 BUILTIN = [
     (
@@ -133,18 +120,6 @@ BUILTIN = [
 logger = logging.getLogger("bench_serving")
 
 
-@dataclass
-class Result:
-    name: str
-    questions_per_s: float
-    p50_ms: float | None
-    p99_ms: float | None
-    completed: int
-    errors: int
-    note: str = ""
-    server_cpu_ms: float | None = None  # server-process CPU per answer (HTTP, tokenizing, decoding)
-
-
 # ------------------------------------------------------------------------------------------ data
 
 
@@ -156,169 +131,6 @@ def load_pairs(path: Path, n: int) -> list[tuple[str, str]]:
     pairs = [(qa["question"], p["context"]) for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]]
     step = max(1, len(pairs) // n)  # spread over articles
     return pairs[::step][:n]
-
-
-# ------------------------------------------------------------------------------------------ (a) raw
-
-
-def bench_raw(
-    args: argparse.Namespace,
-    pairs: list[tuple[str, str]],
-    *,
-    threads: int,
-    duration_s: float,
-    batch_size: int,
-    name: str,
-    dtype: str = "float32",
-    engine: str = "torch",
-    onnx_dir: str | None = None,
-    device: str = "cpu",
-) -> Result:
-    """Raw forward over the questions' windows, in whole passes over all of them for at least
-    ``duration_s``; ``engine``: torch (at ``dtype``, on ``device``), ort-fp32 or ort-int8 (cpu)."""
-    import torch
-
-    from shardserve.models.build import build_model
-    from shardserve.models.qa_windows import WindowConfig, encode_qa, pad_windows
-    from shardserve.models.registry import resolve_model
-
-    torch.set_num_threads(threads)
-    source = resolve_model(args.model)
-    tok = source.tokenizer()
-    enc = encode_qa(
-        tok,
-        [q for q, _ in pairs],
-        [c for _, c in pairs],
-        window=WindowConfig(max_seq_len=args.max_seq_len, doc_stride=128, max_question_len=64),
-    )
-    # batch 1 keeps arrival order (what a one-at-a-time server computes); batches are length-sorted
-    windows = enc.windows if batch_size == 1 else sorted(enc.windows, key=lambda w: w.num_tokens)
-    types = source.config.uses_token_types
-    batches = []  # (input ids, attention mask, token types or None), each (B, S), on the device
-    for i in range(0, len(windows), batch_size):
-        b = pad_windows(windows[i : i + batch_size], pad_token_id=enc.pad_token_id)
-        tt = b.token_type_ids.to(device) if types else None
-        batches.append((b.input_ids.to(device), b.attention_mask.to(device), tt))
-    if engine == "torch":
-        from shardserve.partitioner.int8 import model_calibration, quantize_linears
-        from shardserve.partitioner.precision import compute_dtype
-
-        net = build_model(source, dtype=compute_dtype(dtype), device=device).eval()
-        if dtype == "int8":  # the served int8 path, from the model's calibration (`shardserve quantize`)
-            quantize_linears(net, model_calibration(source))
-        label = f"{dtype} on {device}"
-
-        def model(ids, mask, tt):
-            out = net(ids, mask, tt)
-            if device != "cpu":
-                torch.cuda.synchronize()  # kernels are asynchronous: time their completion
-            return out
-
-    else:
-        sys.path.insert(0, str(HERE))
-        from bench_kernels import ort_forward, ort_session
-
-        session = ort_session(source, Path(onnx_dir or "."), int8=engine == "ort-int8", threads=threads)
-
-        def model(ids, mask, tt):
-            return ort_forward(session, ids, mask, tt)
-
-        label = engine
-    per_question = len(pairs) / len(windows)
-    lat: list[float] = []
-    done = 0
-    with torch.inference_mode():
-        if device == "cuda":  # every shape once, untimed: a first-seen shape measures the GPU's warm-up
-            firsts = first_of_each_shape([b[0] for b in batches])
-            for i in firsts:
-                model(*batches[i])
-            label += f" (warmed over its {len(firsts)} batch shapes first)"
-        else:
-            model(*batches[0])
-        # whole passes over every window until duration_s has passed: the batches are in length
-        # order, and a run cut off mid-pass would time only the shorter windows (a faster "limit")
-        start = time.perf_counter()
-        stop_at = start + duration_s
-        while time.perf_counter() < stop_at:
-            for b in batches:
-                t0 = time.perf_counter()
-                model(*b)
-                lat.append(time.perf_counter() - t0)
-                done += int(b[0].shape[0])
-        elapsed = time.perf_counter() - start
-    del model, batches
-    gc.collect()
-    qps = done * per_question / elapsed
-    q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [lat[0]] * 99
-    return Result(
-        name,
-        qps,
-        1000 * q[49],
-        1000 * q[98],
-        int(done * per_question),
-        0,
-        f"{done / elapsed:.1f} windows/s, batches of {batch_size} windows, "
-        f"{threads} threads, {label}; latency = per batch",
-    )
-
-
-def first_of_each_shape(tensors: list[Any]) -> list[int]:
-    """Indices of the first tensor of each distinct shape, in order (the warm-up set on a GPU)."""
-    firsts: dict[tuple[int, ...], int] = {}
-    for i, t in enumerate(tensors):
-        firsts.setdefault(tuple(t.shape), i)
-    return list(firsts.values())
-
-
-def raw_in_subprocess(
-    args: argparse.Namespace,
-    *,
-    procs: int,
-    threads: int,
-    batch_size: int,
-    duration_s: float,
-    name: str,
-    dtype: str = "float32",
-    engine: str = "torch",
-    onnx_dir: str | None = None,
-    device: str = "cpu",
-) -> Result:
-    """bench_raw in ``procs`` fresh interpreters running at the same time (data parallel when > 1);
-    throughputs add up. Fresh processes also keep torch thread pools from distorting each other."""
-    spec = json.dumps(
-        {
-            "threads": threads,
-            "batch_size": batch_size,
-            "duration_s": duration_s,
-            "name": name,
-            "dtype": dtype,
-            "engine": engine,
-            "onnx_dir": onnx_dir,
-            "device": device,
-        }
-    )
-    cmd = [sys.executable, __file__, "--raw-run", spec, "--model", args.model, "--questions", str(args.questions),
-           "--squad", str(args.squad), "--max-seq-len", str(args.max_seq_len), "--cores", str(args.cores)]  # fmt: skip
-    running = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
-    parts = []
-    for proc in running:
-        out, _ = proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"raw measurement failed with exit code {proc.returncode}")
-        parts.append(Result(**json.loads(out.strip().splitlines()[-1])))
-    first = parts[0]
-    return Result(
-        name,
-        sum(p.questions_per_s for p in parts),
-        first.p50_ms,
-        first.p99_ms,
-        sum(p.completed for p in parts),
-        0,
-        f"{procs} process(es) x {threads} thread(s), batches of {batch_size} windows; "
-        + first.note.split(", ", 1)[0]
-        + (" each" if procs > 1 else "")
-        + f", {first.note.split(', ')[-1].split(';')[0]}",
-    )
 
 
 # ------------------------------------------------------------------------------------------ (b) naive server
@@ -357,213 +169,6 @@ def run_naive_server(args: argparse.Namespace) -> None:
             return qa.answer(body["question"], body["context"])
 
     uvicorn.run(app, host="127.0.0.1", port=args.naive_server, log_level="warning")
-
-
-# ------------------------------------------------------------------------------------------ load generator
-
-
-def drive(port: int, pairs: list[tuple[str, str]], args: argparse.Namespace, name: str, note: str) -> Result:
-    bodies = [json.dumps({"question": q, "context": c}).encode() for q, c in pairs]
-    out = closed_loop(port, bodies, clients=args.clients, warmup_s=args.warmup_s, duration_s=args.duration_s)
-    ok = sorted(lat for lat, status in out if status == 200)
-    errors = sum(1 for _, status in out if status != 200)
-    if len(ok) < 2:
-        return Result(name, len(ok) / args.duration_s, None, None, len(ok), errors, note)
-    q = statistics.quantiles(ok, n=100)
-    return Result(name, len(ok) / args.duration_s, 1000 * q[49], 1000 * q[98], len(ok), errors, note)
-
-
-def bench_server(
-    cmd: list[str],
-    port: int,
-    pairs: list,
-    args: argparse.Namespace,
-    name: str,
-    note: str,
-    *,
-    ready: Callable[[subprocess.Popen], None] | None = None,
-    front_end: bool = False,
-) -> Result:
-    """Start ``cmd`` (a server on ``port``), wait until it is ready (``ready(proc)``; by default its
-    /readyz with every replica started), drive it, and stop it (and whatever of its process tree
-    outlives it). ``front_end``: its descendants holding the listening socket are its front end
-    (LitServe, Mosec), counted with the server process's CPU as shardserve's API processes are."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
-    try:
-        if ready is not None:
-            ready(proc)
-        else:  # shardserve turns ready with its first gang: wait for every replica (none starting)
-            wait_ready(f"http://127.0.0.1:{port}", timeout_s=300, proc=proc, all_replicas=True)
-        # --api-workers: shardserve's API processes (HTTP, tokenizing, decoding)
-        api = listener_pids(process_tree(proc.pid)[1:], port) if front_end else api_pids(port)
-        marks: list[tuple[float, float, float]] = []  # CPU seconds: server process, API processes, workers
-        # at the measured window's two ends, as the answers counted are those that end inside it (not
-        # after drive returns: the answers still in flight at the end are not counted)
-        timers = [
-            threading.Timer(at, lambda: marks.append(cpu_seconds(proc.pid, api=api)))
-            for at in (args.warmup_s, args.warmup_s + args.duration_s)
-        ]
-        for timer in timers:
-            timer.start()
-        result = drive(port, pairs, args, name, note)
-        for timer in timers:
-            timer.join()
-        if len(marks) == 2 and result.completed:
-            (own0, api0, kids0), (own1, api1, kids1) = marks
-            per_q = 1000 / result.completed
-            result.server_cpu_ms = (own1 - own0 + api1 - api0) * per_q
-            result.note += f"; CPU per answer: server process {(own1 - own0) * per_q:.1f} ms"
-            if api:
-                what = "front-end" if front_end else "API"
-                result.note += f", its {len(api)} {what} processes {(api1 - api0) * per_q:.1f} ms"
-            if kids1 > kids0:
-                result.note += f", workers {(kids1 - kids0) * per_q:.1f} ms"
-        stats = batch_stats(port)
-        if stats:
-            result.note += f"; {stats}"
-        return result
-    finally:
-        tree = process_tree(proc.pid)[1:]
-        stop(proc)
-        reap(tree)
-
-
-def reap(pids: Sequence[int], *, timeout_s: float = 10.0) -> None:
-    """Wait up to ``timeout_s`` for the processes ``pids`` (a stopped server's workers) to exit,
-    then SIGKILL those left: a worker outliving its server would take the cores of the next row."""
-    deadline = time.monotonic() + timeout_s
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = [p for p in left if _alive(p)]
-    for p in left:
-        logger.warning("process %d outlived its server: killed", p)
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def wait_answering(
-    url: str, *, proc: subprocess.Popen, timeout_s: float = 300.0, body: bytes | None = None
-) -> None:
-    """Poll ``url`` (GET, or POST the JSON ``body``) until it answers 200: the readiness of servers
-    without shardserve's /readyz (LitServe's /health; Mosec's first answer to a question).
-    ``ServerNotReady`` after ``timeout_s``, or at once if ``proc`` exits."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ServerNotReady(f"the server exited with {proc.returncode} before it was ready")
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.3)
-    raise ServerNotReady(f"{url} did not answer 200 after {timeout_s:g} s (last: {last})")
-
-
-def listener_pids(pids: Sequence[int], port: int) -> list[int]:
-    """Those of ``pids`` holding a TCP socket listening on ``port`` (Linux /proc; [] elsewhere): the
-    front end of a server whose processes do not say which does what (LitServe's uvicorn process and
-    the Manager forked after it bound the port; Mosec's Rust server)."""
-    sockets = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:  # sl local_address rem_address st ... inode
-            fields = row.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                sockets.add(f"socket:[{fields[9]}]")
-
-    def holds(pid: int) -> bool:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # gone, or not ours
-            return False
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in sockets:
-                    return True
-            except OSError:  # closed meanwhile
-                continue
-        return False
-
-    return [pid for pid in pids if sockets and holds(pid)]
-
-
-def process_cpu_s(path: str) -> float:
-    """CPU seconds (user + system) of a process or thread, ``/proc/<pid>`` or ``/proc/<pid>/task/<tid>``
-    (Linux; 0 where it is gone or there is no /proc)."""
-    try:
-        fields = Path(path, "stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def cpu_seconds(pid: int, *, api: Sequence[int] = ()) -> tuple[float, float, float]:
-    """CPU seconds (user + system) of process ``pid``, of its ``api`` processes and of its other live
-    descendants (Linux /proc; zeros elsewhere): what the HTTP front end and the workers spend per answer."""
-
-    def used(p: int) -> float:
-        return process_cpu_s(f"/proc/{p}")
-
-    own, *descendants = process_tree(pid)
-    return used(own), sum(used(p) for p in api), sum(used(p) for p in descendants if p not in api)
-
-
-def api_pids(port: int) -> list[int]:
-    """The API processes of a shardserve server (its status JSON; [] for other servers or none)."""
-    import httpx
-
-    try:
-        workers = httpx.get(f"http://127.0.0.1:{port}/ui/status", timeout=5).json().get("api_workers", [])
-    except (httpx.HTTPError, ValueError):
-        return []
-    return [w["pid"] for w in workers if w.get("pid")]
-
-
-def batch_stats(port: int) -> str:
-    """Mean micro-batch size and padding ratio from shardserve's /metrics ('' for other servers)."""
-    import httpx
-
-    try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return ""
-    values: dict[str, float] = {}
-    for line in text.splitlines():  # summed over the model label (one model here)
-        key, _, value = line.rpartition(" ")
-        name = key.split("{", 1)[0]
-        if name in (
-            "shardserve_batch_size_windows_sum",
-            "shardserve_batch_size_windows_count",
-            "shardserve_padding_ratio",
-        ):
-            values[name] = values.get(name, 0.0) + float(value)
-    n = values.get("shardserve_batch_size_windows_count", 0.0)
-    if not n:
-        return ""
-    mean = values["shardserve_batch_size_windows_sum"] / n
-    return f"mean batch {mean:.1f} windows, padding {100 * values.get('shardserve_padding_ratio', 0.0):.0f}%"
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -692,52 +297,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def machine_info(dtype: str, device: str = "cpu", *, model: str | None = None) -> dict[str, Any]:
-    """CPU, its reduced-precision units, the GPU on cuda, and the dtype ``dtype`` resolves to on ``device``
-    (for ``model``: auto picks int8 where it is calibrated, as the server does; printed with the table)."""
-    import torch
-
-    from shardserve.models.cpu import cpu_capabilities
-    from shardserve.partitioner.precision import resolve_dtype
-
-    caps = cpu_capabilities()
-    calibrated = False
-    if model is not None:
-        from shardserve.models.registry import resolve_model
-        from shardserve.partitioner.int8 import calibration_path
-
-        calibrated = calibration_path(resolve_model(model)).is_file()
-    choice = resolve_dtype(dtype, device, int8_calibrated=calibrated)
-    try:
-        import onnxruntime
-
-        ort_version = onnxruntime.__version__
-    except ImportError:
-        ort_version = None
-    return {
-        "cpu": caps.describe(),
-        "bf16_units": caps.bf16,
-        "amx": caps.amx,
-        "int8_kernels": caps.int8_unit or None,
-        "dtype_requested": dtype,
-        "dtype": choice.name,
-        "dtype_reason": choice.reason,
-        "torch": torch.__version__,
-        "onnxruntime": ort_version,
-        **{part: _version(part) for part, *_ in FRAMEWORKS},  # litserve, mosec: None when not installed
-        "cores": os.cpu_count(),
-        "device": device,
-        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-    }
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def explicit_configs(args: argparse.Namespace) -> list[list[str]]:
     """The explicit-flag shardserve configurations: the --pp/--tp/--replicas/--threads-per-rank one,
     then each --extra-config (placement flags only; batching flags and --dtype are added to all)."""
@@ -753,60 +312,6 @@ def explicit_configs(args: argparse.Namespace) -> list[list[str]]:
         if flags and flags not in configs:
             configs.append(flags)
     return configs
-
-
-def ratio_lines(results: list[Result], *, cores: int | None = None) -> list[str]:
-    """The ratios of the shardserve rows to the other parts, with the issue-9 targets; with
-    ``cores``, also the ceiling its server process's own CPU per answer puts on the default row."""
-
-    def best(prefix: tuple[str, ...]) -> Result | None:
-        rows = [r for r in results if r.name.startswith(prefix) and r.questions_per_s > 0]
-        return max(rows, key=lambda r: r.questions_per_s) if rows else None
-
-    default = best(("(c) shardserve default",))
-    explicit = best(("(c) shardserve flags",))
-    limit = best(("(a) ", "(a') ", "(a2) ", "(a3) "))
-    naive = best(("(b) ",))
-    naive16 = best(("(b2) ",))
-    frameworks = [  # (e), (e2), (f), (f2)
-        (best((f"({letter}{suffix}) ",)), f"{title} {short} server ({letter}{suffix})")
-        for _, letter, title, _ in FRAMEWORKS
-        for suffix, short in (("", "fp32"), ("2", "bf16"))
-    ]
-    ort = best(("(d) ",))
-    ort_fp32 = best(("(d) ONNX Runtime fp32",))  # int8 is faster but breaks the accuracy bound
-    lines = []
-    for label, c in (("default flags", default), ("best flags", explicit)):
-        if c is None:
-            continue
-        lines.append(f"shardserve {label} [{c.name}]: {c.questions_per_s:.1f} q/s")
-        for other, what, target in (
-            (limit, "raw forward limit (a)", 0.9),
-            (naive, "naive fp32 server (b)", 4.0),
-            (naive16, "naive bf16 server (b2)", None),
-            *((row, what, None) for row, what in frameworks),
-            (ort, "ONNX Runtime best raw (d)", 2.0),
-            (ort_fp32, "ONNX Runtime best accurate raw (d, fp32)", None),
-        ):
-            if other is None or (other is ort_fp32 and ort is ort_fp32):
-                continue
-            ratio = c.questions_per_s / other.questions_per_s
-            goal = (
-                ""
-                if target is None or label != "default flags"
-                else (f"  (target >= {target:g}x: {'met' if ratio >= target else 'NOT met'})")
-            )
-            lines.append(f"  / {what} [{other.name}]: {ratio:.2f}x{goal}")
-    if default is not None and default.server_cpu_ms and limit is not None and cores:
-        # the server process shares the cores: at q answers/s it leaves cores - q * f to the model,
-        # which at best computes limit/cores answers per core-second: q = L / (1 + f * L / cores)
-        ceiling = limit.questions_per_s / (1 + default.server_cpu_ms / 1000 * limit.questions_per_s / cores)
-        lines.append(
-            f"  ceiling from the server process's {default.server_cpu_ms:.1f} ms CPU per answer on {cores} "
-            f"cores, batching as good as the limit's: {ceiling:.1f} q/s = "
-            f"{ceiling / limit.questions_per_s:.2f}x the limit"
-        )
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -939,48 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, args, info)
     if args.json is not None:
         payload = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                   "results": [asdict(r) for r in results], "ratios": ratio_lines(results, cores=_shared_cores(args))}  # fmt: skip
+                   "results": [asdict(r) for r in results], "ratios": ratio_lines(results, cores=shared_cores(args))}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
-
-
-def framework_server(
-    part: str, args: argparse.Namespace, pairs: list[tuple[str, str]], dtype: str, port: int
-) -> tuple[list[str], Callable[[subprocess.Popen], None], str]:
-    """Row (e) / (f)'s server: its command (``servers/litserve_qa.py`` or ``servers/mosec_qa.py`` on
-    ``port``), how to wait until it is ready, and the row's note. Same batching bounds as shardserve's
-    explicit rows (--max-batch-size, here requests; --max-queue-delay-ms) and --model-workers x
-    (--cores / --model-workers) torch threads."""
-    workers = args.model_workers or (1 if args.device == "cuda" else args.cores)
-    threads = max(1, args.cores // workers)
-    bs, delay_ms = args.max_batch_size, args.max_queue_delay_ms
-    common = ["--model", args.model, "--dtype", dtype, "--device", args.device, "--max-seq-len",
-              str(args.max_seq_len), "--workers", str(workers), "--threads", str(threads),
-              "--max-batch-size", str(bs)]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    note = f"{workers} worker(s) x {threads} thread(s), {dtype} on {args.device}, batches of <= {bs} requests"
-    if part == "litserve":
-        cmd = [sys.executable, str(HERE / "servers" / "litserve_qa.py"), "--port", str(port), *common,
-               "--batch-timeout-ms", str(delay_ms), "--timeout-s", str(FRAMEWORK_TIMEOUT_S)]  # fmt: skip
-        note += f" within {delay_ms:g} ms, 1 API process"
-
-        def ready(proc: subprocess.Popen) -> None:
-            wait_answering(url + "/health", proc=proc)
-
-    else:
-        wait_ms = max(1, round(delay_ms))  # Mosec's max_wait_time: whole milliseconds, >= 1
-        cmd = [sys.executable, str(HERE / "servers" / "mosec_qa.py"), "--port", str(port), "--address",
-               "127.0.0.1", "--timeout", str(FRAMEWORK_TIMEOUT_S * 1000), "--log-level", "warning", *common,
-               "--max-wait-ms", str(wait_ms)]  # fmt: skip
-        note += f" within {wait_ms} ms"
-        probe = json.dumps({"question": pairs[0][0], "context": pairs[0][1]}).encode()
-
-        def ready(proc: subprocess.Popen) -> None:
-            wait_answering(url + "/v1/qa", proc=proc, body=probe)
-
-    if args.device == "cuda":
-        note += ", warmed only by --warmup-s of load"
-    return cmd, ready, note
 
 
 def _default_placement(device: str, model: str) -> str:
@@ -996,37 +462,6 @@ def _default_placement(device: str, model: str) -> str:
         return f"{lo} replica(s) x pp={s.pp} tp={s.tp} x {s.rank_threads} thread(s)/rank, {dtype}"
     except Exception as err:  # the settings API moved: the row is still measured
         return f"(placement unknown: {err})"
-
-
-def _shared_cores(args: argparse.Namespace) -> int | None:
-    """The cores the front end shares with the model (None on cuda: the model computes on the GPU)."""
-    return None if args.device == "cuda" else args.cores
-
-
-def print_table(results: list[Result], args: argparse.Namespace, info: dict[str, Any]) -> None:
-    def fmt(x: float | None) -> str:
-        return "-" if x is None else f"{x:.0f}"
-
-    print(
-        f"\nmodel={args.model} clients={args.clients} duration={args.duration_s:g}s cores={info['cores']} "
-        f"questions={args.questions} torch={info['torch']} onnxruntime={info['onnxruntime'] or 'not installed'} "
-        + " ".join(f"{part}={info.get(part) or 'not installed'}" for part, *_ in FRAMEWORKS)
-    )
-    print(
-        f"cpu: {info['cpu']}; bf16 units: {info['bf16_units']}, AMX: {info['amx']}, "
-        f"int8 kernels: {info['int8_kernels'] or 'none'}"
-    )
-    if info["gpu"]:
-        print(f"gpu: {info['gpu']} (the raw rows, the naive servers and shardserve compute on it)")
-    print(f"--dtype {info['dtype_requested']} -> {info['dtype']} ({info['dtype_reason']})")
-    print(f"{'':36} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ok':>6} {'err':>5}  note")
-    for r in results:
-        print(
-            f"{r.name:36} {r.questions_per_s:8.1f} {fmt(r.p50_ms):>8} {fmt(r.p99_ms):>8} {r.completed:6d} "
-            f"{r.errors:5d}  {r.note}"
-        )
-    for line in ratio_lines(results, cores=_shared_cores(args)):
-        print(line)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ import bench_api_workers
 import bench_frontend_floor
 import bench_kernels
 import bench_serving
+import serving_procs
+import serving_raw
+import serving_report
 
 from shardserve.loadtest.overload import process_tree
 from shardserve.models.cpu import cpu_capabilities
@@ -60,8 +63,8 @@ def test_parse_variants_rejects_unknown_names():
         bench_kernels.parse_variants("fp32,int4")
 
 
-def _result(name: str, qps: float) -> bench_serving.Result:
-    return bench_serving.Result(name, qps, None, None, 0, 0)
+def _result(name: str, qps: float) -> serving_report.Result:
+    return serving_report.Result(name, qps, None, None, 0, 0)
 
 
 def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
@@ -76,7 +79,7 @@ def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
         _result("(c) shardserve flags #1", 30.0),
         _result("(c) shardserve flags #2", 48.0),
     ]
-    text = "\n".join(bench_serving.ratio_lines(rows))
+    text = "\n".join(serving_report.ratio_lines(rows))
     assert "raw forward limit (a) [(a') raw batched bfloat16, 2 procs]: 0.90x  (target >= 0.9x: met)" in text
     assert "naive fp32 server (b) [(b) naive FastAPI fp32]: 4.50x  (target >= 4x: met)" in text
     assert (
@@ -85,21 +88,21 @@ def test_ratio_lines_use_the_best_row_of_each_part_and_state_targets():
     assert "best flags [(c) shardserve flags #2]: 48.0 q/s" in text
     rows.append(_result("(a2) raw batch 1 float32, 2 procs", 60.0))  # batch 1 can be the best raw row
     assert "raw forward limit (a) [(a2) raw batch 1 float32, 2 procs]: 0.75x" in "\n".join(
-        bench_serving.ratio_lines(rows)
+        serving_report.ratio_lines(rows)
     )
     assert "ONNX Runtime best accurate raw (d, fp32) [(d) ONNX Runtime fp32, batch 32]: 2.25x" in text
     rows.append(_result("(a3) raw batch 8 float32, 2 procs", 64.0))  # and so can small batches
     assert "raw forward limit (a) [(a3) raw batch 8 float32, 2 procs]: 0.70x" in "\n".join(
-        bench_serving.ratio_lines(rows)
+        serving_report.ratio_lines(rows)
     )
 
 
 def test_ceiling_line_charges_the_server_process_cpu_to_the_cores():
     c = _result("(c) shardserve default flags", 45.0)
     rows = [_result("(a') raw batched bfloat16, 2 procs", 100.0), c]
-    assert not any("ceiling" in line for line in bench_serving.ratio_lines(rows, cores=2))  # not measured
+    assert not any("ceiling" in line for line in serving_report.ratio_lines(rows, cores=2))  # not measured
     c.server_cpu_ms = 5.0  # at q answers/s the model keeps 2 - 0.005 q cores at 50 answers/core-s
-    text = "\n".join(bench_serving.ratio_lines(rows, cores=2))
+    text = "\n".join(serving_report.ratio_lines(rows, cores=2))
     assert (
         "5.0 ms CPU per answer on 2 cores, batching as good as the limit's: 80.0 q/s = 0.80x the limit"
         in text
@@ -116,17 +119,17 @@ def test_cpu_seconds_counts_a_process_and_its_children():
     )
     try:
         deadline = time.monotonic() + 30
-        while bench_serving.cpu_seconds(parent.pid)[2] < 0.3 and time.monotonic() < deadline:
+        while serving_procs.cpu_seconds(parent.pid)[2] < 0.3 and time.monotonic() < deadline:
             time.sleep(0.1)
-        own, api, children = bench_serving.cpu_seconds(parent.pid)
+        own, api, children = serving_procs.cpu_seconds(parent.pid)
         assert children >= 0.3 and own < children and api == 0.0  # the child burned 0.3 s, the parent waited
         child = process_tree(parent.pid)[1]
-        own, api, children = bench_serving.cpu_seconds(parent.pid, api=[child])  # as an API process
+        own, api, children = serving_procs.cpu_seconds(parent.pid, api=[child])  # as an API process
         assert api >= 0.3 and children == 0.0
     finally:
         os.killpg(parent.pid, signal.SIGKILL)  # the parent and its child
         parent.wait()
-    assert bench_serving.cpu_seconds(parent.pid) == (0.0, 0.0, 0.0)  # gone: nothing to count
+    assert serving_procs.cpu_seconds(parent.pid) == (0.0, 0.0, 0.0)  # gone: nothing to count
 
 
 def test_api_workers_configs_name_their_checkout_and_the_load_is_the_asked_size(tmp_path):
@@ -144,8 +147,8 @@ def test_api_workers_configs_name_their_checkout_and_the_load_is_the_asked_size(
     assert bench_api_workers.parse_config("").label == "(no flags)"
     load = [json.loads(b) for b in bench_api_workers.bodies(5, context_chars=40)]
     assert len({d["question"] for d in load}) == 5 and all(len(d["context"]) == 40 for d in load)
-    assert bench_serving.process_cpu_s("/proc/no-such-process") == 0.0
-    assert bench_serving.process_cpu_s("/proc/self") > 0
+    assert serving_procs.process_cpu_s("/proc/no-such-process") == 0.0
+    assert serving_procs.process_cpu_s("/proc/self") > 0
 
 
 def test_explicit_configs_expand_cores_and_drop_duplicates():
@@ -161,13 +164,13 @@ def test_on_cuda_the_default_rows_share_the_gpus_and_no_ceiling_is_charged_to_th
     args = bench_serving.build_parser().parse_args(["--device", "cuda"])
     extra = bench_serving.explicit_configs(args)[1:]
     assert extra and all("--ranks-per-gpu" in flags for flags in extra)
-    assert bench_serving._shared_cores(args) is None
-    assert bench_serving._shared_cores(bench_serving.build_parser().parse_args(["--cores", "2"])) == 2
+    assert serving_report.shared_cores(args) is None
+    assert serving_report.shared_cores(bench_serving.build_parser().parse_args(["--cores", "2"])) == 2
 
 
 def test_machine_info_says_when_onnxruntime_is_absent(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
-    info = bench_serving.machine_info("float32")
+    info = serving_report.machine_info("float32")
     assert info["onnxruntime"] is None and info["dtype"] == "float32"
     assert (
         info["cpu"]
@@ -223,8 +226,8 @@ def test_big_model_checkpoint_is_sharded_and_loads_as_transformers_wrote_it(tmp_
 def test_first_of_each_shape_picks_one_batch_per_shape_in_order():
     """On cuda the raw rows and the naive server warm every distinct shape once before timing."""
     shapes = [(1, 40), (1, 52), (1, 40), (2, 384), (1, 52), (2, 384), (1, 7)]
-    assert bench_serving.first_of_each_shape([torch.zeros(s) for s in shapes]) == [0, 1, 3, 6]
-    assert bench_serving.first_of_each_shape([]) == []
+    assert serving_raw.first_of_each_shape([torch.zeros(s) for s in shapes]) == [0, 1, 3, 6]
+    assert serving_raw.first_of_each_shape([]) == []
 
 
 def test_big_model_gpu_memory_matches_nvidia_smi_rows_to_rank_pids():
@@ -428,7 +431,7 @@ def test_ratio_lines_compare_shardserve_with_litserve_and_mosec():
         _result("(f) Mosec fp32", 40.0),
         _result("(c) shardserve default flags", 50.0),
     ]
-    text = "\n".join(bench_serving.ratio_lines(rows))
+    text = "\n".join(serving_report.ratio_lines(rows))
     assert "LitServe fp32 server (e) [(e) LitServe fp32]: 2.50x" in text
     assert "LitServe bf16 server (e2) [(e2) LitServe bf16]: 2.00x" in text
     assert "Mosec fp32 server (f) [(f) Mosec fp32]: 1.25x" in text
@@ -441,10 +444,10 @@ def test_listener_pids_finds_the_process_holding_the_listening_socket():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        assert bench_serving.listener_pids([os.getpid()], port) == []  # bound, not listening
+        assert serving_procs.listener_pids([os.getpid()], port) == []  # bound, not listening
         s.listen()
-        assert bench_serving.listener_pids([os.getpid()], port) == [os.getpid()]
-        assert bench_serving.listener_pids([os.getpid()], port + 1 if port < 65535 else port - 1) == []
+        assert serving_procs.listener_pids([os.getpid()], port) == [os.getpid()]
+        assert serving_procs.listener_pids([os.getpid()], port + 1 if port < 65535 else port - 1) == []
 
 
 def test_reap_kills_the_processes_that_outlive_their_server():
@@ -452,7 +455,7 @@ def test_reap_kills_the_processes_that_outlive_their_server():
 
     left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        bench_serving.reap([left.pid], timeout_s=0.2)
+        serving_procs.reap([left.pid], timeout_s=0.2)
         assert left.wait(timeout=10) == -signal.SIGKILL
     finally:
         left.kill()
@@ -580,7 +583,9 @@ def test_run_paired_measures_each_point_in_alternating_pairs_on_one_trace(tmp_pa
     from shardserve.partitioner.placement.latency import LatencyModel, MeasuredLatency
 
     out = tmp_path / "paired.json"
-    report_args = argparse.Namespace(json=out, plots=None, models=2, dtype="float32", pairs=3, min_requests=100)
+    report_args = argparse.Namespace(
+        json=out, plots=None, models=2, dtype="float32", pairs=3, min_requests=100
+    )
     measured = MeasuredLatency(LatencyModel({(1, 1): {1: 0.05}}), overhead_s=0.001)
     info = {"cpu": "test cpu"}
     assert mp.report_paired(entries, report_args, info, single=0.051, memory=2**20, measured=measured) == 0

@@ -24,6 +24,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SQUAD_DIR = REPO_ROOT.parent / "shared" / "data" / "squad"
 
+# a helper module the tests share reports its failed asserts as a test module does (pytest rewrites
+# only test_*.py and conftest.py): tests/serving/engine/scheduler_helpers.py ``submit_all``
+pytest.register_assert_rewrite("tests.serving.engine.scheduler_helpers")
+
 # test modules (under tests/) by marker; tests/shardserve/test_tiers.py checks each one exists
 TIERS: dict[str, frozenset[str]] = {
     "slow": frozenset(
@@ -43,6 +47,10 @@ TIERS: dict[str, frozenset[str]] = {
             "partitioner/test_int8.py",
             "partitioner/test_precision.py",
             "serving/frontend/test_api.py",
+            "serving/frontend/test_api_admin.py",
+            "serving/frontend/test_api_admission.py",
+            "serving/frontend/test_api_failures.py",
+            "serving/frontend/test_api_inputs.py",
             "serving/frontend/test_api_workers.py",
             "serving/frontend/http/test_openapi.py",
             "serving/frontend/test_serve_cli.py",

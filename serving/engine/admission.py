@@ -4,7 +4,7 @@ Owns the reservations taken before tokenizing, the rejection counters and ``Retr
 LOGIC: no threads, no clock reads (``now`` is passed in). It reads the queue (the batcher,
 ``serving/engine/batcher.py``) and the service rate (the ledger, ``serving/engine/ledger.py``);
 ``Scheduler`` (``serving/engine/scheduler.py``) composes the three. Tested through it:
-``pytest tests/serving/engine/test_scheduler.py``.
+``pytest tests/serving/engine/test_scheduler_admission.py``.
 
 Admission can be reserved before the (slow) tokenization (``reserve()`` / ``check(...,
 reserved=True)`` / ``unreserve()``): a full queue then answers 429 at once, and requests being

@@ -11,7 +11,8 @@ a detail naming the field (``locate``: how the protocol names pair ``i``'s field
                                   max_context_chars=100_000, max_question_chars=2_000)
     answered.results            # list[PairResult], in pair order
 
-Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/v2/test_routes.py``.
+Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/v2/test_routes.py``; bad
+input: ``pytest tests/serving/frontend/test_api_inputs.py``.
 """
 
 from __future__ import annotations

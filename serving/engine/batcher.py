@@ -4,7 +4,7 @@ Owns the queue of windows waiting for dispatch (one lane per request and length 
 fair-queuing virtual time, request expiry order (a deadline heap) and the batch counters. PURE
 LOGIC: no threads, no clock reads (``now`` is passed in). Replica load is the in-flight ledger's
 count (``serving/engine/ledger.py``); ``Scheduler`` (``serving/engine/scheduler.py``) composes the
-two with admission. Tested through it: ``pytest tests/serving/engine/test_scheduler.py``.
+two with admission. Tested through it: ``pytest tests/serving/engine/test_scheduler_batching.py``.
 
 Fair order (start-time fair queuing over windows): the batcher counts dispatched windows (its
 virtual time ``V``); a request admitted at ``V`` gives its k-th window the tag ``V + k``. Windows go

@@ -7,7 +7,7 @@ per busy second, idle time excluded) and counts how requests ended.
 
 PURE LOGIC: no threads, no clock reads (``now`` is passed in). ``Scheduler``
 (``serving/engine/scheduler.py``) composes it with admission and the batcher; tested through it:
-``pytest tests/serving/engine/test_scheduler.py``.
+``pytest tests/serving/engine/test_scheduler_lifecycle.py``.
 
     ledger.add(request)                       # admitted
     batch_id = ledger.start_batch("r0", windows, now=now)

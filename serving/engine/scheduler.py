@@ -11,7 +11,7 @@ The engine drives it from one event loop (it holds no lock); its three parts eac
 ``Scheduler`` runs the request lifecycle across them (submit, cancel, expire, results, fail-over).
 PURE LOGIC: no threads, no asyncio, no clock reads: every time-dependent method takes ``now``
 (seconds, one monotonic clock for all calls), so the whole policy is unit-tested with a fake clock
-(``pytest tests/serving/engine/test_scheduler.py``).
+(``pytest tests/serving/engine/test_scheduler_*.py``).
 
 Work items are *windows* (token sequences of one question, ``n_tokens <= max(length_buckets)``).
 A request completes when all its windows completed; a window that fails is retried once.

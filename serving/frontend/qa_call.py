@@ -12,7 +12,8 @@ answers, or the ``EngineError``, its way.
     answered = await answer_for(app.state, client, pairs, timeout_s=None, locate=name_of_field)
     limits = client_limits(settings)          # ClientLimits of the serve settings
 
-Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/v2/test_routes.py``.
+Tests: ``pytest tests/serving/frontend/test_api.py tests/serving/frontend/v2/test_routes.py``; bad
+input: ``pytest tests/serving/frontend/test_api_inputs.py``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from shardserve.loadtest.perf_analyzer import PerfAnalyzerUnavailable, install, 
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import CONTEXT
+from tests.serving.frontend.api_helpers import CONTEXT
 from tests.serving.live import free_port, live_server
 
 PAIRS = [("Which team won Super Bowl 50?", CONTEXT), ("Where did Ann meet Bob?", "Ann met Bob in Paris.")]

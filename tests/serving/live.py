@@ -23,7 +23,7 @@ from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
 from shardserve.serving.frontend.http.protocol import uvicorn_config
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import wait_until
+from tests.serving.frontend.api_helpers import wait_until
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ from shardserve.models.bundled import DEFAULT_OVERLAY_DIR
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
 from shardserve.training.evaluate import EvalConfig, predict_answers
-from tests.serving.frontend.test_api import wait_until
+from tests.serving.frontend.api_helpers import wait_until
 
 EVERY = 150  # sample stride over the pool's 8,727 questions
 

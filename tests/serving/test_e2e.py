@@ -32,7 +32,7 @@ from shardserve.serving.fleet.replicas import ReplicaState
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
-from tests.serving.frontend.test_api import CONTEXT, TOKEN, wait_until
+from tests.serving.frontend.api_helpers import CONTEXT, TOKEN, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PAIRS = [

@@ -9,7 +9,7 @@ import re
 
 from shardserve.serving.frontend.status.board import read_registry
 from shardserve.serving.metrics import ServingMetrics
-from tests.serving.frontend.test_api import ask, serving, wait_until
+from tests.serving.frontend.api_helpers import ask, serving, wait_until
 
 BUSY = "shardserve_stage_busy_seconds_total"
 BUBBLE = "shardserve_pipeline_bubble_fraction"

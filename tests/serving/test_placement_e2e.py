@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
-from tests.serving.frontend.test_api import wait_until
+from tests.serving.frontend.api_helpers import wait_until
 from tests.serving.test_e2e import PAIRS, reference_answer
 
 MODELS = ("bert", "roberta")

@@ -20,7 +20,7 @@ empty text, limits, top_k range, a replica count over the device pool's cap); 42
 before compute. Every 429 and 503 carries ``Retry-After``. Nothing unauthenticated (and no error
 detail) shows file-system paths or worker tracebacks.
 
-    pytest tests/serving/frontend/rest/test_routes.py tests/serving/frontend/test_api.py
+    pytest tests/serving/frontend/rest/test_routes.py tests/serving/frontend/test_api*.py
 """
 
 from __future__ import annotations

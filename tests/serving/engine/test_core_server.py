@@ -41,7 +41,7 @@ from shardserve.serving.engine.qa_types import CoreAnswer
 from shardserve.serving.frontend.api_role import CoreLink
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, wait_until
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, wait_until
 
 VOLATILE = ("request_id", "latency_ms", "id")
 

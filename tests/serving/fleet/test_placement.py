@@ -19,7 +19,7 @@ from shardserve.serving.fleet import placement as placement_runtime
 from shardserve.serving.frontend.cli import startup_line
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
-from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
+from tests.serving.frontend.api_helpers import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.v2.test_repository import AUTH, v2_body
 
 TWO = ["a=tiny-bert", "b=tiny-bert"]

@@ -27,7 +27,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.clients import closed_loop
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, wait_until
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, wait_until
 from tests.serving.frontend.test_serve_cli_signals import _session_processes
 from tests.serving.live import free_port
 

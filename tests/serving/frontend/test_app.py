@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from tests.serving.frontend.test_api import serving
+from tests.serving.frontend.api_helpers import serving
 
 
 class _Cycle:

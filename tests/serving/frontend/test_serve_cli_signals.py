@@ -30,7 +30,7 @@ from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.cli import DrainingServer
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import wait_until
+from tests.serving.frontend.api_helpers import wait_until
 
 HOLD_MARK = "test: holding "
 # ``shardserve`` with one start-up step held until the signal comes: argv[1] names the step

@@ -1,4 +1,6 @@
-"""Server settings that depend on the machine: auto-sizing of replicas x threads, and the dtype.
+"""Server settings (serving/frontend/settings.py) without a server: those that depend on the machine
+(auto-sizing of replicas x threads, the dtype, GPUs), the ``serve`` flags and environment mapped
+onto them, ``serve --help`` documenting each, and validation errors that print the numbers.
 
 python -m pytest tests/serving/frontend/test_settings.py -q
 """
@@ -14,7 +16,7 @@ from pydantic import ValidationError
 from shardserve.models.qa_windows import WindowConfig
 from shardserve.serving.fleet.model_loader import device_pool
 from shardserve.serving.frontend import settings as settings_mod
-from shardserve.serving.frontend.settings import ServeSettings
+from shardserve.serving.frontend.settings import ServeSettings, available_cores
 
 
 @pytest.fixture
@@ -192,3 +194,61 @@ def test_length_buckets_default_to_the_padded_ones_below_max_seq_len_then_max_se
         assert ServeSettings(**flags).scheduler_config().length_buckets == buckets, flags
     with pytest.raises(ValidationError, match="largest length bucket 384 < max_seq_len=512"):
         ServeSettings(max_seq_len=512, length_buckets="64,384")
+
+
+# ------------------------------------------------------------------------------------- serve flags, validation
+
+
+def test_serve_flags_and_environment_map_onto_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardserve.cli import build_parser, settings_from_args
+
+    monkeypatch.setenv("SHARDSERVE_MAX_QUEUE_SIZE", "7")
+    monkeypatch.setenv("SHARDSERVE_PORT", "1234")
+    monkeypatch.setenv("SHARDSERVE_LENGTH_BUCKETS", "64,512")
+    args = build_parser().parse_args(
+        ["serve", "--port", "9001", "--pp", "2", "--min-replicas", "1", "--max-replicas", "3"]
+    )
+    s = settings_from_args(args)
+    assert (s.port, s.max_queue_size, s.pp, s.length_buckets) == (9001, 7, 2, [64, 512])  # flag beats env
+    assert s.replica_bounds == (1, 3) and s.autoscaling and s.pool_slots == 2 * (3 + 1)
+    monkeypatch.delenv("SHARDSERVE_PORT")
+    monkeypatch.delenv("SHARDSERVE_MAX_QUEUE_SIZE")
+    monkeypatch.delenv("SHARDSERVE_LENGTH_BUCKETS")
+    d = settings_from_args(build_parser().parse_args(["serve"]))
+    cores = available_cores()
+    assert (d.models(), d.host, d.port, d.replica_bounds, d.pp, d.tp, d.dtype) == (
+        [("default", "default")],
+        "0.0.0.0",
+        8000,
+        (
+            cores,
+            cores,
+        ),  # no flags: one single-rank replica per core (tests/serving/frontend/test_settings.py)
+        1,
+        1,
+        "auto",
+    )
+
+
+def test_serve_help_documents_every_setting() -> None:
+    from shardserve.cli import build_parser
+
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]
+    text = serve.format_help()
+    for name, field in ServeSettings.model_fields.items():
+        assert f"--{name.replace('_', '-')}" in text and f"SHARDSERVE_{name.upper()}" in text
+        assert field.description
+
+
+def test_invalid_settings_print_the_numbers() -> None:
+    with pytest.raises(ValueError, match=r"min_replicas=3 > max_replicas=2"):
+        ServeSettings(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match=r"largest length bucket 256 < max_seq_len=384"):
+        ServeSettings(length_buckets=[64, 256])
+
+
+def test_stall_timeout_must_be_inside_the_request_deadline() -> None:
+    assert ServeSettings().stall_after_s == pytest.approx(10.0)  # a third of the 30 s deadline
+    with pytest.raises(ValueError, match=r"stall_timeout_s=30.0 must be below request_timeout_s=30.0"):
+        ServeSettings(stall_timeout_s=30.0)

@@ -28,7 +28,7 @@ from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.cli import bind_problem
 from shardserve.serving.frontend.grpc import call as grpc_call
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
+from tests.serving.frontend.api_helpers import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.v2.test_routes import CONTEXTS, QUESTIONS, infer, infer_body, outputs
 from tests.serving.live import draining_server, free_port
 

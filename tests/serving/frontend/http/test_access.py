@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from shardserve.cli import add_serve_arguments
 from shardserve.serving.frontend.http.access import ApiKeyRoute, include_protected, valid_request_id
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, serving
 
 KEY = "api-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}

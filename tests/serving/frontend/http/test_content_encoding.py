@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from shardserve.serving.frontend.http.content_encoding import BodyEncodingError, inflate
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, serving
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, serving
 
 BODY = json.dumps({"question": QUESTION, "context": CONTEXT}).encode()
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.serving.frontend.test_api import TOKEN, serving
+from tests.serving.frontend.api_helpers import TOKEN, serving
 
 DEEP = b"[" * 5000 + b"]" * 5000
 HUGE_INT = b'{"question": ' + b"7" * (sys.get_int_max_str_digits() + 1) + b"}"

@@ -24,7 +24,7 @@ from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.schemas import PRINTABLE, ValidationErrorResponse
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.serving import live
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, serving
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_EXAMPLES = 25  # per operation and phase: bounded so the two runs stay well under a minute

@@ -20,7 +20,7 @@ from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.http.protocol import DRAIN_IDLE_S, header_deadline_protocol
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import wait_until
+from tests.serving.frontend.api_helpers import wait_until
 from tests.serving.live import draining_server, free_port, live_server
 
 TIMEOUT_S = 0.5

@@ -15,7 +15,7 @@ from shardserve.models.hf_weights import CheckpointError
 from shardserve.models.registry import resolve_model
 from shardserve.serving.config import FleetConfig
 from shardserve.serving.fleet.model_loader import load_generation
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, serving
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, serving
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {"content-type": "application/json"}

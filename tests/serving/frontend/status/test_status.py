@@ -16,8 +16,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 
 from shardserve.serving.frontend.status.board import buckets, histogram_quantile, read_registry
+from tests.serving.frontend.api_helpers import TOKEN, ask, serving, wait_until
 from tests.serving.frontend.http.test_openapi import _report, live_server, run_schemathesis  # noqa: F401
-from tests.serving.frontend.test_api import TOKEN, ask, serving, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

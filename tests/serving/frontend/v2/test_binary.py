@@ -20,7 +20,7 @@ from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
 from shardserve.serving.frontend.v2 import binary as v2_binary
-from tests.serving.frontend.test_api import serving
+from tests.serving.frontend.api_helpers import serving
 from tests.serving.frontend.v2.test_routes import (
     CONTEXTS,
     NAME,

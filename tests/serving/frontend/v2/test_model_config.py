@@ -12,7 +12,7 @@ import pytest
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.test_api import serving
+from tests.serving.frontend.api_helpers import serving
 from tests.serving.live import live_server
 
 TYPES = {"BYTES": "TYPE_STRING", "FP32": "TYPE_FP32", "INT64": "TYPE_INT64", "BOOL": "TYPE_BOOL"}

@@ -19,7 +19,7 @@ from shardserve.models.presets import materialise_preset
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
 from shardserve.serving.frontend.settings import ServeSettings
 from tests.clients import closed_loop
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, TOKEN, ask, serving, wait_until
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, ask, serving, wait_until
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TWO = ["a=tiny-bert", "b=tiny-roberta"]

@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
-from tests.serving.frontend.test_api import CONTEXT, QUESTION, ask, serving, wait_until
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, ask, serving, wait_until
 
 NAME = "squad-qa"
 KEY = "v2-api-key"

@@ -17,7 +17,7 @@ import pytest
 
 from shardserve.serving.frontend.v2.statistics import model_statistics
 from shardserve.serving.metrics import ServingMetrics
-from tests.serving.frontend.test_api import ask, serving, wait_until
+from tests.serving.frontend.api_helpers import ask, serving, wait_until
 from tests.serving.frontend.v2.test_routes import assert_v2_error, infer, infer_body
 
 PHASES = ("queue", "compute_input", "compute_infer", "compute_output")

@@ -4,7 +4,8 @@ figure, the emulated-bf16 check and the int8 bound all score from them); and the
 test tiers (registered in pyproject.toml):
 
 - ``slow``: the modules that took 10 s or more in a whole run (2026-12-05, AMD EPYC Zen 3, 2 cores:
-  29 modules, 22.2 of the suite's 24.1 min: rank processes, servers, training runs). The fast tier
+  29 modules, 22.2 of the suite's 24.1 min: rank processes, servers, training runs; a module split
+  from one of them stays with it). The fast tier
   is the rest, ``python -m pytest -m "not slow"`` (about 3 min); re-measure with ``--durations=0``;
 - ``netns``: network namespaces as hosts (root, iproute2); ``browser``: headless chromium."""
 

@@ -25,7 +25,7 @@ What this module owns:
   plot (``multimodel-drift.png``: attainment per window, both arms measured and predicted, the
   switch and the re-plans marked).
 
-    python benchmarks/bench_multimodel.py --drift --json /tmp/drift.json --plots /tmp       # ~9 min, 2 cores
+    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/drift.json --plots /tmp   # ~6 min, 2 cores
     python benchmarks/bench_multimodel.py --drift --quick --json /tmp/drift.json --plots /tmp
     python -m pytest tests/benchmarks/test_multimodel_drift.py -q
 """
@@ -398,9 +398,11 @@ def run_drift(
     slo_s: float,
     history_of: Callable[[str], list[dict[str, Any]]] = placement_history,
 ) -> dict[str, Any]:
-    """Both arms on one seeded two-phase trace, fixed first (its server's pace scales both arms'
-    predictions: the re-planning arm is not probed, a probe's burst would be in its look-back), each
-    a fresh ``--placement auto`` server told the first half's workload and warmed with 5 s of it."""
+    """Both arms on one seeded two-phase trace, fixed first (its server's pace before the trace scales
+    both arms' predictions: the re-planning arm is not probed before, a probe's burst would be in its
+    look-back; each arm's pace after its trace is recorded, ``pace_after``: the VM's speed drifts
+    between runs), each a fresh ``--placement auto`` server told the first half's workload and warmed
+    with 5 s of it."""
     trace = two_phase_trace(names, rate=args.drift_rate, cv=args.drift_cv, skew=args.drift_skew,
                             half_s=args.drift_half_s, seed=args.seed)  # fmt: skip
     warm = Workload(
@@ -429,9 +431,13 @@ def run_drift(
             wall = time.time() + 0.05  # replay's start: its first request is due 50 ms after the call
             sent = replay_trace(srv.url, trace, slo_s)
             history = history_of(srv.url)
+            after = pace_of(
+                srv.url, placement_of(srv.url)
+            )  # the VM's speed after the trace: drift between arms
         side = measured_side(sent, slo_s=slo_s, half_s=args.drift_half_s, window_s=args.window_s)
         side["start_placement"] = placement.describe()
         side["replans"] = replans(history, trace_start_wall=wall)
+        side["pace_after"] = round(after[1], 3)
         measured[arm] = side
         print(f"{arm}: halves {side['half_attainment']} failed {side['failed']} re-plans {side['replans']}",
               flush=True)  # fmt: skip

@@ -223,3 +223,4 @@ def test_run_drift_runs_both_arms_on_one_trace_and_predicts_both() -> None:
     assert entry["arms"]["fixed"]["measured"]["replans"] == []
     assert entry["arms"]["replan"]["predicted"]["replans"][0]["t_s"] == 30.0
     assert entry["start_placement"] == START.describe() and entry["requests"] == replayed[1][1]
+    assert entry["arms"]["replan"]["measured"]["pace_after"] == 1.0

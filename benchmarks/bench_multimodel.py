@@ -35,8 +35,17 @@ the widest gap and one where it predicts none, 3 pairs of runs of >= 1,000 reque
 prints the per-pair differences and their spread beside the predictions (``"paired"`` in the JSON,
 ``multimodel-paired.png``). ``--paired --quick``: SLO 10x only, runs of at most 45 s and >= 300 requests.
 
+``--drift`` measures re-planning under drift instead (``multimodel_drift.py``, issue 61): 3 models,
+each device holding two whole models but no pipeline of all three, one seeded trace whose hot
+model changes half-way (m0 hot, then m2 hot), replayed against an auto server that keeps its
+start's placement and one that re-plans every ``--replan-interval-s`` from the last
+``--replan-look-back-s`` of arrivals; attainment per half and per window, failed requests, the
+re-plans, beside the simulator's prediction of both (``"drift"`` in the JSON,
+``multimodel-drift.png``). ``--drift --quick``: 40 s + 40 s instead of 60 s + 60 s.
+
     python benchmarks/bench_multimodel.py --json /tmp/mm.json --plots /tmp          # ~45 min, 2 cores
     python benchmarks/bench_multimodel.py --paired --quick --json /tmp/mmp.json --plots /tmp
+    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/mmd.json --plots /tmp  # ~6 min
     python benchmarks/bench_multimodel.py --quick                                   # ~10 min
     python benchmarks/bench_multimodel.py --models 4 --rates 4,8,16 --duration-s 60
 """
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -62,6 +72,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from multimodel_drift import Planner, drift_budget, report_drift, run_drift
 from multimodel_paired import report_paired, run_paired
 from multimodel_report import POLICIES, report
 from serving_report import machine_info
@@ -198,6 +209,24 @@ def burst_pace(url: str, model: str, *, batch: int, batches: int = 6) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(ends))
 
 
+def server_pace(
+    url: str, placement: Placement, latency: LatencyModel, *, max_batch_size: int
+) -> tuple[int, float]:
+    """(pp, factor): the stage times as the server paces them now (the VM's speed drifts; its own
+    work shares the cores): a burst of full micro-batches of the model held by the fewest groups (a
+    burst of a replicated model spreads over them) against the profile's slowest stage."""
+    names = placement.models
+    probe = min(names, key=lambda m: sum(m in g.models for g in placement.groups))
+    holders = [g for g in placement.groups if probe in g.models]
+    pp = holders[0].pp
+    pace = (
+        len(holders)
+        * burst_pace(url, probe, batch=max_batch_size)
+        / max(latency.stages(pp, 1, max_batch_size))
+    )
+    return pp, pace
+
+
 def scaled(latency: LatencyModel, factor: dict[int, float]) -> LatencyModel:
     """``latency`` with every pp's stage times multiplied by ``factor[pp]``."""
     table = {}
@@ -285,7 +314,11 @@ def run_point(url: str, trace: Trace, slo_s: float) -> list[Sent]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--models", type=int, default=2, choices=(2, 4), help="models of the default shape (2 devices)"
+        "--models",
+        type=int,
+        default=None,
+        choices=(2, 3, 4),
+        help="models of the default shape (2 devices; default 2, with --drift 3)",
     )
     p.add_argument("--dtype", default="auto", help="the ranks' dtype (auto: bf16 where the CPU has units)")
     p.add_argument(
@@ -325,12 +358,39 @@ def main(argv: list[str] | None = None) -> int:
                    help="--paired: total rates (default: the widest predicted gap and one with none)")  # fmt: skip
     p.add_argument("--min-requests", type=int, default=1000, help="--paired: requests per run at least")
     p.add_argument("--max-run-s", type=float, default=300.0, help="--paired: longest run (s)")
+    p.add_argument(
+        "--drift",
+        action="store_true",
+        help="fixed vs re-planning auto when the hot model changes (multimodel_drift.py)",
+    )
+    p.add_argument(
+        "--drift-rate",
+        type=float,
+        default=None,
+        help="--drift: total req/s (default: 70 %% of two devices' capacity)",
+    )
+    p.add_argument("--drift-cv", type=float, default=1.0, help="--drift: each model's CV")
+    p.add_argument(
+        "--drift-skew", type=float, default=1.0, help="--drift: Zipf-like skew (m0 hot, then m2 hot)"
+    )
+    p.add_argument("--drift-slo-scale", type=float, default=5.0, help="--drift: the SLO scale")
+    p.add_argument("--drift-half-s", type=float, default=60.0, help="--drift: seconds of each half")
+    p.add_argument(
+        "--replan-interval-s", type=float, default=10.0, help="--drift: the re-planning arm's interval"
+    )
+    p.add_argument(
+        "--replan-look-back-s", type=float, default=15.0, help="--drift: the re-planning arm's look-back"
+    )
+    p.add_argument("--window-s", type=float, default=10.0, help="--drift: attainment windows (s)")
     args = p.parse_args(argv)
+    if args.models is None:
+        args.models = 3 if args.drift else 2
     args.paired_policies, args.paired_slos = ("dedicated", "auto"), [10.0, 20.0]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.quick:
         args.duration_s, args.cvs, args.slo_scales = 20.0, [1.0, 4.0], [2.0, 5.0]
         args.paired_slos, args.max_run_s, args.min_requests = [10.0], 45.0, min(args.min_requests, 300)
+        args.drift_half_s = min(args.drift_half_s, 40.0)
     args.dtype = resolve_dtype(args.dtype, "cpu").name
     info = machine_info(args.dtype)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-multimodel-"))
@@ -340,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [b for b in (1, 2, 4, 8) if b <= args.max_batch_size]
     latency = measure_stages(folders[0], dtype=args.dtype, batch_sizes=batch_sizes)
     gang_single = latency.latency(1, 1, 1)
-    memory = budget_bytes(
-        args.models,
+    budget = drift_budget if args.drift else functools.partial(budget_bytes, args.models)
+    memory = budget(
         resolve_model(str(folders[0])).config,
         dtype_bytes=DTYPES[args.dtype].itemsize,
         max_batch_size=args.max_batch_size,
@@ -397,17 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = point.trace(names, duration_s, seed)
         slo_s = point.slo_scale * single
         placement = placement_of(url)
-        # the stage times as the server paces them now (the VM's speed drifts; its own work shares
-        # the cores): a burst of full micro-batches against the profile's slowest stage
-        # of the model held by the fewest groups: a burst of a replicated model spreads over them
-        probe = min(names, key=lambda m: sum(m in g.models for g in placement.groups))
-        holders = [g for g in placement.groups if probe in g.models]
-        pp = holders[0].pp
-        pace = (
-            len(holders)
-            * burst_pace(url, probe, batch=args.max_batch_size)
-            / max(latency.stages(pp, 1, args.max_batch_size))
-        )
+        pp, pace = server_pace(url, placement, latency, max_batch_size=args.max_batch_size)
         profiles = profiles_at({pp: pace})
         sent = run_point(url, trace, slo_s)
         predicted = simulate(placement, profiles, trace, slo_s=slo_s, config=sim_cfg)
@@ -457,6 +507,31 @@ def main(argv: list[str] | None = None) -> int:
         with local_server(cmd, ready_timeout_s=600) as srv:
             run_point(srv.url, pt.trace(names, 5.0, 999), pt.slo_scale * single)  # warm
             return record(policy, pt, srv.url, seed, duration_s)
+
+    if args.drift:
+        if args.drift_rate is None:
+            args.drift_rate = round(0.7 * capacity, 1)
+        server_single = latency.latency(1, 1, 1) + overhead  # the SLOs' base as the auto server computes it
+        entry = run_drift(
+            args,
+            names=names,
+            base_cmd=server_args(args, folders, profile_path, memory, "auto"),
+            serve=lambda cmd: local_server(cmd, ready_timeout_s=600),
+            replay_trace=run_point,
+            placement_of=placement_of,
+            pace_of=lambda url, pl: server_pace(url, pl, latency, max_batch_size=args.max_batch_size),
+            profiles_at=profiles_at,
+            planner=Planner(
+                profiles_at({}),
+                2,
+                memory,
+                {m: args.drift_slo_scale * server_single for m in names},
+                sim_cfg,
+            ),
+            slo_s=args.drift_slo_scale * single,
+        )
+        measured = MeasuredLatency(latency, overhead)
+        return report_drift(entry, args, info, single=single, memory=memory, measured=measured)
 
     if args.paired:
         profiles = profiles_at({})

@@ -163,7 +163,6 @@ def build_engine(
         fleet=fleet,
         name=name,
         max_request_timeout_s=max_request_timeout_s,
-        stall_timeout_s=fleet.stall_timeout_s,
         roll=roll,
     )
     manager.attach(engine)  # replica changes wake the engine; a failed replica's work fails over

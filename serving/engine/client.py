@@ -37,13 +37,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shardserve.models.qa_windows import EncodedBatch, WindowConfig
-from shardserve.serving.engine.core import SAFETY_MARGIN_S, Engine, Ticket
+from shardserve.serving.engine.core import Engine, Ticket
 from shardserve.serving.engine.input_processor import AdmissionAsk, InputProcessor, record_context_cache
 from shardserve.serving.engine.jobs import Job
 from shardserve.serving.engine.output_processor import EndRecorder, OutputProcessor, await_answer, record_end
 from shardserve.serving.engine.qa_types import CoreAnswer, EngineError, PairResult, QAPair
 
 logger = logging.getLogger(__name__)
+
+SAFETY_MARGIN_S = 5.0  # wait() gives up this long after deadline + stall timeout (a last resort)
 
 
 @dataclass(frozen=True)

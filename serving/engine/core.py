@@ -25,7 +25,7 @@ replicas and health, scaling (pin, bounds), reload, shutdown.
     engine = build_engine(model=model, fleet=fleet, scheduler=..., autoscaling=..., metrics=metrics)
     await engine.start()
     ticket = engine.reserve(ask, timeout_s=None, started=t0)     # EngineError 429 / 413 / 503 / 422
-    job = engine.admit_encoded(ticket, encoded, input_s=s)       # job.future: CoreAnswer | EngineError
+    job = engine.admit_encoded(ticket, encoded, input_s=s, request_id="req-1")  # future: CoreAnswer
     engine.cancel(job.request_id)
     engine.pin(2); await engine.reload("tiny-roberta")            # EngineError: 409 / 422
     await engine.shutdown(timeout_s=30)                           # drain, stop the gangs
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections import deque
@@ -73,7 +72,6 @@ from shardserve.serving.redact import one_line
 
 logger = logging.getLogger(__name__)
 
-SAFETY_MARGIN_S = 5.0  # wait() gives up this long after deadline + stall timeout (a last resort)
 MAX_IDLE_S = 0.25  # the loop re-checks the scheduler at least this often
 ARRIVALS_KEPT = 100_000  # arrival times kept for the observed workload
 
@@ -101,7 +99,6 @@ class Engine:
         fleet: FleetConfig | None = None,
         name: str | None = None,
         max_request_timeout_s: float = 300.0,
-        stall_timeout_s: float = 30.0,
         roll: Callable[[ModelGeneration], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -113,7 +110,6 @@ class Engine:
         self.name = name or manager.model.source.name
         self.metrics = metrics
         self.max_request_timeout_s = max_request_timeout_s
-        self.stall_timeout_s = stall_timeout_s
         # how a reload's new generation reaches the gangs: the manager's own roll, or (``roll``) the
         # placement's, which rolls every model sharing its device groups too
         self._roll = roll or manager.reload
@@ -133,7 +129,6 @@ class Engine:
         self.aborting = False  # a second signal: answer every admitted request 503 now
         self._drain_deadline: float | None = None  # begin_drain(within_s=...): then 503 for the rest
         self._closing = False
-        self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -230,9 +225,7 @@ class Engine:
         self.scheduler.unreserve(ticket.hint)
         self._update_gauges()
 
-    def admit_encoded(
-        self, ticket: Ticket, encoded: EncodedBatch, *, input_s: float, request_id: str | None = None
-    ) -> Job:
+    def admit_encoded(self, ticket: Ticket, encoded: EncodedBatch, *, input_s: float, request_id: str) -> Job:
         """Queue a reserved request's windows (event-loop thread only): its job, whose future is its
         ``CoreAnswer``; the deadline runs from the reservation. ``input_s``: the seconds its tokenizing
         took (``compute_input``). EngineError 503 / 429 / 413 (the place given back)."""
@@ -240,9 +233,8 @@ class Engine:
             self.unreserve(ticket)
             raise EngineError(503, "shutting_down", "the server shut down before this request was queued")
         now = self.clock()
-        rid = request_id or f"req-{next(self._ids)}"
         adm = self.scheduler.submit(
-            rid,
+            request_id,
             [w.num_tokens for w in encoded.windows],
             now=now,
             deadline=ticket.arrived_at + self._timeout(ticket.timeout_s),
@@ -253,14 +245,11 @@ class Engine:
             if adm.reason in ("queue_full", "overloaded"):
                 raise EngineError(429, adm.reason, adm.detail, retry_after_s=adm.retry_after_s)
             raise EngineError(413, adm.reason, adm.detail)
-        assert adm.deadline is not None
         job = Job(
-            request_id=rid,
+            request_id=request_id,
             encoded=encoded,
             future=asyncio.get_running_loop().create_future(),
             submitted_at=now,
-            deadline=adm.deadline,
-            model_name=self.manager.model.source.name,
             logits=[None] * len(encoded.windows),
             started=ticket.started,
             phases={"compute_input": input_s},

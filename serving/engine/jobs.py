@@ -41,8 +41,6 @@ class Job:
     encoded: EncodedBatch
     future: asyncio.Future  # its CoreAnswer, or an EngineError
     submitted_at: float
-    deadline: float
-    model_name: str
     logits: list[torch.Tensor | None] = field(default_factory=list)  # per window: (n_tokens, 2)
     dispatched: int = 0  # windows handed to a gang (for the queue-wait metric)
     started: float = field(default_factory=time.perf_counter)  # arrival, before tokenizing (perf_counter)

@@ -11,7 +11,8 @@
 - **change**: a new placement (a model loaded or unloaded, a model reloaded, or a re-plan that
   predicts more SLO attainment by ``min_gain``) rolls every engine whose places changed, all at
   once (a group shared by several models starts once), each like a reload: its new gangs are ready
-  before its old ones drain, so requests are answered throughout.
+  before its old ones drain, so requests are answered throughout. Each search after the start is
+  timed (``searches`` in ``describe``: it runs on a thread beside the front end).
 
     placed = PlacedModels(config, groups=DeviceGroups(factory=..., labels=list(config.labels)))
     gens = placed.place({"a": gen_a, "b": gen_b})          # each model at its groups' pp / tp
@@ -46,6 +47,23 @@ from shardserve.serving.fleet.model_engine import ModelEngine
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class Searches:
+    """The placement searches made after the start (re-plans, loads, unloads) and their wall time:
+    each runs on a thread of the server's process, beside the front end, so their cost is shown."""
+
+    count: int = 0
+    seconds: float = 0.0
+    last_s: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.count, self.seconds, self.last_s = self.count + 1, self.seconds + seconds, seconds
+
+    def describe(self) -> dict[str, Any]:
+        last = None if self.last_s is None else round(self.last_s, 4)
+        return {"count": self.count, "seconds": round(self.seconds, 4), "last_s": last}
+
+
 class PlacedModels:
     """The placement of the served models and the engines that follow it (see module doc)."""
 
@@ -69,6 +87,7 @@ class PlacedModels:
         self.choice: PlacementChoice | None = None
         self.why: dict[str, str] = {}  # models the placement left out, and why
         self.history: list[dict[str, Any]] = []  # placements rolled out: time, reason, describe
+        self.searches = Searches()  # what choosing has cost this process
         self._models: dict[str, ModelGeneration] = {}  # as loaded
         self._placed: dict[str, ModelGeneration] = {}  # at their groups' pp / tp
         self._engines: dict[str, ModelEngine] = {}
@@ -102,6 +121,7 @@ class PlacedModels:
             "unplaced": dict(self.why),
             "prediction": None if choice is None else choice.result.to_dict(),
             "history": list(self.history),
+            "searches": self.searches.describe(),
         }
 
     # ------------------------------------------------------------------ choosing
@@ -198,7 +218,9 @@ class PlacedModels:
         nothing fits. Returns the engines that could not roll (each stays on its old gangs; a
         ``ReloadError``), by model name."""
         async with self._lock:
+            t0 = time.perf_counter()
             choice = await asyncio.to_thread(self._choose, models, trace)
+            self.searches.add(time.perf_counter() - t0)
             if choice.policy == "current" and set(models) == set(self._models):
                 return {}
             self._apply(choice, models)

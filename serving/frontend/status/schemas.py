@@ -160,6 +160,10 @@ class PlacementStatus(BaseModel):
     history: list[dict[str, Any]] = Field(
         description="placements rolled out, oldest first: time, policy, placement, attainment, reason"
     )
+    searches: dict[str, Any] = Field(
+        description="placement searches since the start (re-plans, loads, unloads): count, seconds in "
+        "all, last_s (each runs on a thread of the server's process)"
+    )
 
 
 class ApiWorkerStatus(BaseModel):

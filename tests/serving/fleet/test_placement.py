@@ -159,6 +159,8 @@ def test_auto_re_plans_for_the_observed_bursts_and_rolls_without_failing_a_reque
         assert set(answered) == {200}
         assert placement.history[-1]["reason"] == "re-plan for the observed load"
         assert ask(client, model="b").status_code == 200
+        searches = client.get("/ui/status").json()["placement"]["searches"]
+        assert searches["count"] == 1 and 0 < searches["last_s"] == searches["seconds"], searches
 
 
 @pytest.mark.parametrize(

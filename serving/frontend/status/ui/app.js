@@ -121,8 +121,11 @@ function renderPlacement(s) {
     g.gang ? `${g.gang} ${g.running ? "(running)" : "(starting)"}` : "—",
   ]);
   const last = p.history[p.history.length - 1];
+  const searched = p.searches && p.searches.count
+    ? ` · ${p.searches.count} searches since the start, ${p.searches.seconds.toFixed(2)} s in all`
+    : "";
   $("placement-history").textContent = last
-    ? `last change ${clock(last.time)}: ${last.reason || "at start"} → ${last.placement}`
+    ? `last change ${clock(last.time)}: ${last.reason || "at start"} → ${last.placement}${searched}`
     : "";
 }
 

@@ -39,13 +39,14 @@ prints the per-pair differences and their spread beside the predictions (``"pair
 each device holding two whole models but no pipeline of all three, one seeded trace whose hot
 model changes half-way (m0 hot, then m2 hot), replayed against an auto server that keeps its
 start's placement and one that re-plans every ``--replan-interval-s`` from the last
-``--replan-look-back-s`` of arrivals; attainment per half and per window, failed requests, the
-re-plans, beside the simulator's prediction of both (``"drift"`` in the JSON,
-``multimodel-drift.png``). ``--drift --quick``: 40 s + 40 s instead of 60 s + 60 s.
+``--replan-look-back-s`` of arrivals, ``--pairs`` pairs in alternating order; attainment per half
+and per window, failed requests, the re-plans and their searches' cost, beside the simulator's
+prediction of both (``"drift"`` in the JSON, ``multimodel-drift.png``). ``--drift --quick``: 40 s +
+40 s instead of 60 s + 60 s.
 
     python benchmarks/bench_multimodel.py --json /tmp/mm.json --plots /tmp          # ~45 min, 2 cores
     python benchmarks/bench_multimodel.py --paired --quick --json /tmp/mmp.json --plots /tmp
-    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/mmd.json --plots /tmp  # ~6 min
+    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/mmd.json --plots /tmp  # ~20 min
     python benchmarks/bench_multimodel.py --quick                                   # ~10 min
     python benchmarks/bench_multimodel.py --models 4 --rates 4,8,16 --duration-s 60
 """
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--paired", action="store_true", help="dedicated vs auto in alternating pairs (multimodel_paired.py)"
     )
-    p.add_argument("--pairs", type=int, default=3, help="--paired: pairs per point")
+    p.add_argument("--pairs", type=int, default=3, help="--paired: pairs per point; --drift: pairs of runs")
     p.add_argument("--paired-rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="--paired: total rates (default: the widest predicted gap and one with none)")  # fmt: skip
     p.add_argument("--min-requests", type=int, default=1000, help="--paired: requests per run at least")

@@ -20,13 +20,15 @@ What this module owns:
 - the measured side's bookkeeping: each request's outcome (met its SLO, missed it: late, 429 or
   504, or failed: a 5xx other than 504, a connection error, anything else), attainment per half and
   per window, the server's placement history mapped onto trace time (``replans``);
-- the driver (``run_drift``: two servers one after the other on the same trace, fixed then
-  re-planning, both told the first half's workload), the JSON entry (``"drift"``), the table and the
-  plot (``multimodel-drift.png``: attainment per window, both arms measured and predicted, the
-  switch and the re-plans marked).
+- the driver (``run_drift``: ``--pairs`` pairs of servers on the same trace, fixed and re-planning
+  in alternating order, A B B A ..., both told the first half's workload), the JSON entry
+  (``"drift"``: every pair, and over the pairs the second-half gain, the first-half control, the
+  failures and the re-plan searches' cost), the table and the plot (``multimodel-drift.png``:
+  attainment per window, every run and the arms' means, measured and predicted, the switch and the
+  re-plans marked).
 
-    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/drift.json --plots /tmp   # ~6 min, 2 cores
-    python benchmarks/bench_multimodel.py --drift --quick --json /tmp/drift.json --plots /tmp
+    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/drift.json --plots /tmp   # ~20 min, 2 cores
+    python benchmarks/bench_multimodel.py --drift --quick --pairs 1 --json /tmp/drift.json --plots /tmp   # ~4 min: a smoke
     python -m pytest tests/benchmarks/test_multimodel_drift.py -q
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import statistics
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from multimodel_paired import run_order
 from multimodel_report import json_header
 
 from shardserve.partitioner.placement.cost_profile import cost_profiles
@@ -250,79 +254,143 @@ def predict_arms(
 
 
 # ------------------------------------------------------------------------------- the report
-def drift_entry(
+def half_points(measured: Mapping[str, Mapping[str, Any]], half: int) -> float | None:
+    """Replan minus fixed in half ``half`` (0, 1), in points (None: an arm has no requests there)."""
+    a, b = (measured.get(arm, {}).get("half_attainment", [None, None])[half] for arm in ARMS)
+    return None if a is None or b is None else round(100 * (b - a), 2)
+
+
+def pair_entry(
     *,
-    settings: Mapping[str, Any],
+    order: Sequence[str],
     measured: Mapping[str, Mapping[str, Any]],
     predicted: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, Any]:
-    """The JSON ``"drift"`` entry: the settings, and per arm (fixed, replan) what was measured and
-    what the simulator predicted; ``gain_points``: replan minus fixed in the second half, measured
-    and predicted."""
-
-    def gain(side: Mapping[str, Mapping[str, Any]]) -> float | None:
-        a, b = (side.get(arm, {}).get("half_attainment", [None, None])[1] for arm in ARMS)
-        return None if a is None or b is None else round(100 * (b - a), 2)
-
+    """One pair of runs: the order they ran in, per arm what was measured and what the simulator
+    predicted; ``gain_points``: replan minus fixed in the second half, measured and predicted;
+    ``first_half_points``: the same in the first half (the control: both arms hold the start's
+    placement until the first re-plan, so this is the VM's drift between the runs plus what
+    re-planning itself costs)."""
     return {
-        **settings,
+        "order": list(order),
         "arms": {
             arm: {"measured": dict(measured.get(arm, {})), "predicted": dict(predicted[arm])} for arm in ARMS
         },
-        "gain_points": {"measured": gain(measured), "predicted": gain(predicted)},
+        "gain_points": {"measured": half_points(measured, 1), "predicted": half_points(predicted, 1)},
+        "first_half_points": {"measured": half_points(measured, 0), "predicted": half_points(predicted, 0)},
+    }
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """Per pair, their mean and spread (max - min); None where a pair had no value."""
+    got = [v for v in values if v is not None]
+    return {
+        "per_pair": list(values),
+        "mean": round(statistics.fmean(got), 2) if got else None,
+        "spread": round(max(got) - min(got), 2) if got else None,
+    }
+
+
+def drift_entry(*, settings: Mapping[str, Any], pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The JSON ``"drift"`` entry: the settings, every pair (``pair_entry``), and over the pairs the
+    second-half gain and the first-half control (measured and predicted: per pair, mean, spread),
+    the failed requests per arm (all, within 10 s of the switch) and the re-plan searches' cost."""
+
+    def over(key: str, side: str) -> dict[str, Any]:
+        return spread([p[key][side] for p in pairs])
+
+    def total(arm: str, key: str) -> int:
+        return sum(int(p["arms"][arm]["measured"].get(key, 0)) for p in pairs)
+
+    searches = [p["arms"]["replan"]["measured"].get("searches") or {} for p in pairs]
+    count = sum(int(x.get("count", 0)) for x in searches)
+    seconds = sum(float(x.get("seconds", 0.0)) for x in searches)
+    return {
+        **settings,
+        "pairs": [dict(p) for p in pairs],
+        "gain_points": {side: over("gain_points", side) for side in ("measured", "predicted")},
+        "first_half_points": {side: over("first_half_points", side) for side in ("measured", "predicted")},
+        "failed": {arm: total(arm, "failed") for arm in ARMS},
+        "failed_at_switch": {arm: total(arm, "failed_at_switch") for arm in ARMS},
+        "replan_searches": {
+            "count": count,
+            "mean_ms": round(1e3 * seconds / count, 1) if count else None,
+        },
     }
 
 
 def drift_table(entry: Mapping[str, Any]) -> str:
-    """One line per arm: attainment of each half, measured and predicted, failures and re-plans."""
+    """One line per run (pair, arm, in the order run): attainment of each half, measured and
+    predicted, failures and re-plans; then the gain and the control over the pairs."""
 
     def f(x: float | None) -> str:
         return "  -  " if x is None else f"{x:.3f}"
 
     lines = [
-        f"{'arm':<7} {'1st half':>8} {'(pred)':>7} {'2nd half':>8} {'(pred)':>7} {'failed':>6} "
+        f"{'pair':>4} {'arm':<7} {'1st half':>8} {'(pred)':>7} {'2nd half':>8} {'(pred)':>7} {'failed':>6} "
         f"{'at switch':>9}  re-plans (s on the trace: placement)"
     ]
-    for arm in ARMS:
-        m, p = entry["arms"][arm]["measured"], entry["arms"][arm]["predicted"]
-        mh = m.get("half_attainment", [None, None])
-        rp = "; ".join(f"{r['t_s']:g}: {r['placement']}" for r in m.get("replans", [])) or "-"
-        lines.append(
-            f"{arm:<7} {f(mh[0]):>8} {f(p['half_attainment'][0]):>7} {f(mh[1]):>8} "
-            f"{f(p['half_attainment'][1]):>7} {m.get('failed', 0):>6} {m.get('failed_at_switch', 0):>9}  {rp}"
-        )
-    g = entry["gain_points"]
-    lines.append(f"2nd-half gain of re-planning: measured {g['measured']} points, predicted {g['predicted']}")
+    for k, pair in enumerate(entry["pairs"]):
+        for arm in pair["order"]:
+            m, p = pair["arms"][arm]["measured"], pair["arms"][arm]["predicted"]
+            mh = m.get("half_attainment", [None, None])
+            rp = "; ".join(f"{r['t_s']:g}: {r['placement']}" for r in m.get("replans", [])) or "-"
+            lines.append(
+                f"{k + 1:>4} {arm:<7} {f(mh[0]):>8} {f(p['half_attainment'][0]):>7} {f(mh[1]):>8} "
+                f"{f(p['half_attainment'][1]):>7} {m.get('failed', 0):>6} {m.get('failed_at_switch', 0):>9}  {rp}"
+            )
+
+    def points(x: Mapping[str, Any]) -> str:
+        per = " ".join("-" if v is None else f"{v:+.1f}" for v in x["per_pair"])
+        return per if x["mean"] is None else f"{per} (mean {x['mean']:+.1f}, spread {x['spread']:.1f})"
+
+    g, c, s = entry["gain_points"], entry["first_half_points"], entry["replan_searches"]
+    lines.append(f"2nd-half gain of re-planning per pair: measured {points(g['measured'])}; "
+                 f"predicted {points(g['predicted'])}")  # fmt: skip
+    lines.append(f"1st half (the control: same placement until the first re-plan): {points(c['measured'])}")
+    lines.append(f"failed requests {entry['failed']}, within 10 s of the switch {entry['failed_at_switch']}; "
+                 f"re-plan searches {s['count']}, {s['mean_ms']} ms each")  # fmt: skip
     return "\n".join(lines)
 
 
 def plot_drift(entry: Mapping[str, Any], path: Path) -> None:
-    """Attainment per window over the trace, both arms measured (solid) and predicted (dashed), the
-    switch (grey) and each measured re-plan (the replan arm's colour) marked."""
+    """Attainment per window over the trace, both arms: each run measured (thin), the mean of the
+    runs measured (solid) and predicted (dashed); the switch (grey) and each measured re-plan (the
+    replan arm's colour) marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     w, half = entry["window_s"], entry["half_s"]
+
+    def mean(rows: Sequence[Sequence[float | None]]) -> list[float]:
+        cols = [[v for v in col if v is not None] for col in zip(*rows, strict=True)]
+        return [statistics.fmean(c) if c else float("nan") for c in cols]
+
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for k, arm in enumerate(ARMS):
-        side = entry["arms"][arm]
-        for key, style in (("measured", "-o"), ("predicted", "--")):
-            ys = side[key].get("window_attainment")
-            if ys:
-                xs = [w * (i + 0.5) for i in range(len(ys))]
-                ax.plot(xs, [float("nan") if y is None else y for y in ys], style, color=f"C{k}", ms=4,
-                        alpha=1.0 if key == "measured" else 0.7, label=f"{arm} {key}")  # fmt: skip
-        for r in side["measured"].get("replans", []):
-            ax.axvline(r["t_s"], color=f"C{k}", lw=0.8, ls=":")
+        sides = [p["arms"][arm] for p in entry["pairs"]]
+        runs = [s["measured"]["window_attainment"] for s in sides if s["measured"].get("window_attainment")]
+        xs = [w * (i + 0.5) for i in range(len(sides[0]["predicted"]["window_attainment"]))]
+        for ys in runs:
+            ax.plot(
+                xs, [float("nan") if y is None else y for y in ys], "-", color=f"C{k}", lw=0.7, alpha=0.35
+            )
+        if runs:
+            ax.plot(xs, mean(runs), "-o", color=f"C{k}", ms=4, label=f"{arm} measured ({len(runs)} runs)")
+        ax.plot(xs, mean([s["predicted"]["window_attainment"] for s in sides]), "--", color=f"C{k}",
+                alpha=0.7, label=f"{arm} predicted")  # fmt: skip
+        for s in sides:
+            for r in s["measured"].get("replans", []):
+                ax.axvline(r["t_s"], color=f"C{k}", lw=0.6, ls=":")
     ax.axvline(half, color="grey", lw=1.2, label="switch: m2 hot")
     ax.set(xlabel="time on the trace (s)", ylabel=f"SLO attainment per {w:g} s window", ylim=(0, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower left")
     ax.set_title(
         f"{entry['models']} models, 2 devices: m0 hot, then m2 hot ({entry['rate']:g} req/s, skew "
-        f"{entry['skew']:g}, CV {entry['cv']:g}, SLO {entry['slo_scale']:g}x)",
+        f"{entry['skew']:g}, CV {entry['cv']:g}, SLO {entry['slo_scale']:g}x), {len(entry['pairs'])} pairs",
         fontsize=9,
     )
     fig.tight_layout()
@@ -376,9 +444,10 @@ def with_replan(cmd: Sequence[str], interval_s: float, look_back_s: float) -> li
     return out
 
 
-def placement_history(url: str) -> list[dict[str, Any]]:
+def placement_status(url: str) -> dict[str, Any]:
+    """The server's placement as ``/ui/status`` shows it (``history``, ``searches``, ...)."""
     with urllib.request.urlopen(url + "/ui/status", timeout=10) as resp:
-        return list(json.loads(resp.read())["placement"].get("history", []))
+        return dict(json.loads(resp.read())["placement"])
 
 
 Serve = Callable[[list[str]], Any]  # serve arguments -> a context manager yielding a server (.url)
@@ -396,13 +465,14 @@ def run_drift(
     profiles_at: Callable[[dict[int, float]], list[ModelProfile]],
     planner: Planner,
     slo_s: float,
-    history_of: Callable[[str], list[dict[str, Any]]] = placement_history,
+    status_of: Callable[[str], dict[str, Any]] = placement_status,
 ) -> dict[str, Any]:
-    """Both arms on one seeded two-phase trace, fixed first (its server's pace before the trace scales
-    both arms' predictions: the re-planning arm is not probed before, a probe's burst would be in its
-    look-back; each arm's pace after its trace is recorded, ``pace_after``: the VM's speed drifts
-    between runs), each a fresh ``--placement auto`` server told the first half's workload and warmed
-    with 5 s of it."""
+    """``args.pairs`` pairs of runs on one seeded two-phase trace, in alternating order (fixed then
+    replan, replan then fixed, ...: a steady drift of the VM's speed favours neither arm), each run a
+    fresh ``--placement auto`` server told the first half's workload and warmed with 5 s of it. Each
+    pair's prediction is scaled by its fixed run's pace just before the trace (the re-planning run is
+    not probed before: a probe's burst would be in its look-back); every run's pace after its trace
+    is recorded (``pace_after``), and the re-planning server's search count and time."""
     trace = two_phase_trace(names, rate=args.drift_rate, cv=args.drift_cv, skew=args.drift_skew,
                             half_s=args.drift_half_s, seed=args.seed)  # fmt: skip
     warm = Workload(
@@ -415,44 +485,48 @@ def run_drift(
     ).trace()
     workload = ["--workload-rate", f"{args.drift_rate:g}", "--workload-cv", f"{args.drift_cv:g}",
                 "--workload-skew", f"{args.drift_skew:g}", "--slo-scale", f"{args.drift_slo_scale:g}"]  # fmt: skip
-    arms = {
+    cmds = {
         "fixed": with_replan(base_cmd + workload, 0, args.replan_look_back_s),
         "replan": with_replan(base_cmd + workload, args.replan_interval_s, args.replan_look_back_s),
     }
-    measured: dict[str, dict[str, Any]] = {}
-    start: Placement | None = None
-    pace: tuple[int, float] = (1, 1.0)
-    for arm, cmd in arms.items():
-        with serve(cmd) as srv:
+    runs: list[dict[str, dict[str, Any]]] = [{} for _ in range(args.pairs)]
+    starts: list[tuple[Placement, tuple[int, float]]] = []  # per pair: fixed's placement and pace
+    for k, side in enumerate(run_order(args.pairs)):
+        arm = ARMS[side]
+        with serve(cmds[arm]) as srv:
             replay_trace(srv.url, warm, slo_s)
             placement = placement_of(srv.url)
             if arm == "fixed":
-                start, pace = placement, pace_of(srv.url, placement)
+                starts.append((placement, pace_of(srv.url, placement)))
             wall = time.time() + 0.05  # replay's start: its first request is due 50 ms after the call
             sent = replay_trace(srv.url, trace, slo_s)
-            history = history_of(srv.url)
-            after = pace_of(
-                srv.url, placement_of(srv.url)
-            )  # the VM's speed after the trace: drift between arms
-        side = measured_side(sent, slo_s=slo_s, half_s=args.drift_half_s, window_s=args.window_s)
-        side["start_placement"] = placement.describe()
-        side["replans"] = replans(history, trace_start_wall=wall)
-        side["pace_after"] = round(after[1], 3)
-        measured[arm] = side
-        print(f"{arm}: halves {side['half_attainment']} failed {side['failed']} re-plans {side['replans']}",
-              flush=True)  # fmt: skip
-    assert start is not None
-    predicted = predict_arms(
-        trace,
-        start,
-        half_s=args.drift_half_s,
-        window_s=args.window_s,
-        interval_s=args.replan_interval_s,
-        look_back_s=args.replan_look_back_s,
-        planner=planner,
-        profiles=profiles_at({pace[0]: pace[1]}),
-        slo_s=slo_s,
-    )
+            status = status_of(srv.url)
+            after = pace_of(srv.url, placement_of(srv.url))  # the VM's speed after the trace
+        got = measured_side(sent, slo_s=slo_s, half_s=args.drift_half_s, window_s=args.window_s)
+        got["start_placement"] = placement.describe()
+        got["replans"] = replans(status.get("history", []), trace_start_wall=wall)
+        got["searches"] = status.get("searches")
+        got["pace_after"] = round(after[1], 3)
+        runs[k // 2][arm] = got
+        print(f"pair {k // 2 + 1} {arm}: halves {got['half_attainment']} failed {got['failed']} "
+              f"re-plans {got['replans']} searches {got['searches']}", flush=True)  # fmt: skip
+    pairs = []
+    for k, (measured, (start, pace)) in enumerate(zip(runs, starts, strict=True)):
+        predicted = predict_arms(
+            trace,
+            start,
+            half_s=args.drift_half_s,
+            window_s=args.window_s,
+            interval_s=args.replan_interval_s,
+            look_back_s=args.replan_look_back_s,
+            planner=planner,
+            profiles=profiles_at({pace[0]: pace[1]}),
+            slo_s=slo_s,
+        )
+        pair = pair_entry(order=[ARMS[s] for s in run_order(args.pairs)[2 * k : 2 * k + 2]],
+                          measured=measured, predicted=predicted)  # fmt: skip
+        pair["pace"] = {"pp": pace[0], "factor": round(pace[1], 3)}
+        pairs.append(pair)
     settings = {
         "models": len(names),
         "rate": args.drift_rate,
@@ -466,7 +540,6 @@ def run_drift(
         "requests": len(trace.requests),
         "replan_interval_s": args.replan_interval_s,
         "replan_look_back_s": args.replan_look_back_s,
-        "pace": {"pp": pace[0], "factor": round(pace[1], 3)},
-        "start_placement": start.describe(),
+        "start_placement": starts[0][0].describe(),
     }
-    return drift_entry(settings=settings, measured=measured, predicted=predicted)
+    return drift_entry(settings=settings, pairs=pairs)

@@ -136,7 +136,7 @@ def test_predict_arms_replans_after_the_switch_and_keeps_the_fixed_placement() -
     assert out["replan"]["half_attainment"][1] > out["fixed"]["half_attainment"][1] + 0.05
 
 
-def test_drift_entry_json_and_plot(tmp_path: Path) -> None:
+def _pair(fixed_2nd: float, replan_2nd: float, *, first: float = 0.97, order=md.ARMS) -> dict:
     predicted = {
         "fixed": {"attainment": 0.8, "half_attainment": [0.98, 0.6], "window_attainment": [1.0, 0.6], "replans": []},
         "replan": {"attainment": 0.9, "half_attainment": [0.98, 0.85], "window_attainment": [1.0, 0.85],
@@ -145,57 +145,80 @@ def test_drift_entry_json_and_plot(tmp_path: Path) -> None:
     measured = {
         arm: {
             "requests": 100,
-            "half_attainment": [0.97, 0.55 if arm == "fixed" else 0.8],
-            "window_attainment": [0.97, 0.55 if arm == "fixed" else 0.8],
-            "failed": 0,
+            "half_attainment": [first if arm == "fixed" else first - 0.02, fixed_2nd if arm == "fixed" else replan_2nd],
+            "window_attainment": [0.97, fixed_2nd if arm == "fixed" else replan_2nd],
+            "failed": int(arm == "replan"),
             "failed_at_switch": 0,
             "replans": [] if arm == "fixed" else [{"t_s": 72.3, "placement": MOVED.describe()}],
+            "searches": None if arm == "fixed" else {"count": 11, "seconds": 0.44, "last_s": 0.04},
         }
         for arm in md.ARMS
-    }
+    }  # fmt: skip
+    return md.pair_entry(order=list(order), measured=measured, predicted=predicted)
+
+
+def test_drift_entry_sums_the_pairs_and_writes_json_and_plot(tmp_path: Path) -> None:
+    pairs = [_pair(0.55, 0.80), _pair(0.50, 0.85, order=md.ARMS[::-1]), _pair(0.60, 0.80)]
+    assert pairs[0]["gain_points"] == {"measured": 25.0, "predicted": 25.0}
+    assert pairs[0]["first_half_points"] == {"measured": -2.0, "predicted": 0.0}
+    assert pairs[1]["order"] == ["replan", "fixed"]
     settings = {"models": 3, "rate": 29.0, "cv": 1.0, "skew": 1.0, "slo_scale": 5.0, "half_s": 60.0,
                 "window_s": 60.0}  # fmt: skip
-    entry = md.drift_entry(settings=settings, measured=measured, predicted=predicted)
-    assert entry["gain_points"] == {"measured": 25.0, "predicted": 25.0}
-    assert set(entry["arms"]) == {"fixed", "replan"} and entry["rate"] == 29.0
+    entry = md.drift_entry(settings=settings, pairs=pairs)
+    assert entry["gain_points"]["measured"] == {"per_pair": [25.0, 35.0, 20.0], "mean": 26.67, "spread": 15.0}
+    assert entry["gain_points"]["predicted"]["mean"] == 25.0
+    assert entry["first_half_points"]["measured"]["per_pair"] == [-2.0, -2.0, -2.0]
+    assert entry["failed"] == {"fixed": 0, "replan": 3}
+    assert entry["failed_at_switch"] == {"fixed": 0, "replan": 0}
+    assert entry["replan_searches"] == {"count": 33, "mean_ms": 40.0}
     table = md.drift_table(entry)
-    assert "72.3" in table and "measured 25.0 points" in table
+    assert "72.3" in table and "+25.0 +35.0 +20.0 (mean +26.7, spread 15.0)" in table
+    assert table.splitlines()[3].split()[:2] == ["2", "replan"]  # the second pair as it ran: replan first
     args = argparse.Namespace(json=tmp_path / "d.json", plots=tmp_path, models=3, dtype="float32")
     prof = MeasuredLatency(LatencyModel({(1, 1): {1: 0.05}}), overhead_s=0.001)
     assert md.report_drift(entry, args, {"cpu": "test cpu"}, single=0.051, memory=2**20, measured=prof) == 0
     body = json.loads((tmp_path / "d.json").read_text())
     assert body["models"] == 3 and body["single_latency_ms"] == 51.0 and body["profile"] == prof.to_dict()
     drift = body["drift"]
-    assert drift["arms"]["replan"]["measured"]["replans"][0]["t_s"] == 72.3
-    assert {"measured", "predicted"} == set(drift["arms"]["fixed"]) and drift["half_s"] == 60.0
+    assert drift["pairs"][0]["arms"]["replan"]["measured"]["replans"][0]["t_s"] == 72.3
+    assert {"measured", "predicted"} == set(drift["pairs"][2]["arms"]["fixed"]) and drift["half_s"] == 60.0
     assert (tmp_path / "multimodel-drift.png").stat().st_size > 0
 
 
-def test_run_drift_runs_both_arms_on_one_trace_and_predicts_both() -> None:
+def test_run_drift_alternates_the_arms_on_one_trace_and_predicts_each_pair() -> None:
     import contextlib
     import time
 
-    served, replayed = [], []
+    served, replayed, paced = [], [], []
 
     @contextlib.contextmanager
     def serve(cmd: list[str]):
         served.append(cmd)
-        yield argparse.Namespace(url=f"http://server{len(served)}")
+        arm = "fixed" if cmd[cmd.index("--replan-interval-s") + 1] == "0" else "replan"
+        yield argparse.Namespace(url=f"http://server{len(served)}-{arm}")
 
     def replay_trace(url: str, trace: Trace, slo_s: float) -> list[_Sent]:
         replayed.append((url, len(trace.requests), trace.duration_s))
-        return [_Sent(m, t, 200, 0.1 if t < 20.0 or url.endswith("2") else 0.5) for t, m in trace.requests]
+        fast = url.endswith("replan")  # the fixed server is late in the second half
+        return [_Sent(m, t, 200, 0.1 if t < 20.0 or fast else 0.5) for t, m in trace.requests]
 
-    def history_of(url: str) -> list[dict]:
+    def status_of(url: str) -> dict:
         now = time.time()
         first = {"time": now - 100, "placement": START.describe(), "attainment": 0.9}
         moved = {"time": now - 10, "placement": MOVED.describe(), "attainment": 0.95, "reason": "re-plan"}
-        return [first, moved] if url.endswith("2") else [first]
+        if url.endswith("replan"):
+            return {"history": [first, moved], "searches": {"count": 3, "seconds": 0.3, "last_s": 0.1}}
+        return {"history": [first], "searches": {"count": 0, "seconds": 0.0, "last_s": None}}
+
+    def pace_of(url: str, placement: Placement) -> tuple[int, float]:
+        paced.append(url)
+        return 1, 1.0 + 0.1 * len(paced)
 
     args = argparse.Namespace(
         drift_rate=30.0, drift_cv=1.0, drift_skew=1.0, drift_slo_scale=5.0, drift_half_s=20.0, window_s=10.0,
-        seed=0, replan_interval_s=10.0, replan_look_back_s=15.0,
+        seed=0, replan_interval_s=10.0, replan_look_back_s=15.0, pairs=2,
     )  # fmt: skip
+    factors: list[float] = []
     entry = md.run_drift(
         args,
         names=NAMES,
@@ -203,24 +226,30 @@ def test_run_drift_runs_both_arms_on_one_trace_and_predicts_both() -> None:
         serve=serve,
         replay_trace=replay_trace,
         placement_of=lambda url: START,
-        pace_of=lambda url, placement: (1, 1.0),
-        profiles_at=lambda pace: _profiles(),
+        pace_of=pace_of,
+        profiles_at=lambda pace: factors.append(pace[1]) or _profiles(),
         planner=_StubPlanner(SimConfig(max_batch_size=4), []),
         slo_s=0.25,
-        history_of=history_of,
+        status_of=status_of,
     )
-    fixed, replanning = served
-    assert fixed[fixed.index("--replan-interval-s") + 1] == "0"
-    assert replanning[replanning.index("--replan-interval-s") + 1] == "10"
-    assert replanning[replanning.index("--replan-look-back-s") + 1] == "15"
-    assert fixed[fixed.index("--workload-skew") + 1] == "1" and "--slo-scale" in fixed
-    # per arm: 5 s of warm-up at the first half's shares, then the two-phase trace
-    assert [r[2] for r in replayed] == [5.0, 40.0, 5.0, 40.0] and replayed[1][1] == replayed[3][1]
-    assert entry["arms"]["fixed"]["measured"]["half_attainment"] == [1.0, 0.0]
-    assert entry["arms"]["replan"]["measured"]["half_attainment"] == [1.0, 1.0]
-    assert entry["gain_points"]["measured"] == 100.0
-    assert entry["arms"]["replan"]["measured"]["replans"][0]["placement"] == MOVED.describe()
-    assert entry["arms"]["fixed"]["measured"]["replans"] == []
-    assert entry["arms"]["replan"]["predicted"]["replans"][0]["t_s"] == 30.0
+    intervals = [cmd[cmd.index("--replan-interval-s") + 1] for cmd in served]
+    assert intervals == ["0", "10", "10", "0"]  # fixed replan, replan fixed
+    assert all(cmd[cmd.index("--replan-look-back-s") + 1] == "15" for cmd in served)
+    assert served[0][served[0].index("--workload-skew") + 1] == "1" and "--slo-scale" in served[0]
+    # per run: 5 s of warm-up at the first half's shares, then the same two-phase trace
+    assert [r[2] for r in replayed] == [5.0, 40.0] * 4 and len({r[1] for r in replayed[1::2]}) == 1
+    # the fixed runs are paced before and after their trace, the re-planning ones after only
+    assert [u.rsplit("-", 1)[1] for u in paced] == ["fixed", "fixed", "replan", "replan", "fixed", "fixed"]
+    assert factors == [1.1, 1.5]  # each pair predicted at its own fixed run's pace before the trace
+    assert [p["order"] for p in entry["pairs"]] == [["fixed", "replan"], ["replan", "fixed"]]
+    for pair in entry["pairs"]:
+        assert pair["arms"]["fixed"]["measured"]["half_attainment"] == [1.0, 0.0]
+        assert pair["arms"]["replan"]["measured"]["half_attainment"] == [1.0, 1.0]
+        assert pair["arms"]["replan"]["measured"]["replans"][0]["placement"] == MOVED.describe()
+        assert pair["arms"]["fixed"]["measured"]["replans"] == []
+        assert pair["arms"]["replan"]["predicted"]["replans"][0]["t_s"] == 30.0
+    assert entry["pairs"][1]["pace"] == {"pp": 1, "factor": 1.5}
+    assert entry["gain_points"]["measured"] == {"per_pair": [100.0, 100.0], "mean": 100.0, "spread": 0.0}
+    assert entry["replan_searches"] == {"count": 6, "mean_ms": 100.0}
     assert entry["start_placement"] == START.describe() and entry["requests"] == replayed[1][1]
-    assert entry["arms"]["replan"]["measured"]["pace_after"] == 1.0
+    assert entry["pairs"][0]["arms"]["replan"]["measured"]["pace_after"] == 1.3

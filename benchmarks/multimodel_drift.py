@@ -53,7 +53,7 @@ from shardserve.partitioner.placement.latency import MeasuredLatency, ModelProfi
 from shardserve.partitioner.placement.layout import MIB, Placement
 from shardserve.partitioner.placement.search import replan
 from shardserve.partitioner.placement.simulator import SimConfig, simulate
-from shardserve.partitioner.placement.workload import ArrivalSpec, Trace, Workload
+from shardserve.partitioner.placement.workload import ArrivalSpec, Trace, Workload, look_back
 
 ARMS = ("fixed", "replan")
 MIN_GAIN, MIN_REQUESTS = 0.02, 50  # the server's re-plan thresholds (serving/config.py PlacementConfig)
@@ -83,13 +83,6 @@ def cut(trace: Trace, t0: float, t1: float) -> Trace:
     times = [t for t, _ in trace.requests]
     lo, hi = bisect.bisect_left(times, t0), bisect.bisect_left(times, t1)
     return Trace(tuple((t - t0, m) for t, m in trace.requests[lo:hi]), duration_s=t1 - t0)
-
-
-def observed(trace: Trace, now: float, look_back_s: float) -> Trace:
-    """What a server re-planning at ``now`` fits: the arrivals of ``(now - look_back_s, now]``, times
-    from the window's start, over ``look_back_s`` (as ``PlacedModels.observed``)."""
-    since = now - look_back_s
-    return Trace(tuple((t - since, m) for t, m in trace.requests if since < t <= now), duration_s=look_back_s)
 
 
 def edges(duration_s: float, window_s: float) -> list[float]:
@@ -223,7 +216,7 @@ def predict_arms(
     changes: list[tuple[float, Placement]] = [(0.0, start)]
     t = interval_s
     while t < trace.duration_s - 1e-9:
-        new = planner.replan(observed(trace, t, look_back_s), changes[-1][1])
+        new = planner.replan(look_back(trace.requests, now=t, window_s=look_back_s), changes[-1][1])
         if new is not None and new != changes[-1][1]:
             changes.append((round(t, 6), new))
         t += interval_s

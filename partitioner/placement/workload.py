@@ -111,6 +111,14 @@ class Trace:
         return {m: n / self.duration_s for m, n in self.counts().items()}
 
 
+def look_back(arrivals: Iterable[tuple[float, str]], *, now: float, window_s: float) -> Trace:
+    """What a re-plan at ``now`` fits: the ``(time, model)`` arrivals of ``(now - window_s, now]`` (on
+    any clock), sorted, their times from the window's start, over ``window_s``."""
+    since = now - window_s
+    got = sorted((min(t - since, window_s), m) for t, m in arrivals if since < t <= now)
+    return Trace(tuple(got), duration_s=window_s)
+
+
 @dataclass(frozen=True)
 class Workload:
     """Arrival specs drawn over ``duration_s`` with one seeded generator (same seed: same trace)."""

@@ -37,7 +37,7 @@ from shardserve.partitioner.placement.cost_profile import cost_profiles
 from shardserve.partitioner.placement.latency import MeasuredLatency, PlacementError
 from shardserve.partitioner.placement.search import PlacementChoice, choose_placement, replan
 from shardserve.partitioner.placement.simulator import SimConfig
-from shardserve.partitioner.placement.workload import Trace, steady
+from shardserve.partitioner.placement.workload import Trace, look_back, steady
 from shardserve.partitioner.plan import ParallelDims
 from shardserve.serving.config import PlacementConfig
 from shardserve.serving.fleet.backend import GangSource, ModelGeneration
@@ -263,14 +263,9 @@ class PlacedModels:
         """The arrivals of the last ``look_back_s`` over every attached engine (None when fewer than
         ``min_requests`` arrived: too little to fit)."""
         now = self.clock() if now is None else now
-        window = self.config.look_back_s
-        since = now - window
-        requests = sorted(
-            (t - since, name) for name, e in self._engines.items() for t in list(e.arrivals) if t > since
-        )
-        if len(requests) < self.config.min_requests:
-            return None
-        return Trace(tuple(requests), duration_s=window)
+        arrivals = ((t, name) for name, e in self._engines.items() for t in list(e.arrivals))
+        trace = look_back(arrivals, now=now, window_s=self.config.look_back_s)
+        return trace if len(trace.requests) >= self.config.min_requests else None
 
     async def replan(self) -> None:
         """Auto: re-choose for the observed arrivals, roll only when it predicts ``min_gain`` more."""

@@ -13,6 +13,7 @@ from shardserve.partitioner.placement.workload import (
     alternating_bursts,
     fit_arrivals,
     load_trace,
+    look_back,
     steady,
     write_trace,
 )
@@ -93,3 +94,14 @@ def test_skewed_rates_follow_zipf_and_keep_the_total() -> None:
     assert {s.rate for s in steady(["a", "b"], rate=10.0, duration_s=1.0).arrivals} == {5.0}
     with pytest.raises(WorkloadError, match="skew=-1"):
         steady(["a"], rate=1.0, duration_s=1.0, skew=-1.0)
+
+
+def test_look_back_is_the_window_a_re_plan_fits() -> None:
+    # on any clock, in any order
+    arrivals = [(1005.0, "b"), (1001.0, "a"), (1009.5, "a"), (1010.0, "c"), (1010.5, "a")]
+    seen = look_back(arrivals, now=1010.0, window_s=5.0)  # (1005, 1010]: the start out, the end in
+    assert seen.requests == ((4.5, "a"), (5.0, "c")) and seen.duration_s == 5.0
+    now = 110571.91525859303  # a monotonic clock's reading where now - (now - 0.3) rounds past 0.3
+    edge = look_back([(now, "a")], now=now, window_s=0.3)
+    assert edge.requests == ((0.3, "a"),) and edge.duration_s == 0.3
+    assert look_back([], now=10.0, window_s=5.0).requests == ()

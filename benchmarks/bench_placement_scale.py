@@ -9,9 +9,11 @@ BERT-large and Qwen2-1.5B shapes, ``models/shapes.py``) on ``--devices`` GPUs (`
 latencies and memory, or ``--device-memory-mb``), under a Zipf-like skew of per-model rates (the
 k-th model gets 1/k^skew of the total) with Gamma arrivals of ``--cv``; the total rate grows with
 the devices (``--rate-per-device``) and the simulated window is ``--requests`` requests long, so
-the points differ in the search's size, not in its statistics. Per point: the seconds each policy's
-search took on this machine (one process), the component simulations it ran, and its predicted
-attainment; the search's time grows with devices x models x requests simulated per step.
+the points differ in the search's size, not in its statistics. Auto searches tensor-parallel
+groups too, up to ``--max-tp`` (default: the GPU's 8 per node; 1: pipelines only). Per point: the
+seconds each policy's search took on this machine (one process), its predicted attainment and the
+(pp, tp) of its groups; the search's time grows with devices x models x requests simulated per step
+x the parallel configs tried.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def point(args: argparse.Namespace, devices: int, models: int) -> dict[str, Any]
         duration_s=args.requests / rate,
         slo_scale=args.slo_scale,
         seed=args.seed,
+        placement_max_tp=args.max_tp,
     )
     profiles, single, _how = placement_profiles(flags, device="cpu", dtype="auto", seq_len=384, batch_size=8)
     names = [p.name for p in profiles]
@@ -77,6 +80,7 @@ def point(args: argparse.Namespace, devices: int, models: int) -> dict[str, Any]
             "seconds": round(time.perf_counter() - t0, 2),
             "attainment": round(choice.result.attainment, 4),
             "group_sizes": sorted({len(g.devices) for g in choice.placement.groups}),
+            "configs": sorted({f"{g.pp}x{g.tp}" for g in choice.placement.groups if g.models}),
             "replicas": sum(len(g.models) for g in choice.placement.groups),
         }
         logger.info("%d devices, %d models: %s %s", devices, len(names), name, out[name])
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=int, action="append", help="models per point, multiples of 4 (8 16 32)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the GPU whose roofline is planned")
     p.add_argument("--device-memory-mb", type=float, help="memory per device (default: the GPU's usable)")
+    p.add_argument("--max-tp", type=int, help="auto's largest tensor-parallel degree (default: the GPU's)")
     p.add_argument("--rate-per-device", type=float, default=20.0, help="total req/s = this x devices")
     p.add_argument("--cv", type=float, default=4.0, help="inter-arrival CV of every model")
     p.add_argument("--skew", type=float, default=1.0, help="Zipf-like skew of the per-model rates")
@@ -106,15 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{info['cpu']}; {args.gpu} roofline, cv {args.cv:g}, skew {args.skew:g}, SLO {args.slo_scale:g}x"
     )
-    header = f"{'devices':>7} {'models':>6} {'requests':>8}  {'dedicated s':>11} {'attain':>7}  {'auto s':>7} {'attain':>7} {'groups':>8}"
+    header = (
+        f"{'devices':>7} {'models':>6} {'requests':>8}  {'dedicated s':>11} {'attain':>7}  {'auto s':>7} "
+        f"{'attain':>7} {'groups (pp x tp)':>16}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         d, a = r["dedicated"], r["auto"]
-        sizes = ",".join(map(str, a["group_sizes"]))
         print(
             f"{r['devices']:>7} {r['models']:>6} {r['requests']:>8}  {d['seconds']:>11.1f} {d['attainment']:>7.1%}  "
-            f"{a['seconds']:>7.1f} {a['attainment']:>7.1%} {sizes:>8}"
+            f"{a['seconds']:>7.1f} {a['attainment']:>7.1%} {','.join(a['configs']):>16}"
         )
     if args.json is not None:
         args.json.write_text(

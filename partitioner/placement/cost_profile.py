@@ -11,8 +11,9 @@ the scale. For each ``(pp, tp)``:
 
 ``fixed_share`` is the part of a micro-batch's time that does not grow with its size (weights read,
 kernel launches): 0 means no batching gain, as on a CPU that is already compute bound. A named GPU
-(``gpu=``, ``partitioner/placement/gpus.py``) replaces ``single_latency_s * (fixed_share + ...)`` by
-its roofline time of a micro-batch of ``b`` and its own ``hop_s``. Memory:
+(``gpu=``, ``partitioner/placement/gpus.py``) replaces ``single_latency_s * (fixed_share + ...) / tp``
+by its roofline time of a micro-batch of ``b`` on ``tp`` shards (the kernel launches not shared) and
+brings its own ``hop_s``, ``allreduce_s`` and largest ``tp`` (a node's GPUs). Memory:
 weights at ``dtype_bytes`` per parameter (the largest tensor rank of each stage, so stage 0 carries
 the embeddings) and an activation allowance of one ``max_batch_size x seq_len`` micro-batch.
 
@@ -66,16 +67,19 @@ def estimated_single_latency_s(config: EncoderConfig, *, seq_len: int, device: s
 
 
 def parallel_configs(
-    config: EncoderConfig, *, max_devices: int, tensor_parallel: bool = False
+    config: EncoderConfig, *, max_devices: int, tensor_parallel: bool = False, max_tp: int | None = None
 ) -> list[ParallelConfig]:
     """Every ``(pp, tp)`` with ``pp * tp <= max_devices`` the model can be split into: ``pp`` at most
-    its layer count; ``tp`` (only when ``tensor_parallel``) dividing its heads and MLP width."""
+    its layer count; ``tp`` (only when ``tensor_parallel``; at most ``max_tp``) dividing its heads,
+    key/value heads and MLP width."""
     out = []
     for size in range(1, max_devices + 1):
         for tp in range(1, size + 1):
-            if size % tp or (tp > 1 and not tensor_parallel):
+            if size % tp or (tp > 1 and not tensor_parallel) or (max_tp is not None and tp > max_tp):
                 continue
-            if tp > 1 and (config.num_heads % tp or config.intermediate_size % tp):
+            if tp > 1 and (
+                config.num_heads % tp or config.num_kv_heads % tp or config.intermediate_size % tp
+            ):
                 continue
             pp = size // tp
             if pp <= config.num_layers:
@@ -97,11 +101,12 @@ def profile_from_cost_model(
     max_batch_size: int = 32,
     dtype_bytes: int = 4,
     batch_sizes: Sequence[int] = BATCH_SIZES,
-    batch_time: Callable[[int], float] | None = None,
+    batch_time: Callable[[int, int], float] | None = None,
 ) -> ModelProfile:
     """The profile of ``config`` for ``configs`` (default: ``parallel_configs(max_devices)``; see module
-    doc). ``batch_time``: seconds of a whole-model micro-batch of ``b`` requests at pp=1 (default:
-    ``single_latency_s * (fixed_share + (1 - fixed_share) * b)``)."""
+    doc). ``batch_time``: seconds of a whole-model micro-batch of ``b`` requests on ``tp`` shards, at
+    pp=1, all-reduces not included (default: ``single_latency_s * (fixed_share + (1 - fixed_share) *
+    b) / tp``)."""
     problems = []
     if not (math.isfinite(single_latency_s) and single_latency_s > 0):
         problems.append(f"single_latency_s={single_latency_s!r} must be > 0")
@@ -116,7 +121,7 @@ def profile_from_cost_model(
         raise PlacementError(f"invalid cost profile for {name!r}: " + "; ".join(problems))
     costs = analytic_costs(config, seq_len=seq_len)
     total = sum(u.cost for u in costs)
-    whole = batch_time or (lambda b: single_latency_s * (fixed_share + (1 - fixed_share) * b))
+    whole = batch_time or (lambda b, tp: single_latency_s * (fixed_share + (1 - fixed_share) * b) / tp)
     wanted = list(configs) if configs is not None else parallel_configs(config, max_devices=max_devices)
     table: dict[ParallelConfig, dict[int, tuple[float, ...]]] = {}
     stage_bytes: dict[ParallelConfig, tuple[int, ...]] = {}
@@ -129,7 +134,7 @@ def profile_from_cost_model(
             (hop_s if pp > 1 else 0.0) + (2 * (b - a) * allreduce_s if tp > 1 else 0.0) for a, b in bounds
         ]
         table[(pp, tp)] = {
-            bs: tuple(whole(bs) * share / tp + extra for share, extra in zip(shares, fixed, strict=True))
+            bs: tuple(whole(bs, tp) * share + extra for share, extra in zip(shares, fixed, strict=True))
             for bs in batch_sizes
         }
         stage_bytes[(pp, tp)] = tuple(p * dtype_bytes for p in stage_param_counts(costs, bounds, tp))
@@ -157,6 +162,7 @@ def cost_profiles(
     hop_s: float | None = None,
     measured: MeasuredLatency | None = None,
     gpu: GpuSpec | None = None,
+    max_tp: int = 1,
 ) -> tuple[list[ModelProfile], dict[str, float], str]:
     """Each model's profile for groups of up to ``devices`` devices, its single-request latency (s:
     ``single_latency_s`` as measured, else ``gpu``'s roofline time of one request, else
@@ -164,12 +170,15 @@ def cost_profiles(
     every model (a ``MeasuredLatency`` profile) instead of the cost model's; the single-request
     latency is then its pp=1 time plus its overhead. ``gpu`` (without ``single_latency_s``): every
     micro-batch at its roofline time (``partitioner/placement/gpus.py``), stages passing activations
-    on in its ``hop_s`` (unless ``hop_s`` is given; else 1 ms)."""
+    on in its ``hop_s`` (unless ``hop_s`` is given; else 1 ms). ``max_tp`` > 1: groups may also be
+    tensor parallel up to that degree, each all-reduce costing ``gpu``'s ``allreduce_s`` (else
+    ``hop_s``); not with ``measured`` (it has the stage times it measured, nothing else)."""
     if measured is not None:
         single_latency_s = measured.latency.latency(1, 1, 1) + measured.overhead_s
     roofline = gpu if single_latency_s is None else None
     if hop_s is None:
         hop_s = roofline.hop_s if roofline is not None else 0.001
+    allreduce_s = roofline.allreduce_s if roofline is not None else hop_s
     profiles, single = [], {}
     for name, config in configs.items():
         batch_time = (
@@ -189,9 +198,15 @@ def cost_profiles(
                 name,
                 config,
                 single_latency_s=single[name],
-                max_devices=devices,
+                configs=parallel_configs(
+                    config,
+                    max_devices=devices,
+                    tensor_parallel=max_tp > 1 and measured is None,
+                    max_tp=max_tp,
+                ),
                 seq_len=seq_len,
                 hop_s=hop_s,
+                allreduce_s=allreduce_s,
                 max_batch_size=max_batch_size,
                 dtype_bytes=dtype_bytes,
                 batch_time=batch_time,

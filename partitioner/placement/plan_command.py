@@ -93,8 +93,8 @@ class PlacementFlags(Settings):
         description="plan several models (--models) on a pool of devices by simulating their load instead "
         "of splitting one model: dedicated (one whole model per device, replicas chosen greedily), "
         "multiplexed (every model split over all devices as one pipeline), auto (AlpaServe's search over "
-        "group sizes and pipeline degrees); pipeline groups only (tp=1). Without it, plan splits --model as "
-        "above and the flags below are not used",
+        "group sizes, pipeline and, with --placement-max-tp, tensor-parallel degrees). Without it, plan "
+        "splits --model as above and the flags below are not used",
     )
     models: list[Annotated[str, AfterValidator(_model_item)]] = Field(
         ["a=default", "b=default"],
@@ -117,6 +117,13 @@ class PlacementFlags(Settings):
         "datasheet (roofline: the larger of FLOPs at half the dense bf16 peak and one read of the weights, "
         "plus kernel launches; partitioner/placement/gpus.py), its memory and NVLink hop; bf16 weights "
         "unless --dtype says otherwise",
+    )
+    placement_max_tp: Annotated[int, AfterValidator(at_least(1))] | None = Field(
+        None,
+        description="with --placement auto: groups may also be tensor parallel, tp up to this (dividing "
+        "each model's heads, key/value heads and MLP width), each tp > 1 layer paying two all-reduces "
+        "(--gpu's own cost, else --hop-ms's). Default: --gpu's GPUs per node (8), 1 (pipelines only) "
+        "without --gpu or with --latency-profile (it has no tensor-parallel times)",
     )
     rate: Annotated[float, AfterValidator(positive_number)] = Field(
         4.0, description="with --placement: total requests/s, shared by the models (see --skew)"
@@ -181,9 +188,24 @@ class PlacementFlags(Settings):
             raise ValueError(f"model names must be distinct ({', '.join(twice)} given twice)")
         return value
 
+    @model_validator(mode="after")
+    def _tp_needs_modelled_times(self) -> PlacementFlags:
+        if self.placement_max_tp not in (None, 1) and self.latency_profile is not None:
+            raise ValueError(
+                f"--placement-max-tp {self.placement_max_tp} applies to the cost model's times, not with "
+                "--latency-profile (the (pp, tp) it measured are the ones searched)"
+            )
+        return self
+
     def named_models(self) -> dict[str, str]:
         """Model name -> what it is (registry name, directory or shape), in the order given."""
         return dict(pair for item in self.models for pair in model_items(item))
+
+    def max_tp(self) -> int:
+        """The largest tensor-parallel degree of a group (``--placement-max-tp``, its default)."""
+        if self.placement_max_tp is not None:
+            return self.placement_max_tp
+        return GPUS[self.gpu].max_tp if self.gpu and self.latency_profile is None else 1
 
     def workload(self, names: list[str], *, rate: float | None = None, cv: float | None = None) -> Workload:
         """The simulated load (at ``rate`` / ``cv`` instead of the flags' when given)."""
@@ -223,6 +245,7 @@ def placement_profiles(
         hop_s=None if args.hop_ms is None else args.hop_ms / 1000.0,
         measured=measured,
         gpu=gpu,
+        max_tp=args.max_tp(),
     )
     given = args.single_latency_ms is not None and args.latency_profile is None
     return profiles, single, ("as given by --single-latency-ms" if given else how)

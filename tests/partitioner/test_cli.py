@@ -255,6 +255,11 @@ def test_plan_without_placement_ignores_the_placement_flags(capsys) -> None:
             "argument --models: model names must be distinct (a given twice)",
         ),
         (["--placement", "best"], "argument --placement: invalid choice: 'best'"),
+        (["--placement-max-tp", "0"], "argument --placement-max-tp: must be >= 1 (got 0)"),
+        (
+            ["--placement-max-tp", "4", "--latency-profile", "p.json"],
+            "--placement-max-tp 4 applies to the cost model's times, not with --latency-profile",
+        ),
     ],
 )
 def test_placement_flags_bad_values_are_one_line_errors(capsys, flags: list[str], needle: str) -> None:
@@ -302,3 +307,18 @@ def test_plan_placement_for_a_named_gpu_with_model_copies_skew_and_the_gain(caps
     assert main([*argv[:-1], "--no-gain"]) == 0 and "gain over dedicated" not in capsys.readouterr().out
     assert main(argv[:-1]) == 0
     assert "gain over dedicated at 99% attainment" in capsys.readouterr().out
+
+
+def test_plan_placement_on_a_gpu_searches_tensor_parallel_groups_up_to_the_flag(capsys) -> None:
+    """Qwen2-1.5B over 2,048 tokens on an H100 is compute-bound (~14 ms a request alone): an SLO of
+    0.7x that is met only by tp = 2 groups (~8.6 ms: the FLOPs shared, the launches and 56
+    all-reduces not); with --placement-max-tp 1 nothing meets it."""
+    argv = "plan --placement auto --devices 8 --gpu h100 --models q=qwen2-1.5b:2 --seq-len 2048".split()
+    argv += "--slo-scale 0.7 --rate 40 --duration-s 3 --no-gain --json".split()
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {g["tp"] for g in out["groups"] if g["models"]} == {2}, out["groups"]
+    assert out["prediction"]["attainment"] > 0.9
+    assert main([*argv, "--placement-max-tp", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {g["tp"] for g in out["groups"]} == {1} and out["prediction"]["attainment"] < 0.1

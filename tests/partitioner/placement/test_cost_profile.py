@@ -88,3 +88,35 @@ def test_a_named_gpus_roofline_batches_small_models_almost_free_and_big_ones_not
     q = {p.name: p for p in profiles}["q"]
     assert q.latency.stages(2, 1, 1) == pytest.approx((big(1) * 0.5 + h100.hop_s,) * 2, rel=0.1)
     assert q.param_bytes == pytest.approx(2 * 1.54e9, rel=0.01)  # bf16 weights of a 1.5 B model
+
+
+def test_tensor_parallel_on_a_named_gpu_shares_the_compute_not_the_launches() -> None:
+    from shardserve.models.shapes import shape_config
+    from shardserve.partitioner.placement.cost_profile import cost_profiles
+    from shardserve.partitioner.placement.gpus import GPUS, roofline_batch_time
+
+    h100 = GPUS["h100"]
+    large, qwen = shape_config("bert-large"), shape_config("qwen2-1.5b")
+    big = roofline_batch_time(large, h100, seq_len=384, dtype_bytes=2)
+    small = roofline_batch_time(shape_config("minilm-l6"), h100, seq_len=128, dtype_bytes=2)
+    launches = large.num_layers * h100.launch_s
+    assert big(8, 4) == pytest.approx((big(8) - launches) / 4 + launches)  # compute-bound: shared
+    assert small(1, 4) > 0.9 * small(1)  # launch-bound: four shards gain almost nothing
+    assert max_tp_configs(large, 8) == [(1, 2), (1, 4), (1, 8)]
+    assert max_tp_configs(qwen, 8) == [(1, 2)]  # 2 key/value heads
+    assert max_tp_configs(large, 4) == [(1, 2), (1, 4)]
+    kw = {"devices": 8, "seq_len": 384, "max_batch_size": 8, "dtype_bytes": 2, "gpu": h100}
+    profiles, _, _ = cost_profiles({"l": large, "q": qwen}, max_tp=8, **kw)
+    lp = {p.name: p for p in profiles}["l"]
+    assert lp.latency.has(2, 4) and lp.latency.has(1, 8)
+    two_per_layer = 2 * large.num_layers * h100.allreduce_s
+    assert lp.latency.stages(1, 4, 8) == pytest.approx((big(8, 4) + two_per_layer,))
+    assert lp.weight_bytes(1, 4, 0) < lp.param_bytes / 3  # each shard holds about a quarter
+    pipelines, _, _ = cost_profiles({"l": large, "q": qwen}, **kw)  # max_tp 1: pipelines only
+    assert all(tp == 1 for p in pipelines for _, tp in p.latency.configs)
+
+
+def max_tp_configs(config: EncoderConfig, max_tp: int) -> list[tuple[int, int]]:
+    """The single-stage tensor-parallel configs over up to 8 devices."""
+    got = parallel_configs(config, max_devices=8, tensor_parallel=True, max_tp=max_tp)
+    return [c for c in got if c[0] == 1 and c[1] > 1]

@@ -3,7 +3,9 @@ the two cases that motivate the policies, as ``test_search.py`` has them for two
 
 - steady Poisson load, a tight SLO and a pipeline hop that costs: whole models on single devices win;
 - the models burst in turns and a device holds one model: pipelines over many devices, each holding
-  a share of many models, win (AlpaServe's statistical multiplexing).
+  a share of many models, win (AlpaServe's statistical multiplexing);
+- an SLO below one device's time for one request: only tensor-parallel groups can meet it, and auto
+  finds them; where the all-reduces cost more than the shards save, it keeps tp = 1.
 
 Latencies: 10 ms per request at pp=1 with a little batching gain; pp stages split it and add a hop.
 """
@@ -58,3 +60,30 @@ def test_at_cluster_scale_pipelines_win_when_models_burst_in_turns() -> None:
     assert mux.result.attainment > ded.result.attainment + 0.1, (ded.result.attainment, mux.result.attainment)
     assert best.result.attainment >= mux.result.attainment - 0.01
     assert best.placement.groups[0].pp > 1
+
+
+def _tp_profiles(*, one_request_s: float, allreduce_s: float) -> list[ModelProfile]:
+    """Compute-bound models: a micro-batch of b takes ``b * one_request_s`` on one device, shared by
+    ``tp`` shards plus ``allreduce_s`` per shard group; pp stages split it and add 1 ms."""
+    table = {
+        (pp, tp): {
+            b: one_request_s * b / (pp * tp) + (0.001 if pp > 1 else 0.0) + (allreduce_s if tp > 1 else 0.0)
+            for b in (1, 2, 4, 8, 16)
+        }
+        for pp, tp in ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (1, 8))
+    }
+    return [ModelProfile(m, param_bytes=GiB, latency=LatencyModel(table)) for m in NAMES]
+
+
+def test_at_cluster_scale_tensor_parallel_groups_win_an_slo_below_one_devices_latency() -> None:
+    trace = steady(NAMES, rate=320.0, duration_s=2.0, seed=5).trace()  # 10 req/s a model
+    kw = {"num_devices": DEVICES, "device_memory_bytes": MEMORY, "slo_s": 0.030, "config": CONFIG}
+    profiles = _tp_profiles(one_request_s=0.040, allreduce_s=0.002)  # tp=2: 22 ms, tp=4: 12 ms
+    ded, best = dedicated(profiles, trace, **kw), auto(profiles, trace, **kw)
+    assert ded.result.attainment == 0.0  # 40 ms alone > the 30 ms SLO
+    assert best.result.attainment > 0.9, best.placement.describe()
+    assert all(g.tp > 1 for g in best.placement.groups if g.models)
+    # all-reduces dearer than the shards save, SLO loose: tensor parallelism is never chosen
+    cheap = _tp_profiles(one_request_s=0.004, allreduce_s=0.010)
+    kept = auto(cheap, trace, **{**kw, "slo_s": 0.040})
+    assert kept.result.attainment > 0.9 and all(g.tp == 1 for g in kept.placement.groups)

@@ -46,7 +46,7 @@ prediction of both (``"drift"`` in the JSON, ``multimodel-drift.png``). ``--drif
 
     python benchmarks/bench_multimodel.py --json /tmp/mm.json --plots /tmp          # ~45 min, 2 cores
     python benchmarks/bench_multimodel.py --paired --quick --json /tmp/mmp.json --plots /tmp
-    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/mmd.json --plots /tmp  # ~20 min
+    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/mmd.json --plots /tmp  # ~15 min
     python benchmarks/bench_multimodel.py --quick                                   # ~10 min
     python benchmarks/bench_multimodel.py --models 4 --rates 4,8,16 --duration-s 60
 """

@@ -27,8 +27,8 @@ What this module owns:
   attainment per window, every run and the arms' means, measured and predicted, the switch and the
   re-plans marked).
 
-    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/drift.json --plots /tmp   # ~20 min, 2 cores
-    python benchmarks/bench_multimodel.py --drift --quick --pairs 1 --json /tmp/drift.json --plots /tmp   # ~4 min: a smoke
+    python benchmarks/bench_multimodel.py --drift --drift-rate 29 --json /tmp/drift.json --plots /tmp   # ~15 min, 2 cores
+    python benchmarks/bench_multimodel.py --drift --quick --pairs 1 --json /tmp/drift.json --plots /tmp   # ~5 min: a smoke
     python -m pytest tests/benchmarks/test_multimodel_drift.py -q
 """
 

@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=3, help="--paired: pairs per point; --drift: pairs of runs")
     p.add_argument("--paired-rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="--paired: total rates (default: the widest predicted gap and one with none)")  # fmt: skip
+    p.add_argument("--paired-slos", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                   help="--paired: SLO scales (default 10,20; --quick: 10)")  # fmt: skip
     p.add_argument("--min-requests", type=int, default=1000, help="--paired: requests per run at least")
     p.add_argument("--max-run-s", type=float, default=300.0, help="--paired: longest run (s)")
     p.add_argument(
@@ -386,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.models is None:
         args.models = 3 if args.drift else 2
-    args.paired_policies, args.paired_slos = ("dedicated", "auto"), [10.0, 20.0]
+    args.paired_policies = ("dedicated", "auto")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.quick:
         args.duration_s, args.cvs, args.slo_scales = 20.0, [1.0, 4.0], [2.0, 5.0]
-        args.paired_slos, args.max_run_s, args.min_requests = [10.0], 45.0, min(args.min_requests, 300)
+        args.max_run_s, args.min_requests = 45.0, min(args.min_requests, 300)
+    if args.paired_slos is None:
+        args.paired_slos = [10.0] if args.quick else [10.0, 20.0]
         args.drift_half_s = min(args.drift_half_s, 40.0)
     args.dtype = resolve_dtype(args.dtype, "cpu").name
     info = machine_info(args.dtype)

@@ -561,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
             ),
             predict=predict,
             capacity=capacity,
+            count=lambda rate, seed, d: len(
+                Point(rate, args.cv, 0.0, "paired").trace(names, d, seed).requests
+            ),
         )
         return report_paired(
             entries, args, info, single=single, memory=memory, measured=MeasuredLatency(latency, overhead)

@@ -157,12 +157,28 @@ def plot_paired(entries: Sequence[dict[str, Any]], path: Path) -> None:
 
 Measure = Callable[[str, float, float, float, int, float], dict[str, Any]]  # policy, rate, cv, slo, seed, s
 Predict = Callable[[str, float, float, float, int], float]  # policy, rate, cv, slo, seed -> attainment
+Count = Callable[[float, int, float], int]  # rate, seed, seconds -> requests in that trace
 
 
-def run_paired(args: Any, *, measure: Measure, predict: Predict, capacity: float) -> list[dict[str, Any]]:
+def run_length(
+    rate: float, seed: int, *, min_requests: int, max_run_s: float, count: Count | None = None
+) -> float:
+    """Seconds a run at ``rate`` lasts: ``min_requests`` at the mean rate (20 s at least), grown by
+    10 % steps while the seeded trace (``count``) holds fewer (a bursty draw can fall short), never
+    past ``max_run_s``."""
+    duration = min(max_run_s, max(20.0, min_requests / rate))
+    while count is not None and duration < max_run_s and count(rate, seed, duration) < min_requests:
+        duration = min(max_run_s, duration * 1.1)
+    return duration
+
+
+def run_paired(
+    args: Any, *, measure: Measure, predict: Predict, capacity: float, count: Count | None = None
+) -> list[dict[str, Any]]:
     """Every paired point: for each SLO scale, the rate of the widest predicted gap between
     ``args.paired_policies`` and one of none (or ``args.paired_rates``), each measured in
-    ``args.pairs`` alternating pairs on one seeded trace of at least ``args.min_requests`` requests."""
+    ``args.pairs`` alternating pairs on one seeded trace of at least ``args.min_requests`` requests
+    (``run_length``; ``count`` draws the trace to check)."""
     a, b = args.paired_policies
     entries = []
     for k, slo in enumerate(args.paired_slos):
@@ -181,7 +197,9 @@ def run_paired(args: Any, *, measure: Measure, predict: Predict, capacity: float
                 )
             )
         for rate in rates:
-            duration_s = min(args.max_run_s, max(20.0, args.min_requests / rate))
+            duration_s = run_length(
+                rate, seed, min_requests=args.min_requests, max_run_s=args.max_run_s, count=count
+            )
             runs = []
             for side in run_order(args.pairs):
                 runs.append((side, measure((a, b)[side], rate, args.cv, slo, seed, duration_s)))

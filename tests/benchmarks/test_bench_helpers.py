@@ -542,6 +542,16 @@ def test_paired_runs_alternate_and_the_rates_come_from_the_predicted_gap() -> No
     assert mp.choose_rates(lambda r: wide_everywhere[r], list(wide_everywhere)) == (4.0, 8.0)  # the least gap
 
 
+def test_a_paired_run_lasts_until_its_trace_holds_the_requests_asked_for() -> None:
+    import multimodel_paired as mp
+
+    assert mp.run_length(10.0, 0, min_requests=1000, max_run_s=300.0) == 100.0  # at the mean rate
+    assert mp.run_length(100.0, 0, min_requests=1000, max_run_s=300.0) == 20.0  # 20 s at the least
+    short = mp.run_length(10.0, 0, min_requests=1000, max_run_s=300.0, count=lambda r, s, d: int(0.9 * r * d))
+    assert 1000 / 9 <= short < 1.1 * 1000 / 9  # a draw 10 % short: lengthened just enough
+    assert mp.run_length(10.0, 0, min_requests=1000, max_run_s=105.0, count=lambda r, s, d: 0) == 105.0
+
+
 def test_run_paired_measures_each_point_in_alternating_pairs_on_one_trace(tmp_path) -> None:
     import argparse
 

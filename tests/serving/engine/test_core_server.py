@@ -41,7 +41,7 @@ from shardserve.serving.engine.qa_types import CoreAnswer
 from shardserve.serving.frontend.api_role import CoreLink
 from shardserve.serving.frontend.app import build_app
 from shardserve.serving.frontend.settings import ServeSettings
-from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, wait_until
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, TOKEN, wait_busy, wait_until
 
 VOLATILE = ("request_id", "latency_ms", "id")
 
@@ -213,9 +213,7 @@ def test_a_full_queue_refuses_an_api_process_before_it_tokenizes() -> None:
         body = {"question": QUESTION, "context": CONTEXT}
         with ThreadPoolExecutor(4) as pool:
             held = [pool.submit(api.post, "/v1/qa", json=body)]
-            wait_until(
-                lambda: core.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
-            )
+            wait_busy(core)
             held += [pool.submit(api.post, "/v1/qa", json=body) for _ in range(2)]
             wait_until(lambda: engine.scheduler.stats().queued_requests == 2, what="a full queue")
             tokenized.clear()

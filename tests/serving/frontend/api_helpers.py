@@ -46,6 +46,11 @@ def wait_until(
     raise AssertionError(f"timed out after {timeout} s waiting for {what}{why}")
 
 
+def wait_busy(client: TestClient) -> None:
+    """Until the server's first replica has a batch in flight (its only slot held)."""
+    wait_until(lambda: client.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica")
+
+
 @contextlib.contextmanager
 def serving(factory: FakeFactory | None = None, **overrides: Any) -> Iterator[tuple[TestClient, FakeFactory]]:
     """A started app on fake gangs, ready to answer."""

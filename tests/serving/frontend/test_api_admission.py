@@ -33,6 +33,7 @@ from tests.serving.frontend.api_helpers import (
     _submit_async,
     ask,
     serving,
+    wait_busy,
     wait_until,
 )
 
@@ -50,9 +51,7 @@ def test_full_queue_answers_429_with_retry_after() -> None:
             # 1 in flight (held by the gate), then 2 queued: submitted in two steps, since three at
             # once can find the queue full before the dispatcher has taken the first one out of it
             held = _submit_async(client, pool, 1)
-            wait_until(
-                lambda: client.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
-            )
+            wait_busy(client)
             held += _submit_async(client, pool, 2)
             wait_until(lambda: engine.scheduler.stats().queued_requests == 2, what="a full queue")
             r = ask(client)
@@ -70,9 +69,7 @@ def test_deadline_passed_before_compute_is_504_and_never_computed() -> None:
         factory.gate.clear()
         with ThreadPoolExecutor(4) as pool:
             held = pool.submit(ask, client)
-            wait_until(
-                lambda: client.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
-            )
+            wait_busy(client)
             late = ask(client, question="Who lost?", timeout_s=0.2)  # queued behind the held batch
             assert late.status_code == 504 and late.json()["error"] == "deadline_exceeded"
             factory.gate.set()

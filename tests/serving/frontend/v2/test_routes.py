@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from shardserve.partitioner.runtime.fake_gang import FakeFactory
-from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, ask, serving, wait_until
+from tests.serving.frontend.api_helpers import CONTEXT, QUESTION, ask, serving, wait_busy, wait_until
 
 NAME = "squad-qa"
 KEY = "v2-api-key"
@@ -321,9 +321,7 @@ def test_full_queue_is_429_with_retry_after_through_the_shared_admission() -> No
         factory.gate.clear()
         with ThreadPoolExecutor(4) as pool:
             held = [pool.submit(ask, client)]
-            wait_until(
-                lambda: client.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
-            )
+            wait_busy(client)
             held.append(pool.submit(ask, client))
             wait_until(lambda: engine.scheduler.stats().queued_requests == 1, what="a full queue")
             r = infer(client, infer_body())

@@ -17,7 +17,7 @@ import pytest
 
 from shardserve.serving.frontend.v2.statistics import model_statistics
 from shardserve.serving.metrics import ServingMetrics
-from tests.serving.frontend.api_helpers import ask, serving, wait_until
+from tests.serving.frontend.api_helpers import ask, serving, wait_busy
 from tests.serving.frontend.v2.test_routes import assert_v2_error, infer, infer_body
 
 PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -94,9 +94,7 @@ def test_a_request_that_failed_in_the_engine_is_a_failure_and_a_refused_one_is_n
         factory.gate.clear()
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(ask, client)
-            wait_until(
-                lambda: client.app.state.manager.routable()[0].inflight_batches == 1, what="busy replica"
-            )
+            wait_busy(client)
             late = infer(client, infer_body(parameters={"timeout_s": 0.2}), model="tiny-bert")
             assert_v2_error(late, 504)  # admitted, expired in the queue
             assert_v2_error(infer(client, infer_body(["q"]), model="tiny-bert"), 400)  # never admitted
